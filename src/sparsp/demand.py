@@ -1,0 +1,169 @@
+"""Demand sets and the exact bytes each strategy moves — analysis only, no communication.
+
+Notation (paper §4.1): for consumer rank r, head h and producer peer p ≠ r,
+
+    D[r, h, p] = { kb : owner(kb) = p  and  some query block qb of r has M[h, qb, kb] }.
+
+Demand stays per head (§5.2: the union over heads is nearly dense). Bytes count K and V of the
+real tokens of every block: ``2 · tokens · head_dim · dtype_bytes``. All numbers are bytes
+*received* per rank; every strategy's total is the sum over ranks.
+
+Strategies (the five ``sparsp.strategies`` implements, same names):
+
+* ``ring``        dense shards relayed G−1 hops: every rank receives every other full shard.
+* ``ring-sparse`` the same full shards with a sparse kernel (Diffusers + SpargeAttn baseline):
+                  bytes identical to ``ring``.
+* ``ring-relay``  relay ring with selective KV (§3.3, §5.1's conventional routing): at hop k
+                  rank r receives from r−1 the blocks of origin p = r−k that any consumer still
+                  downstream (r, r+1, …, p−1) needs.
+* ``sparsp``      direct owner→consumer: rank r receives exactly ∪_p D[r, ·, p].
+* ``ulysses``     all-to-all of Q, K, V (sequence → heads) and of the output back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .placement import Placement
+
+STRATEGIES = ("ring", "ring-sparse", "ring-relay", "sparsp", "ulysses")
+
+
+def _check_masks(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
+    n = placement.geometry.num_blocks
+    if masks.dim() != 3 or masks.shape[1:] != (n, n):
+        raise ValueError(f"masks must be bool [heads, {n}, {n}] in original block order, got {tuple(masks.shape)}")
+    return masks.bool()
+
+
+def demand_sets(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Bool [G, H, nB]: ``out[r, h, kb]`` — rank r needs remote block kb for head h.
+
+    D[r, h, p] is ``out[r, h] & (owner == p)``; a rank never demands its own blocks.
+    """
+    masks = _check_masks(masks, placement)
+    owner = placement.owner.to(masks.device)
+    G = placement.ranks
+    out = torch.zeros(G, masks.shape[0], masks.shape[2], dtype=torch.bool, device=masks.device)
+    for r in range(G):
+        rows = masks[:, owner == r, :]
+        out[r] = rows.any(dim=1) & (owner != r)[None, :]
+    return out
+
+
+def block_bytes(placement: Placement, *, head_dim: int, dtype_bytes: int = 2) -> torch.Tensor:
+    """LongTensor [nB]: K+V bytes of one head of every block (real token counts)."""
+    return placement.geometry.block_lengths() * (2 * head_dim * dtype_bytes)
+
+
+def comm_bytes(
+    masks: torch.Tensor,
+    placement: Placement,
+    strategy: str,
+    *,
+    head_dim: int,
+    dtype_bytes: int = 2,
+) -> dict:
+    """Bytes received per rank by ``strategy`` → ``{"total": int, "per_rank": [int] * G}``.
+
+    ``masks``: bool [heads, nB, nB] in original block order (fold a batch into heads).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    masks = _check_masks(masks, placement)
+    H = masks.shape[0]
+    G = placement.ranks
+    owner = placement.owner
+    bb = block_bytes(placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    shard = torch.zeros(G, dtype=torch.long).index_add_(0, owner, bb) * H  # K+V, all heads
+    if strategy in ("ring", "ring-sparse"):
+        per_rank = shard.sum() - shard
+    elif strategy == "sparsp":
+        need = demand_sets(masks, placement).cpu()
+        per_rank = (need.long() * bb).sum(dim=(1, 2))
+    elif strategy == "ring-relay":
+        per_rank = _relay_bytes(demand_sets(masks, placement).cpu(), owner, bb)
+    else:  # ulysses
+        per_rank = _ulysses_bytes(placement, H, head_dim, dtype_bytes)
+    per_rank = [int(x) for x in per_rank.tolist()]
+    return {"total": sum(per_rank), "per_rank": per_rank}
+
+
+def _relay_bytes(need: torch.Tensor, owner: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
+    """Relay ring: hop k into rank r carries origin p = r − k's blocks still needed downstream."""
+    G = need.shape[0]
+    per_rank = torch.zeros(G, dtype=torch.long)
+    for p in range(G):
+        mine = (owner == p)[None, :]
+        # Walk consumers from the far end of the ring back to p+1, accumulating what any of
+        # them (the receiver included) still needs: that is what the hop into it carries.
+        downstream = torch.zeros_like(need[0])
+        for k in range(G - 1, 0, -1):
+            r = (p + k) % G
+            downstream |= need[r] & mine
+            per_rank[r] += (downstream.long() * bb).sum()
+    return per_rank
+
+
+def head_split(heads: int, ranks: int) -> list[int]:
+    """Heads per rank under Ulysses (balanced; equal when ``heads % ranks == 0``)."""
+    return [heads // ranks + (1 if i < heads % ranks else 0) for i in range(ranks)]
+
+
+def _ulysses_bytes(placement: Placement, H: int, head_dim: int, dtype_bytes: int) -> torch.Tensor:
+    tokens = torch.tensor(placement.tokens_per_rank, dtype=torch.long)
+    heads = torch.tensor(head_split(H, placement.ranks), dtype=torch.long)
+    row = head_dim * dtype_bytes
+    # In: Q, K, V of my heads for every other rank's tokens. Back: the output of every other
+    # rank's heads for my tokens.
+    qkv_in = 3 * (tokens.sum() - tokens) * heads * row
+    out_back = tokens * (heads.sum() - heads) * row
+    return qkv_in + out_back
+
+
+# --- the paper's Figure 4 and Figure 5 ---------------------------------------------------------
+
+
+def sharing_curve(masks: torch.Tensor, placement: Placement, xs: torch.Tensor | None = None):
+    """Figure 4: share of remote K blocks used by ≥ x of the receiving rank's Q blocks.
+
+    Returns ``(xs, ys)``: for every remote (rank, head, K block) a rank receives, the fraction of
+    that rank's local Q blocks that read it; ``ys[i]`` is the share with fraction ≥ ``xs[i]``.
+    """
+    masks = _check_masks(masks, placement)
+    xs = torch.linspace(0, 1, 21) if xs is None else xs
+    owner = placement.owner
+    fractions = []
+    for r in range(placement.ranks):
+        local = owner == r
+        use = masks[:, local, :].float().mean(dim=1)  # [H, nB]
+        remote = use[:, ~local]
+        fractions.append(remote[remote > 0])
+    f = torch.cat(fractions)
+    if f.numel() == 0:
+        return xs, torch.zeros_like(xs)
+    return xs, (f[None, :] >= xs[:, None] - 1e-12).float().mean(dim=1)
+
+
+@dataclass(frozen=True)
+class Amplification:
+    ranks: int
+    relay_bytes: int
+    direct_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.relay_bytes / self.direct_bytes if self.direct_bytes else float("nan")
+
+
+def relay_amplification(masks, placement_fn, geometry, ranks_list, *, head_dim, dtype_bytes=2):
+    """Figure 5: relay-ring bytes over consumer demand (direct) bytes for each G."""
+    out = []
+    for G in ranks_list:
+        pl = placement_fn(geometry, G)
+        relay = comm_bytes(masks, pl, "ring-relay", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
+        direct = comm_bytes(masks, pl, "sparsp", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
+        out.append(Amplification(G, relay, direct))
+    return out
