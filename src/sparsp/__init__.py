@@ -1,0 +1,21 @@
+"""sparsp: sparsity-aware sequence-parallel attention for video diffusion transformers.
+
+Public API: ``SparspConfig``, ``sp_attention`` (functional, local shards (B, S_local, H, D)),
+and the building blocks in ``geometry``, ``placement``, ``masks``, ``demand``.
+"""
+
+from .config import SparspConfig
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Imported lazily so `sparsp analyze` and `import sparsp.geometry` stay light.
+    if name in ("sp_attention", "close_transports"):
+        from . import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module 'sparsp' has no attribute {name!r}")
+
+
+__all__ = ["SparspConfig", "sp_attention", "close_transports", "__version__"]

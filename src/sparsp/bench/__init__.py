@@ -1,0 +1,1 @@
+"""Benchmarks: transport, attention (JSON + PNG under bench/results/)."""

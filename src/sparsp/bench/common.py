@@ -1,0 +1,99 @@
+"""Shared benchmark plumbing: process group setup, CUDA-event timing, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (or make a 1-process group) and pick the device."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m sparsp ...`: one process
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group(backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_ms(fn, *, warmup: int, iters: int, device: torch.device) -> list[float]:
+    """Per-iteration wall time in ms, the slowest rank's (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        t = torch.tensor([ms], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def machine_name() -> str:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "")
+        return f"{torch.cuda.device_count()}x{name}"
+    return "cpu"
+
+
+def result_path(kind: str, model: str, out_dir: Path) -> Path:
+    date = datetime.date.today().isoformat()
+    return Path(out_dir) / f"{kind}-{model}-{machine_name()}-{date}.json"
+
+
+def write_result(kind: str, model: str, rows: list[dict], out_dir: Path, extra: dict | None = None,
+                 merge: bool = True) -> Path:
+    """Write (or extend, for a second fabric's run) ``<kind>-<model>-<machine>-<date>.json``."""
+    path = result_path(kind, model, out_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(shlex.quote(a) for a in ["sparsp", *sys.argv[1:]])
+    doc = {"kind": kind, "machine": machine_name(), "date": datetime.date.today().isoformat(),
+           "command": command, "rows": []}
+    if merge and path.exists():
+        doc = json.loads(path.read_text())
+        doc.setdefault("commands", [doc.get("command")])
+        doc["commands"].append(command)
+    doc["rows"] = doc["rows"] + rows
+    if extra:
+        doc.update(extra)
+    path.write_text(json.dumps(doc, indent=1))
+    return path

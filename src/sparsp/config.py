@@ -1,0 +1,74 @@
+"""``SparspConfig``: the knobs of one sequence-parallel attention call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+TransportChoice = Literal["auto", "nccl", "ipc", "host"]
+KernelChoice = Literal["auto", "torch", "flex"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SparspConfig:
+    cdf_threshold: float | tuple[float, ...] = 0.9
+    """SpargeAttn CDF threshold in [0, 1], or one value per head; 1.0 (with similarity off)
+    selects every block: exact dense attention."""
+    sim_threshold: float | tuple[float, ...] | None = None
+    """Block self-similarity threshold in [0, 1], or one per head; None turns similarity off."""
+    block_size: int = 128
+    """Kernel tile in tokens, for queries and keys alike (the unit of demand and transfer)."""
+    transport: TransportChoice = "auto"
+    """How payloads move: ``nccl`` (torch.distributed p2p: NCCL on GPU, gloo on CPU), ``ipc``
+    (CUDA IPC peer copies on copy engines), ``host`` (pinned shared host memory), ``auto``
+    (ipc where peer access works, else host on GPU; nccl/gloo on CPU)."""
+    kernel: KernelChoice = "auto"
+    """Block-sparse kernel: ``torch`` (reference, CPU/GPU), ``flex`` (GPU), ``auto``."""
+    timeout_s: float = 120.0
+    """Every wait on a peer raises ``TimeoutError`` after this many seconds instead of hanging."""
+    prefetch: int = 1
+    """Rounds fetched ahead of the one being computed (1 = double buffering)."""
+
+    def __post_init__(self) -> None:
+        _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
+        _check_threshold("sim_threshold", self.sim_threshold, allow_none=True)
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.transport not in ("auto", "nccl", "ipc", "host"):
+            raise ValueError(f"transport must be one of auto, nccl, ipc, host; got {self.transport!r}")
+        if self.kernel not in ("auto", "torch", "flex"):
+            raise ValueError(f"kernel must be one of auto, torch, flex; got {self.kernel!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"prefetch must be an int >= 1, got {self.prefetch!r}")
+
+    def cdf_tensor(self, heads: int) -> torch.Tensor | float:
+        return _per_head(self.cdf_threshold, heads, "cdf_threshold")
+
+    def sim_tensor(self, heads: int):
+        return None if self.sim_threshold is None else _per_head(self.sim_threshold, heads, "sim_threshold")
+
+    @property
+    def dense(self) -> bool:
+        """True when the mask is all ones whatever the inputs (cdf 1, similarity off)."""
+        values = self.cdf_threshold if isinstance(self.cdf_threshold, tuple) else (self.cdf_threshold,)
+        return self.sim_threshold is None and all(v >= 1.0 for v in values)
+
+
+def _check_threshold(name, value, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    values = value if isinstance(value, tuple) else (value,)
+    if not values or not all(isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in values):
+        raise ValueError(f"{name} must be a number in [0, 1] or a tuple of them, got {value!r}")
+
+
+def _per_head(value, heads: int, name: str):
+    if isinstance(value, tuple):
+        if len(value) != heads:
+            raise ValueError(f"{name} has {len(value)} per-head values but the inputs have {heads} heads")
+        return torch.tensor(value, dtype=torch.float64)
+    return float(value)

@@ -1,0 +1,40 @@
+"""``ring`` and ``ring-sparse``: full shards circulate around the ring (ring-flash-attn style).
+
+Hop k = 1..G−1: rank r sends the shard it holds to r+1 and receives the shard that started at
+(r−k) mod G from r−1, double-buffered so the transfer of the next shard overlaps the kernel on
+the current one. ``ring`` is the dense baseline (every block attended: what runs without
+sparsity, thresholds ignored); ``ring-sparse`` is the paper's Diffusers + SpargeAttn baseline:
+the same full shards, the sparse mask picks blocks inside each received shard.
+"""
+
+from __future__ import annotations
+
+from .base import Call, flush
+
+
+def run(call: Call) -> None:
+    r, G = call.rank, call.world
+    t = call.transport
+    nxt, prv = (r + 1) % G, (r - 1) % G
+    D = call.q.shape[-1]
+    cap = call.shapes.capacity_rows * 2 * D  # full capacity: static kernel shapes
+
+    def buffer(last: bool):
+        # The next hop forwards what arrives now: receive straight into the next send buffer.
+        return call.payload_buffer() if last else t.send_buffer(nxt, cap, call.q.dtype)
+
+    lay = call.full_layout(r)
+    cur = buffer(G == 1)
+    call.pack_local(lay, cur)
+    for k in range(1, G):
+        origin = (r - k + 1) % G  # whose shard ``cur`` holds
+        t.publish(nxt, cur[: lay.num_rows * 2 * D])
+        incoming = call.full_layout((r - k) % G)
+        nbuf = buffer(k == G - 1)
+        handle = t.fetch(prv, nbuf[: incoming.num_rows * 2 * D])
+        flush(t)
+        call.attend(cur, lay, origin)
+        handle.wait()
+        t.release(prv)
+        cur, lay = nbuf, incoming
+    call.attend(cur, lay, (r + 1) % G)
