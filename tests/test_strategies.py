@@ -5,10 +5,7 @@ import math
 import pytest
 import torch
 
-try:
-    from dist_utils import run_distributed
-except ImportError:  # scratch runs
-    run_distributed = None
+from dist_utils import run_distributed
 
 STRATEGIES = ("ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
 

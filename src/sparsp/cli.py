@@ -75,7 +75,7 @@ def _run_analyze(args) -> int:
         red = r["reduction_vs_ring"]
         table.add_row(f"{r['cdf']:.2f}", f"{100 * r['density']:.1f}%", r["placement"], r["strategy"],
                       _fmt_bytes(r["bytes_max_rank"]), _fmt_bytes(r["bytes_total"]),
-                      "" if red is None else f"{-100 * red:+.1f}%")
+                      "" if red is None else ("0.0%" if red == 0 else f"{-100 * red:+.1f}%"))
     console.print(table)
     for s in doc["mask_stats"]:
         shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["patterns"].items())

@@ -49,13 +49,11 @@ def make_inputs(geom, placement, rank: int, device, dtype, seed: int):
     """This rank's placed slice of synthetic q, k (model RoPE structure) and random v."""
     from ..workloads import token_qk
 
-    q, k = token_qk(geom, seed=seed, dtype=torch.float32, device=device)
-    sl = placement.token_slice(rank)
-    q = placement.permute(q, 1)[:, sl].to(dtype).contiguous()
-    k = placement.permute(k, 1)[:, sl].to(dtype).contiguous()
+    tokens = placement.perm[placement.token_slice(rank)]
+    q, k = token_qk(geom, seed=seed, tokens=tokens, device=device, dtype=torch.float32)
     g = torch.Generator(device=device).manual_seed(seed + 17 + rank)
-    v = torch.randn(q.shape, generator=g, device=device, dtype=torch.float32).to(dtype)
-    return q, k, v
+    v = torch.randn(q.shape, generator=g, device=device, dtype=torch.float32)
+    return tuple(x.to(dtype).contiguous() for x in (q, k, v))
 
 
 def main(args) -> int:

@@ -22,6 +22,7 @@ what ``torch_ref`` and the merge use, so no conversion is applied. The GPU tests
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable
 
@@ -61,6 +62,12 @@ except ImportError:
 # runs flex eagerly, and eager flex applies only ``mask_mod`` and ignores the block indices,
 # i.e. it would compute DENSE attention. With fullgraph it raises instead.
 _COMPILED: dict[str, Callable] = {}
+
+# Inference only: skip building the transposed (q-side) indices, which the backward pass
+# alone reads; for a packed buffer of all heads they are as large as a dense block mask.
+_FORWARD_ONLY: dict = {}
+if FLEX_AVAILABLE and "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+    _FORWARD_ONLY = {"compute_q_blocks": False}
 
 
 def flex_available(device: torch.device | str) -> bool:
@@ -146,7 +153,7 @@ def block_sparse_attention(
                 width,
             )
         block_mask = BlockMask.from_kv_blocks(
-            a_num, a_idx, BLOCK_SIZE=bs, seq_lengths=(Sq, N)
+            a_num, a_idx, BLOCK_SIZE=bs, seq_lengths=(Sq, N), **_FORWARD_ONLY
         )
         f_out, f_lse = _flex_call(
             q.reshape(1, BH, Sq, D), kv.k.view(1, 1, N, D), kv.v.view(1, 1, N, D),

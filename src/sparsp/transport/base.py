@@ -15,6 +15,14 @@ five things, in this order, once per peer and round:
 
 Every transport counts the payload bytes it moves per peer (``bytes_sent``/``bytes_received``),
 so tests can hold the bytes actually moved against ``sparsp.demand``'s prediction.
+
+Optional method (every built-in transport has it; call it only where it exists):
+
+    reserve(nbytes)              COLLECTIVE, same ``nbytes`` on every rank: make each slot hold
+                                 at least ``nbytes`` payload bytes per peer (e.g. the worst
+                                 case, a full shard). Slot transports re-export their windows
+                                 when they grow (this implies a fence); ``nccl`` has no slots
+                                 and does nothing.
 """
 
 from __future__ import annotations

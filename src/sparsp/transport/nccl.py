@@ -45,6 +45,7 @@ class P2PTransport(ByteCounter):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
+        self.device = torch.device(device) if device is not None else None
         self.epoch = 0
         self._pending: list[dist.P2POp] = []
         self._inflight: list[_Works] = []
@@ -60,8 +61,8 @@ class P2PTransport(ByteCounter):
         self._inflight.clear()
         self.epoch += 1
 
-    def send_buffer(self, peer: int, numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=device)
+    def send_buffer(self, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def publish(self, peer: int, buf: torch.Tensor) -> None:
         if buf.numel() == 0:
@@ -91,6 +92,10 @@ class P2PTransport(ByteCounter):
             self._inflight.append(_Works(works, self.timeout_s, f"rank {self.rank}: send"))
 
     def release(self, peer: int) -> None:
+        return None
+
+    def reserve(self, nbytes: int) -> None:
+        """No slots here: payloads travel from the caller's own buffers, any size."""
         return None
 
     def close(self) -> None:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU check for the lent 2×H200 machine (device tool): the `gpu`-marked tests, then the
+# benchmarks on both fabrics, then a short table last.
+#
+#   scripts/gpu_check.sh [tests|bench|attention|transport|all]   (default: all)
+#
+# Runs from a plain checkout with the machine's own python3 (torch 2.11 there, no installs):
+# the package is used from src/ via PYTHONPATH. Results land in bench/results/ and, when the
+# device tool's $OUT is set, are copied there too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0  # the machine's setting: NVLink multicast stays off
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+MODE=${1:-all}
+OUT_DIR=${OUT:-/tmp/sparsp-gpu-check}
+mkdir -p "$OUT_DIR" bench/results
+NPROC=$($PY -c 'import torch; print(torch.cuda.device_count())')
+status=0
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+$PY -c 'from cuda.bindings import driver; print("cuda-bindings ok")' 2>/dev/null || echo "cuda-bindings: not importable"
+
+if [[ $MODE == tests || $MODE == all ]]; then
+  echo "== gpu tests"
+  $PY -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+
+run_torchrun() {  # torchrun with one process per GPU
+  torchrun --standalone --nproc-per-node "$NPROC" -m sparsp.cli "$@"
+}
+
+if [[ $MODE == attention || $MODE == bench || $MODE == all ]]; then
+  echo "== attention benchmark, fabric nvlink"
+  run_torchrun bench attention --model hunyuan-video --fabric nvlink --transport nccl ${ATTN_ARGS:-} \
+    2>&1 | tee "$OUT_DIR/attention_nvlink.log" || status=1
+  echo "== attention benchmark, fabric host (NCCL_P2P_DISABLE=1)"
+  NCCL_P2P_DISABLE=1 run_torchrun bench attention --model hunyuan-video --fabric host --transport nccl ${ATTN_ARGS:-} \
+    2>&1 | tee "$OUT_DIR/attention_host.log" || status=1
+fi
+
+if [[ $MODE == transport || $MODE == bench || $MODE == all ]]; then
+  if $PY -c 'import sparsp.bench.transport' 2>/dev/null; then
+    echo "== transport benchmark"
+    run_torchrun bench transport ${TRANSPORT_ARGS:-} 2>&1 | tee "$OUT_DIR/transport.log" || status=1
+  fi
+fi
+
+today=$(date +%F)
+cp bench/results/*-"$today".json bench/results/*-"$today".png "$OUT_DIR"/ 2>/dev/null || true
+echo "== summary"
+$PY -m sparsp.bench.report bench/results/*-"$today".json || status=1
+exit $status

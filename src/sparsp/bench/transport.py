@@ -1,0 +1,311 @@
+"""Transport bandwidth versus message size, alone and under attention load (run under torchrun).
+
+    torchrun --nproc-per-node 2 -m sparsp.cli bench transport --fabric nvlink   # nccl, ipc
+    torchrun --nproc-per-node 2 -m sparsp.cli bench transport --fabric host     # nccl w/o P2P, host
+
+NCCL reads ``NCCL_P2P_DISABLE`` once per process, so the two fabrics are two runs; ``--fabric
+host`` sets it before the process group exists, and the second run extends the first one's
+result file. Every rank sends ``bytes`` to the other and receives as many from it at the same
+time (both GPUs exchanging); one exchange is fence → send_buffer + pack (untimed) → publish,
+fetch, wait, release (timed with CUDA events on the current stream), the slowest rank per
+iteration, median of ``--iters`` after ``--warmup``. gbps = payload bytes per direction / s / 1e9.
+
+Under load, an attention kernel (``scaled_dot_product_attention``, bf16, DESIGN's 32k tokens
+× 24×128 heads) runs on a second stream of the same GPU while back-to-back exchanges fill its
+duration; ``attention_slowdown`` = median attention time during transfers / alone − 1 (DESIGN
+"Contention": NCCL without P2P turned 21.1 ms into 33.0 ms; copy engines stayed within 5 %).
+
+Result: ``bench/results/transport-all-<machine>-<date>.json`` with rows
+``{"transport", "fabric", "bytes", "gbps", "under_load", "attention_slowdown", ...}`` and a PNG
+of GB/s versus size per transport.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .common import init_distributed, median, result_path, write_result
+
+FABRICS = ("nvlink", "host")
+DEFAULT_TRANSPORTS = {"nvlink": ("nccl", "ipc"), "host": ("nccl", "host")}
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--fabric", default="nvlink", choices=FABRICS,
+                   help="nvlink: peer access (nccl, ipc); host: NCCL_P2P_DISABLE=1 (nccl, host)")
+    p.add_argument("--transports", nargs="+", default=None, choices=["nccl", "ipc", "host"],
+                   help="transports to measure (default: those of --fabric)")
+    p.add_argument("--min-bytes", type=_size, default=64 << 10, help="smallest message, e.g. 64KiB")
+    p.add_argument("--max-bytes", type=_size, default=512 << 20, help="largest message, e.g. 512MiB")
+    p.add_argument("--factor", type=int, default=2, help="size step (powers of this factor)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-load", action="store_true", help="skip the under-attention-load runs")
+    p.add_argument("--attn-tokens", type=int, default=32768)
+    p.add_argument("--attn-heads", type=int, default=24)
+    p.add_argument("--attn-dim", type=int, default=128)
+    p.add_argument("--chunk-bytes", type=_size, default=16 << 20, help="host transport chunk")
+    p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--no-plot", action="store_true")
+
+
+def _sizes(lo: int, hi: int, factor: int) -> list[int]:
+    sizes, n = [], lo
+    while n < hi:
+        sizes.append(n)
+        n *= factor
+    return sizes + [hi]
+
+
+def _fabric(name: str, peer_access: bool) -> str:
+    if name == "ipc":
+        return "nvlink"
+    if name == "host":
+        return "host"
+    p2p_off = os.environ.get("NCCL_P2P_DISABLE", "0") not in ("0", "")
+    return "nvlink" if peer_access and not p2p_off else "host"
+
+
+class _Exchange:
+    """One timed 2-way exchange of ``n`` bytes with ``peer`` through ``t``."""
+
+    def __init__(self, t, peer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.t, self.peer, self.src, self.dst = t, peer, src, dst
+
+    def __call__(self, n: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        t = self.t
+        t.fence()
+        buf = t.send_buffer(self.peer, n, torch.uint8)
+        if buf.device != self.src.device:  # nccl's send_buffer may not know our device
+            buf = torch.empty(n, dtype=torch.uint8, device=self.src.device)
+        buf.copy_(self.src[:n])  # the pack: a strategy's work whatever the transport, untimed
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t.publish(self.peer, buf)
+        handle = t.fetch(self.peer, self.dst[:n])
+        flush = getattr(t, "flush", None)
+        if flush is not None:
+            flush()
+        handle.wait()
+        t.release(self.peer)
+        end.record()
+        return start, end
+
+
+def _slowest(times: list[float], device) -> list[float]:
+    """Per-iteration maximum over ranks."""
+    x = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.tolist()
+
+
+def _attention(args, device):
+    g = torch.Generator(device=device).manual_seed(1)
+    shape = (1, args.attn_heads, args.attn_tokens, args.attn_dim)
+    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+               for _ in range(3))
+    return lambda: F.scaled_dot_product_attention(q, k, v)
+
+
+def _time_attention(attn, stream, iters: int, device) -> list[float]:
+    times = []
+    for _ in range(iters):
+        a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a0.record(stream)
+            attn()
+            a1.record(stream)
+        a1.synchronize()
+        times.append(a0.elapsed_time(a1))
+    return _slowest(times, device)
+
+
+def run(args) -> dict:
+    from rich.console import Console
+
+    from ..transport.select import make_transport
+
+    if args.iters < 10:
+        raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+    if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
+        os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
+    rank, world, device = init_distributed("nccl")
+    if world != 2:
+        raise SystemExit(f"run with 2 ranks (torchrun --nproc-per-node 2), not {world}")
+    console = Console() if rank == 0 else None
+    peer = 1 - rank
+    peer_access = torch.cuda.can_device_access_peer(device.index, (device.index + 1) % 2) \
+        if torch.cuda.device_count() > 1 else False
+    sizes = _sizes(args.min_bytes, args.max_bytes, args.factor)
+    top = sizes[-1]
+    gen = torch.Generator(device=device)
+    src = torch.randint(0, 256, (top,), dtype=torch.uint8, device=device,
+                        generator=gen.manual_seed(100 + rank))
+    expect = torch.randint(0, 256, (top,), dtype=torch.uint8, device=device,
+                           generator=gen.manual_seed(100 + peer))
+    dst = torch.empty(top, dtype=torch.uint8, device=device)
+    attn, attn_stream, attn_alone = None, None, None
+    if not args.no_load:
+        attn, attn_stream = _attention(args, device), torch.cuda.Stream(device)
+        _time_attention(attn, attn_stream, args.warmup, device)
+        attn_alone = median(_time_attention(attn, attn_stream, args.iters, device))
+        if console:
+            console.print(f"attention alone: {attn_alone:.2f} ms")
+    rows = []
+    for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
+        options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
+        try:
+            t = make_transport(name, None, device=device, timeout_s=args.timeout, **options)
+        except Exception as e:  # noqa: BLE001 - e.g. ipc without peer access: skip, say why
+            if console:
+                console.print(f"[yellow]skipping {name}: {e}[/yellow]")
+            continue
+        getattr(t, "reserve", lambda n: None)(top)
+        fabric = _fabric(name, peer_access)
+        exchange = _Exchange(t, peer, src, dst)
+        for n in sizes:
+            for i in range(args.warmup):
+                _, end = exchange(n)
+                end.synchronize()
+                if i == 0 and not torch.equal(dst[:n], expect[:n]):
+                    raise RuntimeError(f"{name}: rank {rank} received wrong bytes at size {n}")
+            times = []
+            for _ in range(args.iters):
+                start, end = exchange(n)
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            ms = median(_slowest(times, device))
+            row = {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
+                   "under_load": False, "attention_slowdown": None, "median_ms": ms,
+                   "iters": args.iters}
+            rows.append(row)
+            if attn is not None:
+                rows.append(_under_load(exchange, n, ms, attn, attn_stream, attn_alone, args,
+                                        device, name, fabric))
+            if console:
+                loaded = rows[-1] if attn is not None else None
+                console.print(f"{name:5s} {fabric:6s} {_fmt(n):>9s}: {row['gbps']:7.2f} GB/s"
+                              + (f", under load {loaded['gbps']:7.2f} GB/s, attention "
+                                 f"{100 * loaded['attention_slowdown']:+.1f} %" if loaded else ""))
+        t.close()
+    doc = {}
+    if rank == 0:
+        doc = _write(rows, args, console)
+    dist.barrier()
+    dist.destroy_process_group()
+    return doc
+
+
+def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, device, name,
+                fabric) -> dict:
+    """Exchanges back to back for the duration of each attention call on a second stream."""
+    # same count on both ranks (alone_ms and attn_alone are max-reduced): fences must pair up
+    reps = max(1, min(100, math.ceil(attn_alone / max(alone_ms, 1e-3))))
+    attn_times, xfer_times = [], []
+    for it in range(args.warmup + args.iters):
+        a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(attn_stream):
+            a0.record(attn_stream)
+            attn()
+            a1.record(attn_stream)
+        events = [exchange(n) for _ in range(reps)]
+        torch.cuda.synchronize(device)
+        if it >= args.warmup:
+            attn_times.append(a0.elapsed_time(a1))
+            xfer_times.extend(s.elapsed_time(e) for s, e in events)
+    ms = median(_slowest(xfer_times, device))
+    attn_ms = median(_slowest(attn_times, device))
+    return {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
+            "under_load": True, "attention_slowdown": attn_ms / attn_alone - 1.0,
+            "median_ms": ms, "iters": len(xfer_times), "attention_ms": attn_ms,
+            "attention_alone_ms": attn_alone, "exchanges_per_attention": reps}
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def _write(rows: list[dict], args, console) -> dict:
+    from rich.table import Table
+
+    path = result_path("transport", "all", args.out)
+    if path.exists():  # a rerun of the same transport and fabric replaces its rows
+        old = json.loads(path.read_text())
+        mine = {(r["transport"], r["fabric"]) for r in rows}
+        old["rows"] = [r for r in old["rows"] if (r["transport"], r["fabric"]) not in mine]
+        path.write_text(json.dumps(old, indent=1))
+    path = write_result("transport", "all", rows, args.out)
+    doc = json.loads(path.read_text())
+    table = Table(title=f"transport bandwidth, {doc['machine']} (GB/s per direction, 2 ranks "
+                        "exchanging)")
+    for col in ("transport", "fabric", "size", "GB/s", "GB/s under load", "attention"):
+        table.add_column(col, justify="left" if col in ("transport", "fabric") else "right")
+    alone = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if not r["under_load"]}
+    loaded = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if r["under_load"]}
+    for key, r in alone.items():
+        lr = loaded.get(key)
+        table.add_row(r["transport"], r["fabric"], _fmt(r["bytes"]), f"{r['gbps']:.2f}",
+                      f"{lr['gbps']:.2f}" if lr else "",
+                      f"{100 * lr['attention_slowdown']:+.1f} %" if lr else "")
+    console.print(table)
+    console.print(f"wrote {path}")
+    if not args.no_plot:
+        console.print(f"wrote {plot(path)}")
+    return doc
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(Path(path).read_text())
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    series = dict.fromkeys((r["transport"], r["fabric"]) for r in doc["rows"])
+    for i, (name, fabric) in enumerate(series):
+        color = f"C{i}"
+        for loaded, style in ((False, "-o"), (True, "--x")):
+            rs = sorted((r for r in doc["rows"] if (r["transport"], r["fabric"]) == (name, fabric)
+                         and r["under_load"] == loaded), key=lambda r: r["bytes"])
+            if rs:
+                ax.plot([r["bytes"] for r in rs], [r["gbps"] for r in rs], style, color=color,
+                        ms=4, label=f"{name} ({fabric})" + (" under attention" if loaded else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # 64 KiB messages and 512 MiB ones differ by orders of magnitude
+    ax.set(xlabel="message bytes per direction", ylabel="GB/s per direction",
+           title=f"transport bandwidth, 2 ranks exchanging, {doc['machine']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m sparsp.bench.transport ...
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args())

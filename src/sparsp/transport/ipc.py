@@ -1,0 +1,158 @@
+"""IPC transport: slot windows in GPU memory, read by peers over CUDA IPC (paper §6.1–6.2).
+
+Export: each rank allocates one device buffer holding, for every peer, ``window`` slots of
+``slot_bytes`` (once, and again only when ``reserve`` grows them) and shares it through a CUDA
+IPC memory handle (``torch.multiprocessing.reductions``), exchanged with
+``all_gather_object`` on the group: handles never leave the group. A peer opens it on the
+owner's device (DESIGN: "CUDA IPC handles open across processes (open on the owner's
+device)"), which is how torch rebuilds a shared CUDA tensor.
+
+- ``send_buffer`` returns a view of our own exported slot: the producer packs in place;
+- ``publish`` writes the 'published' flag with ``cuStreamWriteValue32`` on the current
+  stream, i.e. ordered after the pack (paper §6.1: "Publish is issued on the same CUDA stream
+  as the packing operation"); without cuda-python, an event and a host thread;
+- ``fetch`` waits for that flag on a host worker thread (so a dead peer raises a
+  ``TimeoutError`` naming peer, slot and epoch instead of hanging a stream), then issues
+  ``out.copy_(peer_slot)``: a same-dtype contiguous copy between devices is a
+  ``cudaMemcpyAsync`` on copy engines, no kernel. torch runs a cross-device copy on the
+  *source* device's current stream and fences it two-way with the destination device's
+  current stream, so both are set to dedicated streams for the copy: a stream per peer device
+  (created in this process) and our copy stream, which then waits for the copy to finish;
+- ``release`` writes the 'released' flag on the copy stream, i.e. after the copy completed.
+
+Flags, windows, epochs, barriers and timeouts are ``host.SlotWindows``'s (flag pages are small
+shared-memory segments registered with CUDA), exactly as for the ``host`` transport.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from .base import register_transport
+from .host import CopyHandle, SlotWindows, Worker, _keep_alive, _resolve_device
+from .shm import encode_flag
+
+
+class IpcTransport(SlotWindows):
+    """Peer copies over NVLink/PCIe P2P from slots exported with CUDA IPC (GPU only)."""
+
+    name = "ipc"
+
+    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
+        self._window: torch.Tensor | None = None
+        self._peer_windows: dict[int, torch.Tensor] = {}
+        self._peer_streams: dict[int, torch.cuda.Stream] = {}
+        self._copy: torch.cuda.Stream | None = None
+        if _resolve_device(device, group).type != "cuda":
+            raise ValueError("the ipc transport moves CUDA tensors; use host or nccl on CPU")
+        options["stream_waits"] = False  # waits are host-polled here, see the module docstring
+        super().__init__(group, timeout_s=timeout_s, device=device, **options)
+
+    def _slot_area_bytes(self, slot_bytes: int) -> int:
+        return 0  # the slots are on the GPU; the segment is the flag page only
+
+    def _offset(self, producer: int, consumer: int, slot: int) -> int:
+        return ((consumer - (consumer > producer)) * self.window + slot) * self.slot_bytes
+
+    def _export_slots(self) -> None:
+        error, shared = None, None
+        try:
+            size = (self.world_size - 1) * self.window * self.slot_bytes
+            self._window = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
+            shared = reduce_tensor(self._window)  # (rebuild function, its arguments)
+        except Exception as e:  # noqa: BLE001 - reported through the gather below
+            error = f"{type(e).__name__}: {e}"
+        # one unconditional collective, so a failure on one rank cannot hang the others
+        gathered = self._allgather((error, shared))
+        failed = [(r, err) for r, (err, _) in enumerate(gathered) if err]
+        if failed:
+            raise RuntimeError(f"exporting the slot window failed on rank {failed[0][0]}: "
+                               f"{failed[0][1]}")
+        for p in self.peers:
+            rebuild, rebuild_args = gathered[p][1]
+            window = rebuild(*rebuild_args)
+            self._peer_windows[p] = window
+            self._peer_streams[p] = torch.cuda.Stream(window.device)
+        self._set_streams()
+
+    def _unexport_slots(self) -> None:
+        if self._peer_windows:
+            for stream in self._peer_streams.values():
+                stream.synchronize()
+            self._peer_windows.clear()
+            self._peer_streams.clear()
+            # let every consumer drop its mapping before the owners free their windows (torch
+            # would otherwise warn that a producer freed memory a consumer still maps)
+            if self._flags:
+                timeout, self.timeout_s = self.timeout_s, min(self.timeout_s, 5.0)
+                try:
+                    self._barrier("unmapping the peers' windows")
+                except TimeoutError:
+                    pass
+                finally:
+                    self.timeout_s = timeout
+        self._window = None
+        self._set_streams()
+
+    def _set_streams(self) -> None:
+        self._streams = ([self._copy] if self._copy is not None else []) + list(
+            self._peer_streams.values())
+
+    def _start_threads(self) -> None:
+        super()._start_threads()
+        self._copy = torch.cuda.Stream(self.device)
+        self._set_streams()
+        self._worker = Worker("sparsp-ipc-fetch", self.device)
+
+    def _send_view(self, peer: int, slot: int, nbytes: int) -> torch.Tensor:
+        assert self._window is not None
+        offset = self._offset(self.rank, peer, slot)
+        return self._window[offset : offset + nbytes]
+
+    def _publish(self, peer: int, slot: int, use: int, src: torch.Tensor) -> None:
+        dst = self._send_view(peer, slot, src.numel())
+        if src.data_ptr() != dst.data_ptr():  # packed elsewhere: copy it into the slot
+            dst.copy_(src)
+        stream = torch.cuda.current_stream(self.device)
+        self._write_flag(self.rank, self._layout.published(peer, slot),
+                         encode_flag(self.epoch, use, 1), stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._track(done, f"publish to peer {peer}, slot {slot} (epoch {self.epoch})")
+
+    def _fetch(self, peer: int, slot: int, use: int, dst: torch.Tensor):
+        assert self._copy is not None and self._worker is not None
+        offset = self._offset(peer, self.rank, slot)
+        src = self._peer_windows[peer][offset : offset + dst.numel()]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        _keep_alive(dst, self._copy)
+        done = torch.cuda.Event()
+        epoch, copy, peer_stream = self.epoch, self._copy, self._peer_streams[peer]
+
+        def issue() -> None:
+            self._wait_published(peer, slot, use, 1, epoch)
+            with torch.cuda.stream(copy):
+                copy.wait_event(ready)  # ``out`` is free on the caller's stream
+                with torch.cuda.stream(peer_stream):
+                    dst.copy_(src, non_blocking=True)
+                done.record(copy)
+
+        task = self._worker.submit(issue)
+        self._track(done, f"fetch from peer {peer}, slot {slot} (epoch {epoch})")
+        return CopyHandle(self.device, done, task)
+
+    def _release(self, peer: int, slot: int, use: int) -> None:
+        assert self._worker is not None
+        index = self._layout.released(self.rank, slot)
+        value = encode_flag(self.epoch, use, 1)
+        copy = self._copy
+        # FIFO after the fetch task that issued this slot's copy; on the copy stream, so
+        # after the copy itself
+        self._worker.submit(lambda: self._write_flag(peer, index, value, copy))
+
+
+@register_transport("ipc")
+def _make_ipc(group=None, *, timeout_s: float = 60.0, device=None, **options):
+    return IpcTransport(group, timeout_s=timeout_s, device=device, **options)

@@ -1,0 +1,490 @@
+"""Synthetic video attention from each model's own 3D RoPE, and mask traces.
+
+THESE MASKS ARE SYNTHETIC. No model weights can be downloaded, and a generator drawn to flatter
+periodic placement would prove nothing (DESIGN.md, "Synthetic workloads that a skeptic would
+accept"), so every head is one content vector c_h turned by the model's real RoPE:
+
+    q_n = R(p_n)(a_h c_h + σ ε_n),   k_m = R(p_m)(a_h c_h + σ ε'_m [+ g_h u_h if m is a sink])
+
+R(p) rotates adjacent dim pairs; the head dim splits into t/h/w parts (``rope.axes_dim``); pair
+i of an axis with d dims turns at ω_i = θ^(-2i/d) per position unit; positions are latent
+(t, h, w) divided by ``rope.scale``. Noise-free, q_n·k_m = a² Σ_pairs |c_pair|² cos(ω·Δp): a
+relative-position kernel shaped by where c puts its energy. h/w energy only → no Δt dependence
+→ same place in every frame (multi-diagonal); t and h/w → same frame and nearby (diagonal);
+large-norm sink keys on c's lowest-frequency h/w pairs, which RoPE barely turns, → columns;
+content-only heads without RoPE → dense control. Text tokens (HunyuanVideo's 256) get no RoPE,
+as in Diffusers' processor, so they look like position (0, 0, 0) to a positional head.
+
+``pooled_qk`` works at block level: the mean of R(p_n)x over a block is x turned by the block
+means of cos/sin (per frequency, shared by all heads), and the mean of ``len`` iid N(0, σ²)
+noises is N(0, σ²/len) — 126,720 tokens × 24 heads never exist at token level.
+Model, calibration and caveats: docs/workloads.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import pickle
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .geometry import MODELS, Rope, VideoGeometry, preset
+from .masks import PooledBlocks, density, pattern_shares, select_blocks
+
+KINDS = ("diagonal", "multi-diagonal", "column", "dense")
+TRACE_FORMAT = "sparsp-trace"
+TRACE_VERSION = 1
+# Above this many elements per tensor token_qk refuses: full-size geometries use pooled_qk.
+_TOKEN_LIMIT = 1 << 26
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeadMix:
+    """Which kinds of heads a layer has and how sharp they are. Shares are rounded to head
+    counts (largest remainder); which head gets which kind is drawn per layer."""
+
+    diagonal: float = 0.375
+    """Share of heads with content on t and h/w frequencies (same frame and nearby)."""
+    multi_diagonal: float = 0.375
+    """Share of heads with content on h/w frequencies only (same place in every frame)."""
+    column: float = 0.15
+    """Share of heads with ``sinks`` large-norm sink keys on top of a weak diagonal-like part."""
+    dense: float = 0.1
+    """Share of content-only heads without RoPE (dense control)."""
+    alignment: tuple[float, float] = (0.8, 1.2)
+    """Range of a (signal/noise per token); scores scale as a², so a sets the sharpness."""
+    time_share: tuple[float, float] = (0.3, 0.6)
+    """Range of the share of c's energy on t pairs for diagonal and column heads."""
+    multi_time_share: tuple[float, float] = (0.02, 0.06)
+    """The same for multi-diagonal heads: small but not zero, so their pull towards the same
+    place in other frames fades with Δt as in real models; zero would be the best case for
+    periodic placement, and the generator must not be drawn to flatter it."""
+    tilt: float = 1.0
+    """Spectral tilt: the energy of pair i of every axis ∝ (ω_i/ω_0)^tilt × a random draw;
+    > 0 favours fast frequencies, i.e. a sharp decay with distance (0: RoPE's slow decay)."""
+    sink_alignment: tuple[float, float] = (0.7, 1.0)
+    """Range of a for column heads: their positional part is weak, the sinks carry them."""
+    sinks: int = 16
+    """Sink keys per column head, one each in distinct blocks drawn per head."""
+    sink_share: float = 0.5
+    """Share of a column head's content energy on the lowest-frequency h and w pairs."""
+    sink_gain: float = 300.0
+    """Norm of a sink's extra key component, in units of a·√head_dim (an ordinary key's content)."""
+    noise: float = 1.0
+    """σ of the per-token, per-dim noise of q and k (0: noise-free)."""
+
+    def __post_init__(self) -> None:
+        shares = self.shares()
+        for kind, share in shares.items():
+            if not math.isfinite(share) or share < 0:
+                raise ValueError(f"HeadMix share for {kind} must be a finite float >= 0, got {share!r}")
+        if abs(sum(shares.values()) - 1.0) > 1e-6:
+            raise ValueError(f"HeadMix shares must sum to 1, got {shares} (sum {sum(shares.values())})")
+        if not 0.0 < self.sink_share < 1.0:
+            raise ValueError(f"HeadMix.sink_share must lie in (0, 1), got {self.sink_share!r}")
+        for name, lo_min, hi_max in (
+            ("alignment", 0.0, math.inf), ("sink_alignment", 0.0, math.inf), ("time_share", 0.0, 1.0),
+            ("multi_time_share", 0.0, 1.0),
+        ):
+            lo, hi = getattr(self, name)
+            if not (lo_min <= lo <= hi <= hi_max):
+                raise ValueError(f"HeadMix.{name} must be (lo, hi) with {lo_min} <= lo <= hi <= {hi_max}, "
+                                 f"got {(lo, hi)}")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"HeadMix.sinks must be an int >= 0, got {self.sinks!r}")
+        if not (self.sink_gain >= 0 and self.noise >= 0):
+            raise ValueError(f"HeadMix.sink_gain and noise must be >= 0, got {self.sink_gain!r}, {self.noise!r}")
+
+    def shares(self) -> dict[str, float]:
+        return dict(zip(KINDS, (self.diagonal, self.multi_diagonal, self.column, self.dense)))
+
+    def counts(self, heads: int) -> dict[str, int]:
+        """Head count per kind: floor of share × heads, the rest by largest remainder."""
+        raw = {k: s * heads for k, s in self.shares().items()}
+        counts = {k: math.floor(v) for k, v in raw.items()}
+        by_remainder = sorted(KINDS, key=lambda k: (-(raw[k] - counts[k]), KINDS.index(k)))
+        for k in by_remainder[: heads - sum(counts.values())]:
+            counts[k] += 1
+        return counts
+
+
+DEFAULT_MIX = HeadMix()
+
+
+# --- RoPE tables ---------------------------------------------------------------------------------
+
+
+def _rope(geom: VideoGeometry) -> Rope:
+    """The geometry's RoPE; a custom geometry without one gets Wan's split rule and θ = 1e4."""
+    if geom.rope is not None:
+        rope = geom.rope
+    else:
+        hw = 2 * (geom.head_dim // 6)
+        rope = Rope(axes_dim=(geom.head_dim - 2 * hw, hw, hw))
+    if sum(rope.axes_dim) > geom.head_dim or any(d < 2 for d in rope.axes_dim):
+        raise ValueError(f"rope.axes_dim {rope.axes_dim} must be parts >= 2 within head_dim {geom.head_dim}")
+    return rope
+
+
+def _frequencies(geom: VideoGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per dim pair: ω (float64 [D/2]) and its axis (long [D/2]): 0/1/2 = t/h/w pairs in that
+    order, then 3 for dims RoPE leaves alone (an odd axis part, as LTX pads; ω = 0)."""
+    rope = _rope(geom)
+    omegas, axes = [], []
+    for axis, d in enumerate(rope.axes_dim):
+        i = torch.arange(d // 2, dtype=torch.float64)
+        omegas.append(rope.theta ** (-2.0 * i / d) / rope.scale[axis])  # scale divides positions
+        axes.append(torch.full((d // 2,), axis, dtype=torch.long))
+    rest = geom.head_dim // 2 - sum(d // 2 for d in rope.axes_dim)
+    omegas.append(torch.zeros(rest, dtype=torch.float64))
+    axes.append(torch.full((rest,), 3, dtype=torch.long))
+    return torch.cat(omegas), torch.cat(axes)
+
+
+def _angles(geom: VideoGeometry, tokens: torch.Tensor) -> torch.Tensor:
+    """Rotation angle per (token, pair), float64 [len(tokens), D/2]; text tokens: 0 (no RoPE)."""
+    omega, axis = _frequencies(geom)
+    coords = torch.zeros(len(tokens), 4, dtype=torch.float64)  # column 3: unrotated dims
+    video = tokens < geom.video_tokens
+    v = tokens[video]
+    rem = v % geom.frame_tokens
+    coords[video, :3] = torch.stack([v // geom.frame_tokens, rem // geom.width, rem % geom.width], 1).double()
+    return coords[:, axis] * omega
+
+
+def _block_trig(geom: VideoGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-mean cos and sin per frequency, float64 [num_blocks, D/2], shared by all heads."""
+    n, bs = geom.num_blocks, geom.block_size
+    lengths = geom.block_lengths().double()[:, None]
+    cos_sum, sin_sum = [], []
+    for start in range(0, n, 256):  # chunks bound the memory of the token-level angles
+        stop = min(n, start + 256)
+        tokens = torch.arange(start * bs, min(stop * bs, geom.num_tokens))
+        ang = torch.nn.functional.pad(_angles(geom, tokens), (0, 0, 0, (stop - start) * bs - len(tokens)))
+        # Padded rows get angle 0 → cos 1; remove them from the sums below.
+        cos_sum.append(ang.cos().reshape(stop - start, bs, -1).sum(1))
+        sin_sum.append(ang.sin().reshape(stop - start, bs, -1).sum(1))
+    cos_sum, sin_sum = torch.cat(cos_sum), torch.cat(sin_sum)
+    cos_sum[-1] -= bs - geom.tail_tokens
+    return cos_sum / lengths, sin_sum / lengths
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of the last dim of ``x`` (…, D) by cos/sin (…, D/2)."""
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+
+
+# --- per-head parameters -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Heads:
+    kinds: tuple[str, ...]
+    a: torch.Tensor  # float64 [H] alignment
+    c: torch.Tensor  # float64 [H, D] content, |c|² = D
+    rotate: torch.Tensor  # bool [H]: RoPE applied (False for dense heads)
+    sink_dir: torch.Tensor  # float64 [H, D]: g·u_h, nonzero only for column heads
+    sinks: tuple[torch.Tensor, ...]  # per head: LongTensor of sink token indices
+
+
+def _generator(seed: int, layer: int, stream: int) -> torch.Generator:
+    # Reproducible streams per (seed, layer, purpose): layers differ in every draw. Hashed because
+    # the CPU generator keeps only 32 bits of its seed.
+    digest = hashlib.blake2b(f"sparsp-workloads/{seed}/{layer}/{stream}".encode(), digest_size=4).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def _draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int) -> _Heads:
+    H, D = geom.heads, geom.head_dim
+    gen = _generator(seed, layer, 0)
+    kinds = [k for k, n in mix.counts(H).items() for _ in range(n)]
+    kinds = tuple(kinds[i] for i in torch.randperm(H, generator=gen).tolist())
+    lo, hi = torch.tensor([mix.sink_alignment if k == "column" else mix.alignment for k in kinds]).double().T
+    a = lo + (hi - lo) * torch.rand(H, generator=gen, dtype=torch.float64)
+    c = torch.randn(H, D, generator=gen, dtype=torch.float64)
+    omega, axis = _frequencies(geom)
+    top = torch.stack([omega[axis == ax].max() for ax in range(3)] + [torch.ones((), dtype=torch.float64)])[axis]
+    c *= ((omega / top).where(axis < 3, 1.0) ** (mix.tilt / 2)).repeat_interleave(2)  # amplitude = √energy
+    t_lo, t_hi = mix.time_share
+    rho = t_lo + (t_hi - t_lo) * torch.rand(H, generator=gen, dtype=torch.float64)
+    m_lo, m_hi = mix.multi_time_share
+    u = torch.rand(H, generator=gen, dtype=torch.float64)
+    rho = torch.where(torch.tensor([k == "multi-diagonal" for k in kinds]), m_lo + (m_hi - m_lo) * u, rho)
+    t_dims = (axis == 0).repeat_interleave(2)
+    # Sinks live on the lowest-frequency pair of h and w: RoPE barely turns them across the
+    # grid, so every query sees a sink alike (the "DC" dims that attention sinks use).
+    low = torch.zeros(D // 2, dtype=torch.bool)
+    low[[int((axis == ax).nonzero().max()) for ax in (1, 2)]] = True
+    low = low.repeat_interleave(2)
+    sink_dir = torch.zeros(H, D, dtype=torch.float64)
+    sinks = []
+    for h, kind in enumerate(kinds):
+        if kind == "dense":
+            c[h] *= math.sqrt(D) / c[h].norm()
+        else:
+            share = rho[h].item()
+            c[h, t_dims] *= math.sqrt(share * D) / c[h, t_dims].norm()
+            c[h, ~t_dims] *= math.sqrt((1.0 - share) * D) / c[h, ~t_dims].norm()
+        n_sinks = mix.sinks if kind == "column" else 0
+        blocks = torch.randperm(geom.num_blocks, generator=gen)[:n_sinks].sort().values
+        offset = (torch.rand(len(blocks), generator=gen, dtype=torch.float64) * geom.block_lengths()[blocks]).long()
+        sinks.append(blocks * geom.block_size + offset)
+        if n_sinks:
+            # The DC pairs take sink_share of c's energy (instead of their tiny tilted share).
+            c[h, ~low] *= math.sqrt((1.0 - mix.sink_share) * D) / c[h, ~low].norm()
+            c[h, low] *= math.sqrt(mix.sink_share * D) / c[h, low].norm()
+            # Scaled by a like the content, so a sink's pull grows with the head's sharpness.
+            sink_dir[h, low] = mix.sink_gain * a[h] * math.sqrt(D) * c[h, low] / c[h, low].norm()
+    rotate = torch.tensor([k != "dense" for k in kinds])
+    return _Heads(kinds, a, c, rotate, sink_dir, tuple(sinks))
+
+
+def head_kinds(geom: VideoGeometry, *, seed: int, mix: HeadMix | None = None, layer: int = 0) -> tuple[str, ...]:
+    """The kind (one of ``KINDS``) of every head that ``token_qk``/``pooled_qk`` generate."""
+    return _draw_heads(geom, mix or DEFAULT_MIX, seed, layer).kinds
+
+
+# --- generators ----------------------------------------------------------------------------------
+
+
+def token_qk(
+    geom: VideoGeometry,
+    *,
+    batch: int = 1,
+    seed: int,
+    mix: HeadMix | None = None,
+    dtype: torch.dtype = torch.float32,
+    layer: int = 0,
+    tokens: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level q, k (B, S, H, D). The batch shares the heads' parameters; noise differs
+    per batch element.
+
+    ``tokens`` (LongTensor of token ids in the model's order) generates only those tokens —
+    one rank's slice of a placed full-size sequence, e.g. ``placement.perm[slice]`` — with
+    the same heads; their noise is drawn afresh for the subset. On the CPU the size is capped
+    (use ``pooled_qk`` for analysis of full geometries); on a GPU it is not.
+    """
+    mix = mix or DEFAULT_MIX
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    device = torch.device(device or "cpu")
+    ids = torch.arange(geom.num_tokens) if tokens is None else tokens.long().cpu()
+    if ids.numel() and (ids.min() < 0 or ids.max() >= geom.num_tokens):
+        raise ValueError(f"tokens must lie in [0, {geom.num_tokens}), got [{ids.min()}, {ids.max()}]")
+    B, S, H, D = batch, ids.numel(), geom.heads, geom.head_dim
+    if device.type == "cpu" and B * S * H * D > _TOKEN_LIMIT:
+        raise ValueError(f"token_qk of {geom.describe()} × batch {B} is too large on the CPU; use pooled_qk")
+    work = torch.float64 if dtype == torch.float64 else torch.float32  # same draws for fp32/bf16
+    heads = _draw_heads(geom, mix, seed, layer)
+    if device.type == "cpu":
+        gen = _generator(seed, layer, 1)
+    else:
+        gen = torch.Generator(device=device).manual_seed(_generator(seed, layer, 1).initial_seed())
+    base = (heads.a[:, None] * heads.c).to(device, work)  # [H, D]
+    xq = base + mix.noise * torch.randn(B, S, H, D, generator=gen, dtype=work, device=device)
+    xk = base + mix.noise * torch.randn(B, S, H, D, generator=gen, dtype=work, device=device)
+    where = torch.full((geom.num_tokens,), -1, dtype=torch.long)
+    where[ids] = torch.arange(S)
+    for h, idx in enumerate(heads.sinks):
+        local = where[idx]
+        local = local[local >= 0].to(device)
+        xk[:, local, h] += heads.sink_dir[h].to(device, work)
+    ang = _angles(geom, ids)[:, None, :].to(device)  # [S, 1, D/2]
+    rot = heads.rotate[None, :, None].to(device)
+    cos = torch.where(rot, ang.cos(), 1.0).to(work)  # dense heads: no RoPE
+    sin = torch.where(rot, ang.sin(), 0.0).to(work)
+    return _rotate(xq, cos, sin).to(dtype), _rotate(xk, cos, sin).to(dtype)
+
+
+def _pooled(geom: VideoGeometry, heads: _Heads, trig, mix: HeadMix, gen: torch.Generator):
+    H, D, S = geom.heads, geom.head_dim, geom.num_tokens
+    lengths = geom.block_lengths()
+    rot = heads.rotate[:, None, None]
+    cos = torch.where(rot, trig[0][None], 1.0)  # [H, nB, D/2]
+    sin = torch.where(rot, trig[1][None], 0.0)
+    mean = _rotate((heads.a[:, None] * heads.c)[:, None, :], cos, sin)  # [H, nB, D], q and k alike
+    k_mean = mean.clone()
+    for h, idx in enumerate(heads.sinks):
+        if len(idx):
+            ang, block = _angles(geom, idx), idx // geom.block_size
+            # A sink adds its rotated extra component to its block's sum (1/len of the mean).
+            k_mean[h].index_add_(0, block, _rotate(heads.sink_dir[h], ang.cos(), ang.sin()) / lengths[block, None])
+    sd = mix.noise / lengths.double().sqrt()[None, :, None]  # mean of len iid N(0, σ²)
+    q_mean = mean + sd * torch.randn(H, len(lengths), D, generator=gen, dtype=torch.float64)
+    k_mean += sd * torch.randn(H, len(lengths), D, generator=gen, dtype=torch.float64)
+    # Key smoothing (DESIGN.md, "Mask semantics"): the exact sequence mean of k from block means.
+    k_mean -= (k_mean * lengths.double()[None, :, None]).sum(1, keepdim=True) / S
+    # Similarity is off in the analysis (sim = 1: every block similar), so no sim is modelled.
+    ones = torch.ones(1, H, len(lengths))
+    return (PooledBlocks(q_mean.float()[None], ones, lengths), PooledBlocks(k_mean.float()[None], ones, lengths))
+
+
+def pooled_qk(
+    geom: VideoGeometry, *, seed: int, mix: HeadMix | None = None, layer: int = 0
+) -> tuple[PooledBlocks, PooledBlocks]:
+    """Block summaries (batch 1) of the q and k that ``token_qk`` would give, generated at block
+    level: keys smoothed by their exact sequence mean, ``sim`` = 1. Noise is drawn at block
+    level, so it matches ``token_qk``'s in distribution only (equal when ``mix.noise`` = 0)."""
+    mix = mix or DEFAULT_MIX
+    heads = _draw_heads(geom, mix, seed, layer)
+    return _pooled(geom, heads, _block_trig(geom), mix, _generator(seed, layer, 2))
+
+
+def synthetic_masks(
+    geom: VideoGeometry,
+    cdf_thresholds: float | Sequence[float],
+    *,
+    layers: int = 1,
+    seed: int = 0,
+    mix: HeadMix | None = None,
+    on_layer: Callable[[int], None] | None = None,
+) -> dict[float, torch.Tensor]:
+    """Synthetic block masks {cdf: bool [layers, H, nB, nB]} (original block order), similarity
+    off. ``on_layer(i)`` is called after each layer (progress bars)."""
+    mix = mix or DEFAULT_MIX
+    cdfs = [float(x) for x in ([cdf_thresholds] if isinstance(cdf_thresholds, (int, float)) else cdf_thresholds)]
+    if not cdfs or any(not 0.0 <= x <= 1.0 for x in cdfs):
+        raise ValueError(f"cdf_thresholds must be values in [0, 1], got {cdf_thresholds!r}")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be a positive int, got {layers!r}")
+    trig = _block_trig(geom)
+    n = geom.num_blocks
+    out = {x: torch.empty(layers, geom.heads, n, n, dtype=torch.bool) for x in cdfs}
+    for layer in range(layers):
+        pq, pk = _pooled(geom, _draw_heads(geom, mix, seed, layer), trig, mix, _generator(seed, layer, 2))
+        # select_blocks sorts once per call; one call per threshold keeps its logic in one place.
+        for x in cdfs:
+            out[x][layer] = select_blocks(pq, pk, cdf_threshold=x)[0]
+        if on_layer is not None:
+            on_layer(layer)
+    return out
+
+
+# --- traces --------------------------------------------------------------------------------------
+
+_GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(VideoGeometry) if f.name != "rope")
+# Fields a trace must agree on with an expected geometry (name and model layer count may differ).
+_SHAPE_FIELDS = ("frames", "height", "width", "text_tokens", "block_size", "heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A recorded set of block masks. ``masks``: bool [layers, heads, nQ, nK], original order."""
+
+    masks: torch.Tensor
+    geometry: VideoGeometry
+    cdf_threshold: float
+    sim_threshold: float | None
+    source: str
+
+
+def _check_masks(masks, geom: VideoGeometry, where: str) -> None:
+    if not isinstance(masks, torch.Tensor) or masks.dtype != torch.bool:
+        raise ValueError(f"{where}: masks must be a bool tensor, got {getattr(masks, 'dtype', type(masks))}")
+    want = (geom.heads, geom.num_blocks, geom.num_blocks)
+    if masks.dim() != 4 or masks.shape[0] < 1 or tuple(masks.shape[1:]) != want:
+        raise ValueError(f"{where}: masks must have shape [layers, {', '.join(map(str, want))}] for "
+                         f"{geom.describe()}, got {tuple(masks.shape)}")
+
+
+def _check_thresholds(cdf, sim, where: str) -> None:
+    if isinstance(cdf, bool) or not isinstance(cdf, (int, float)) or not 0.0 <= cdf <= 1.0:
+        raise ValueError(f"{where}: cdf_threshold must be a float in [0, 1], got {cdf!r}")
+    if sim is not None and (isinstance(sim, bool) or not isinstance(sim, (int, float)) or not 0.0 <= sim <= 1.0):
+        raise ValueError(f"{where}: sim_threshold must be None or a float in [0, 1], got {sim!r}")
+
+
+def save_trace(
+    path: str | Path,
+    masks: torch.Tensor,
+    geom: VideoGeometry,
+    *,
+    cdf_threshold: float,
+    sim_threshold: float | None = None,
+    source: str,
+) -> None:
+    """Write ``masks`` (bool [layers, heads, nQ, nK], original block order) as a trace file."""
+    _check_masks(masks, geom, "save_trace")
+    _check_thresholds(cdf_threshold, sim_threshold, "save_trace")
+    torch.save({
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        "masks": masks.detach().cpu().contiguous(),
+        "geometry": {name: getattr(geom, name) for name in _GEOMETRY_FIELDS},
+        "cdf_threshold": float(cdf_threshold),
+        "sim_threshold": None if sim_threshold is None else float(sim_threshold),
+        "source": str(source),
+    }, Path(path))
+
+
+def load_trace(path: str | Path, expected_geometry: VideoGeometry | None = None) -> Trace:
+    """Read and validate a trace; ``ValueError`` naming ``path`` on any defect."""
+    path = Path(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable trace file (truncated or corrupt?): {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path}: not a {TRACE_FORMAT} file (format {found!r})")
+    if data.get("version") != TRACE_VERSION:
+        raise ValueError(f"{path}: trace version {data.get('version')!r} is not supported (expected {TRACE_VERSION})")
+    missing = {"masks", "geometry", "cdf_threshold", "sim_threshold", "source"} - data.keys()
+    if missing:
+        raise ValueError(f"{path}: trace lacks {sorted(missing)}")
+    fields = data["geometry"]
+    if not isinstance(fields, dict) or set(fields) != set(_GEOMETRY_FIELDS):
+        raise ValueError(f"{path}: geometry must be a dict of {_GEOMETRY_FIELDS}, got {fields!r}")
+    try:
+        geom = VideoGeometry(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: invalid geometry: {exc}") from exc
+    if geom.name in MODELS:
+        geom = dataclasses.replace(geom, rope=MODELS[geom.name].rope)
+    _check_masks(data["masks"], geom, str(path))
+    _check_thresholds(data["cdf_threshold"], data["sim_threshold"], str(path))
+    if expected_geometry is not None and any(
+        getattr(geom, f) != getattr(expected_geometry, f) for f in _SHAPE_FIELDS
+    ):
+        raise ValueError(f"{path}: trace geometry {geom.describe()} does not match the expected "
+                         f"{expected_geometry.describe()}")
+    return Trace(data["masks"], geom, float(data["cdf_threshold"]),
+                 None if data["sim_threshold"] is None else float(data["sim_threshold"]), str(data["source"]))
+
+
+# --- calibration table (docs/workloads.md): python -m sparsp.workloads -----------------------------
+
+
+def calibration_rows(model: str, cdfs: Sequence[float] = (0.85, 0.9, 0.95), *, seed: int = 0):
+    """Per cdf, one layer of ``model`` at the default mix: (cdf, density, pattern shares of all
+    heads, pattern shares without the dense control heads)."""
+    geom = preset(model)
+    masks = synthetic_masks(geom, cdfs, seed=seed)
+    positional = [h for h, k in enumerate(head_kinds(geom, seed=seed)) if k != "dense"]
+    for cdf, m in masks.items():
+        yield cdf, density(m), pattern_shares(m, geom), pattern_shares(m[:, positional], geom)
+
+
+if __name__ == "__main__":
+    import sys
+
+    def shares(d: dict[str, float]) -> str:
+        return " / ".join(f"{v:.2f}" for v in d.values())
+
+    print("| model | seed | cdf | density | all heads: diag / multi / column / other "
+          "| without dense heads: diag / multi / column / other |\n|---|---|---|---|---|---|")
+    for model in sys.argv[1:] or ["hunyuan-video", "wan2.1-14b"]:
+        for seed in (0, 1, 2):
+            for cdf, dens, every, positional in calibration_rows(model, seed=seed):
+                print(f"| {model} | {seed} | {cdf} | {dens:.3f} | {shares(every)} | {shares(positional)} |")

@@ -1,0 +1,106 @@
+"""GPU: every strategy with NCCL and the flex kernel in bf16 on 2 GPUs (scripts/gpu_check.sh)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+needs_two = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+
+STRATEGIES = ("ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
+
+
+def _spawn(fn, world, *args):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_entry, args=(world, port, fn, args), nprocs=world, join=True)
+
+
+def _entry(rank, world, port, fn, args):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world, *args)
+    finally:
+        from sparsp.strategies import close_transports
+
+        close_transports()
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, transport, S_per_rank, tail):
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.masks import block_mask
+
+    B, H, D, bs = 1, 8, 128, 128
+    lens = [S_per_rank] * (world - 1) + [S_per_rank - tail]
+    S = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    c = torch.randn(1, 1, H, D, device="cuda", generator=g)
+    pos = torch.linspace(-3, 3, S, device="cuda").view(1, S, 1, 1)
+    q = c + torch.randn(B, S, H, D, device="cuda", generator=g) * 0.5
+    k = c + torch.randn(B, S, H, D, device="cuda", generator=g) * 0.5 + pos
+    v = torch.randn(B, S, H, D, device="cuda", generator=g)
+    mask = block_mask(q, k, cdf_threshold=0.9, block_q=bs, block_k=bs)
+    tok = torch.arange(S, device="cuda") // bs
+    allowed = mask[:, :, tok][:, :, :, tok]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    ref_sparse = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~allowed, float("-inf")), -1), v)
+    ref_dense = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
+    a = sum(lens[:rank])
+    sl = slice(a, a + lens[rank])
+    qb, kb, vb = (x[:, sl].to(torch.bfloat16).contiguous() for x in (q, k, v))
+    cfg = SparspConfig(cdf_threshold=0.9, block_size=bs, transport=transport, kernel="flex")
+    # bf16 inputs: bound each strategy's error by a bf16 rounding of the fp32 reference ×4.
+    for strategy in STRATEGIES:
+        out = sp_attention(qb, kb, vb, strategy=strategy, config=cfg)
+        ref = (ref_dense if strategy == "ring" else ref_sparse)[:, sl]
+        floor = (ref.to(torch.bfloat16).float() - ref).abs().max().item()
+        err = (out.float() - ref).abs().max().item()
+        assert out.dtype == torch.bfloat16 and out.shape == qb.shape
+        assert err <= 4 * floor + 2e-2, f"{strategy}/{transport}: error {err:.4f} (bf16 floor {floor:.4f})"
+    dense = SparspConfig(cdf_threshold=1.0, block_size=bs, transport=transport, kernel="flex")
+    out = sp_attention(qb, kb, vb, strategy="sparsp", config=dense)
+    err = (out.float() - ref_dense[:, sl]).abs().max().item()
+    assert err <= 2e-2, f"dense sparsp/{transport}: error {err}"
+
+
+@needs_two
+@pytest.mark.parametrize("tail", [0, 40])
+def test_strategies_nccl_flex_bf16(tail):
+    _spawn(_worker, 2, "nccl", 4096, tail)
+
+
+def _same_output_worker(rank, world, transports):
+    from sparsp import SparspConfig, sp_attention
+
+    g = torch.Generator(device="cuda").manual_seed(9 + rank)
+    q, k, v = (torch.randn(1, 2048, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    outs = {}
+    for t in transports:
+        cfg = SparspConfig(cdf_threshold=0.9, transport=t, kernel="flex")
+        outs[t] = sp_attention(q, k, v, strategy="sparsp", config=cfg)
+    for t in transports[1:]:
+        assert torch.equal(outs[t], outs[transports[0]]), f"sparsp output on {t} differs from {transports[0]}"
+
+
+@needs_two
+def test_sparsp_identical_across_transports():
+    from sparsp.transport.base import _REGISTRY
+
+    transports = [t for t in ("nccl", "ipc", "host") if t in _REGISTRY]
+    _spawn(_same_output_worker, 2, transports)
