@@ -46,8 +46,11 @@ fi
 
 if [[ $MODE == transport || $MODE == bench || $MODE == all ]]; then
   if $PY -c 'import sparsp.bench.transport' 2>/dev/null; then
-    echo "== transport benchmark"
-    run_torchrun bench transport ${TRANSPORT_ARGS:-} 2>&1 | tee "$OUT_DIR/transport.log" || status=1
+    for fabric in nvlink host; do
+      echo "== transport benchmark, fabric $fabric"
+      run_torchrun bench transport --fabric "$fabric" ${TRANSPORT_ARGS:-} 2>&1 \
+        | tee "$OUT_DIR/transport_$fabric.log" || status=1
+    done
   fi
 fi
 
