@@ -486,7 +486,7 @@ class SlotWindows(ByteCounter):
 
         wait_flag(self._flags[peer], self._layout.published(self.rank, slot),
                   encode_flag(epoch, use, count), timeout_s=self.timeout_s, describe=describe,
-                  cap_s=self._poll_cap)
+                  cap_s=self._poll_cap, spin_s=self._poll_spin)
 
     def _wait_released(self, peer: int, slot: int, use: int) -> None:
         def describe(value: int) -> str:
@@ -496,12 +496,16 @@ class SlotWindows(ByteCounter):
 
         wait_flag(self._flags[self.rank], self._layout.released(peer, slot),
                   encode_flag(self.epoch, use, 1), timeout_s=self.timeout_s, describe=describe,
-                  cap_s=self._poll_cap)
+                  cap_s=self._poll_cap, spin_s=self._poll_spin)
 
     @property
     def _poll_cap(self) -> float:
         # CPU runs share few cores with the peers; a GPU waiter wants low latency
-        return 2e-4 if self.cuda else 1e-3
+        return 2e-5 if self.cuda else 1e-3
+
+    @property
+    def _poll_spin(self) -> float:
+        return 5e-3 if self.cuda else 5e-5
 
     def _barrier(self, what: str) -> None:
         """Shared-memory barrier with a timeout that names the missing peer."""
@@ -513,7 +517,8 @@ class SlotWindows(ByteCounter):
                         f"arrive within {self.timeout_s:g} s")
 
             wait_flag(self._flags[p], self._layout.barrier, self._bar,
-                      timeout_s=self.timeout_s, describe=describe, cap_s=self._poll_cap)
+                      timeout_s=self.timeout_s, describe=describe, cap_s=self._poll_cap,
+                      spin_s=self._poll_spin)
 
     def _reset_flags(self) -> None:
         """Every word this rank writes := (epoch, use 0, count 0): 'nothing yet this epoch'."""
@@ -526,7 +531,7 @@ class SlotWindows(ByteCounter):
 
     def _wait_event(self, event: torch.cuda.Event, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
-        backoff = Backoff(cap_s=1e-4)
+        backoff = Backoff(spin_s=self._poll_spin, cap_s=self._poll_cap)
         while not event.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: {what}: not complete within "

@@ -26,6 +26,8 @@ shared-memory segments registered with CUDA), exactly as for the ``host`` transp
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
@@ -46,7 +48,12 @@ class IpcTransport(SlotWindows):
         self._copy: torch.cuda.Stream | None = None
         if _resolve_device(device, group).type != "cuda":
             raise ValueError("the ipc transport moves CUDA tensors; use host or nccl on CPU")
-        options["stream_waits"] = False  # waits are host-polled here, see the module docstring
+        # Device-side waits by default: the copy is queued behind cuStreamWaitValue32 at once, no
+        # host thread in the path (host polling measured ~0.3 ms per exchange on the H200s).
+        # A dead peer still raises: ``wait()`` polls the published flag with the timeout.
+        options.setdefault("stream_waits", True)
+        self._split = max(1, int(os.environ.get("SPARSP_IPC_SPLIT", "1")))
+        self._extra_streams: dict[int, list[torch.cuda.Stream]] = {}
         super().__init__(group, timeout_s=timeout_s, device=device, **options)
 
     def _slot_area_bytes(self, slot_bytes: int) -> int:
@@ -78,10 +85,11 @@ class IpcTransport(SlotWindows):
 
     def _unexport_slots(self) -> None:
         if self._peer_windows:
-            for stream in self._peer_streams.values():
+            for stream in self._streams:
                 stream.synchronize()
             self._peer_windows.clear()
             self._peer_streams.clear()
+            self._extra_streams.clear()
             # let every consumer drop its mapping before the owners free their windows (torch
             # would otherwise warn that a producer freed memory a consumer still maps)
             if self._flags:
@@ -97,7 +105,7 @@ class IpcTransport(SlotWindows):
 
     def _set_streams(self) -> None:
         self._streams = ([self._copy] if self._copy is not None else []) + list(
-            self._peer_streams.values())
+            self._peer_streams.values()) + [s for ss in self._extra_streams.values() for s in ss]
 
     def _start_threads(self) -> None:
         super()._start_threads()
@@ -123,6 +131,8 @@ class IpcTransport(SlotWindows):
 
     def _fetch(self, peer: int, slot: int, use: int, dst: torch.Tensor):
         assert self._copy is not None and self._worker is not None
+        if self._ops is not None and self._ops.wait_ops:
+            return self._fetch_device_wait(peer, slot, use, dst)
         offset = self._offset(peer, self.rank, slot)
         src = self._peer_windows[peer][offset : offset + dst.numel()]
         ready = torch.cuda.Event()
@@ -143,14 +153,74 @@ class IpcTransport(SlotWindows):
         self._track(done, f"fetch from peer {peer}, slot {slot} (epoch {epoch})")
         return CopyHandle(self.device, done, task)
 
+    def _fetch_device_wait(self, peer: int, slot: int, use: int, dst: torch.Tensor):
+        """Queue wait-for-flag and the peer copy now; the GPU starts it when the flag lands.
+
+        ``SPARSP_IPC_SPLIT`` > 1 splits the copy over as many streams of the source device;
+        measured on 2×H200 (exchange, 256 MiB): 1 part 358 GB/s, 2 parts 319, 3 parts 292 —
+        one copy per direction already fills the link, so the default is 1.
+        """
+        offset = self._offset(peer, self.rank, slot)
+        src = self._peer_windows[peer][offset : offset + dst.numel()]
+        epoch, copy = self.epoch, self._copy
+        flag = self._devflags[peer] + 4 * self._layout.published(self.rank, slot)
+        value = encode_flag(epoch, use, 1)
+        streams = self._copy_streams(peer)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        _keep_alive(dst, copy)
+        done = torch.cuda.Event()
+        n = dst.numel()
+        bounds = [n * i // len(streams) for i in range(len(streams) + 1)]
+        with torch.cuda.stream(copy):
+            copy.wait_event(ready)  # ``out`` is free on the caller's stream
+            for stream, lo, hi in zip(streams, bounds, bounds[1:]):
+                if hi > lo:
+                    with torch.cuda.stream(stream):
+                        self._ops.wait(stream, flag, value)
+                        dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+            done.record(copy)
+        self._track(done, f"fetch from peer {peer}, slot {slot} (epoch {epoch})")
+
+        def published() -> None:  # host check with the timeout: a dead peer raises, no hang
+            self._wait_published(peer, slot, use, 1, epoch)
+
+        return _PublishedHandle(self.device, done, published)
+
+    def _copy_streams(self, peer: int) -> list[torch.cuda.Stream]:
+        extra = self._extra_streams.get(peer)
+        if extra is None:
+            dev = self._peer_streams[peer].device
+            extra = [torch.cuda.Stream(dev) for _ in range(self._split - 1)]
+            self._extra_streams[peer] = extra
+            self._set_streams()
+        return [self._peer_streams[peer], *extra]
+
     def _release(self, peer: int, slot: int, use: int) -> None:
         assert self._worker is not None
         index = self._layout.released(self.rank, slot)
         value = encode_flag(self.epoch, use, 1)
         copy = self._copy
+        if self._ops is not None and self._ops.wait_ops:  # copies were queued directly
+            self._write_flag(peer, index, value, copy)
+            return
         # FIFO after the fetch task that issued this slot's copy; on the copy stream, so
         # after the copy itself
         self._worker.submit(lambda: self._write_flag(peer, index, value, copy))
+
+
+class _PublishedHandle(CopyHandle):
+    """``wait()``: the peer published (host check, with timeout), then the stream waits."""
+
+    def __init__(self, device, event, published) -> None:
+        super().__init__(device, event, None)
+        self._published = published
+
+    def wait(self) -> None:
+        if self._published is not None:
+            self._published()
+            self._published = None
+        super().wait()
 
 
 @register_transport("ipc")
