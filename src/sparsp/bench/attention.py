@@ -156,16 +156,19 @@ def plot(path: Path) -> Path:
     doc = json.loads(Path(path).read_text())
     rows = doc["rows"]
     fabrics = list(dict.fromkeys(r["fabric"] for r in rows))
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    # one group per (strategy, transport): the transports differ by fabric (nccl on both,
+    # ipc on nvlink, host on host), so a group may have one bar
+    groups = list(dict.fromkeys((r["strategy"], r["transport"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
     width = 0.8 / max(1, len(fabrics))
     for i, fab in enumerate(fabrics):
         ys = []
-        for s in strategies:
-            rs = [r for r in rows if r["fabric"] == fab and r["strategy"] == s]
+        for s, t in groups:
+            rs = [r for r in rows if r["fabric"] == fab and r["strategy"] == s and r["transport"] == t]
             ys.append(rs[-1]["median_ms"] if rs else float("nan"))
-        ax.bar([j + i * width for j in range(len(strategies))], ys, width, label=fab)
-    ax.set_xticks([j + width * (len(fabrics) - 1) / 2 for j in range(len(strategies))], strategies)
+        ax.bar([j + i * width for j in range(len(groups))], ys, width, label=fab)
+    ax.set_xticks([j + width * (len(fabrics) - 1) / 2 for j in range(len(groups))],
+                  [f"{s}\n{t}" for s, t in groups], fontsize=8)
     ax.set(ylabel="median ms per attention call", title=f"{rows[0]['model']} attention, {doc['machine']}")
     ax.legend(title="fabric")
     fig.tight_layout()
