@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
 from ..config import SparspConfig
 from ..plan import exchange_shapes, local_mask

@@ -11,13 +11,17 @@ device)"), which is how torch rebuilds a shared CUDA tensor.
 - ``publish`` writes the 'published' flag with ``cuStreamWriteValue32`` on the current
   stream, i.e. ordered after the pack (paper §6.1: "Publish is issued on the same CUDA stream
   as the packing operation"); without cuda-python, an event and a host thread;
-- ``fetch`` waits for that flag on a host worker thread (so a dead peer raises a
-  ``TimeoutError`` naming peer, slot and epoch instead of hanging a stream), then issues
-  ``out.copy_(peer_slot)``: a same-dtype contiguous copy between devices is a
-  ``cudaMemcpyAsync`` on copy engines, no kernel. torch runs a cross-device copy on the
-  *source* device's current stream and fences it two-way with the destination device's
-  current stream, so both are set to dedicated streams for the copy: a stream per peer device
-  (created in this process) and our copy stream, which then waits for the copy to finish;
+- ``fetch`` queues, on a stream of the source device, ``cuStreamWaitValue32`` on that flag and
+  then ``out.copy_(peer_slot)``: a same-dtype contiguous copy between devices is a
+  ``cudaMemcpyAsync`` on copy engines, no kernel, and no host thread sits in the path (host
+  polling cost ~0.3 ms per exchange on the 2×H200 box: 272 → 358 GB/s at 256 MiB). The
+  handle's ``wait()`` still polls the flag on the host with the timeout, so a dead peer raises
+  a ``TimeoutError`` naming peer, slot and epoch instead of hanging. torch runs a
+  cross-device copy on the *source* device's current stream and fences it two-way with the
+  destination device's current stream, so both are set to dedicated streams: a stream per peer
+  device (created in this process) and our copy stream, which then waits for the copy. Without
+  the driver API (or with ``stream_waits=False``) a host worker thread waits for the flag and
+  issues the copy;
 - ``release`` writes the 'released' flag on the copy stream, i.e. after the copy completed.
 
 Flags, windows, epochs, barriers and timeouts are ``host.SlotWindows``'s (flag pages are small
@@ -32,7 +36,8 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from .base import register_transport
-from .host import CopyHandle, SlotWindows, Worker, _keep_alive, _resolve_device
+from .cuda_ops import CopyHandle, Worker, _keep_alive
+from .slots import SlotWindows, _resolve_device
 from .shm import encode_flag
 
 

@@ -1,0 +1,475 @@
+"""Slot windows: the publish/fetch/release protocol over exported slots, with flags,
+epochs, bounded windows, barriers and timeouts — shared by ``host`` and ``ipc``.
+
+The protocol, its flag encoding and the CUDA paths are described in ``host``'s docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import ByteCounter, DoneHandle
+from .cuda_ops import DeviceOps, Worker, as_bytes
+from .shm import (HEADER_BYTES, PAGE, Backoff, FlagLayout, ShmSegment, agree_tag, describe_flag,
+                  encode_flag, round_up, sweep_stale, wait_flag)
+
+log = logging.getLogger("sparsp")
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class SlotWindows(ByteCounter):
+    """Protocol bookkeeping shared by ``HostTransport`` and ``IpcTransport``.
+
+    Subclasses say where the slots live (``_slot_area_bytes``, ``_export_slots``) and how a
+    payload moves (``_send_view``, ``_publish``, ``_fetch``); windows, flags, epochs, barriers,
+    timeouts, segments and the CUDA helpers are here, once.
+    """
+
+    name = "slots"
+
+    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, window: int = 3,
+                 slot_bytes: int = 1 << 20, chunk_bytes: int = 16 << 20, tag: str | None = None,
+                 stream_waits: bool | None = None) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        if chunk_bytes < PAGE:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be >= {PAGE}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.peers = [p for p in range(self.world_size) if p != self.rank]
+        self.timeout_s = float(timeout_s)
+        self.window = int(window)
+        self.chunk_bytes = int(chunk_bytes)
+        self.device = _resolve_device(device, group)
+        self.cuda = self.device.type == "cuda"
+        self.epoch = 0
+        self.slot_bytes = 0
+        self._layout = FlagLayout(self.world_size, self.window)
+        self._segs: list[ShmSegment] = []
+        self._flags: list[np.ndarray] = []
+        self._devflags: list[int | None] = []
+        self._bar = 0
+        self._closed = False
+        self._inflight: list[tuple[torch.cuda.Event, str]] = []
+        self._streams: list[torch.cuda.Stream] = []
+        self._worker: Worker | None = None
+        self._signaler: Worker | None = None
+        self._ops: DeviceOps | None = None
+        if stream_waits is None:
+            stream_waits = bool(_env_flag("SPARSP_STREAM_WAITS"))
+        self._reset_state()
+        try:
+            with self._device_ctx():
+                if self.cuda:
+                    torch.empty(1, device=self.device)  # create the CUDA context now
+                    self._ops = DeviceOps(self.device, stream_waits)
+                self._tag = agree_tag(group, tag, device=self.device if self.cuda else None)
+                self._export(round_up(max(int(slot_bytes), 1), PAGE))
+                if self.cuda:
+                    self._start_threads()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # -- subclass hooks -------------------------------------------------------------------
+
+    def _slot_area_bytes(self, slot_bytes: int) -> int:
+        raise NotImplementedError
+
+    def _export_slots(self) -> None:
+        """Collective: set up the slots after the flag segments exist (ipc: device windows)."""
+
+    def _unexport_slots(self) -> None:
+        """Drop what ``_export_slots`` made."""
+
+    def _send_view(self, peer: int, slot: int, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _publish(self, peer: int, slot: int, use: int, src: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _fetch(self, peer: int, slot: int, use: int, dst: torch.Tensor):
+        raise NotImplementedError
+
+    def _release(self, peer: int, slot: int, use: int) -> None:
+        self._write_flag(peer, self._layout.released(self.rank, slot),
+                         encode_flag(self.epoch, use, 1))
+
+    def _start_threads(self) -> None:
+        if self._ops is not None and not self._ops.mem_ops:
+            self._signaler = Worker(f"sparsp-{self.name}-signal", self.device)
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    def send_buffer(self, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``numel`` ``dtype`` elements to pack for ``peer``; waits for a free slot."""
+        self._check_peer(peer)
+        if peer in self._pending:
+            raise RuntimeError(f"rank {self.rank}: send_buffer({peer}) called twice without "
+                               "publish in between")
+        nbytes = int(numel) * dtype.itemsize
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"rank {self.rank}: {nbytes} bytes for peer {peer} exceed the slot "
+                             f"size {self.slot_bytes}; call reserve({nbytes}) on every rank first")
+        if nbytes == 0:
+            self._pending[peer] = None
+            return torch.empty(0, dtype=dtype, device=self.device)
+        k = self._sent[peer]
+        slot, use = k % self.window, k // self.window
+        encode_flag(self.epoch, use, 1)  # range check before anything moves
+        if use > 0:
+            self._wait_released(peer, slot, use - 1)
+        self._sent[peer] = k + 1
+        self._pending[peer] = (slot, use, nbytes)
+        return self._send_view(peer, slot, nbytes).view(dtype)
+
+    def publish(self, peer: int, buf: torch.Tensor) -> None:
+        """``buf`` (from ``send_buffer``) is packed: the peer may fetch it."""
+        if peer not in self._pending:
+            raise RuntimeError(f"rank {self.rank}: publish({peer}) without send_buffer")
+        claim = self._pending.pop(peer)
+        nbytes = buf.numel() * buf.element_size()
+        if claim is None:
+            if nbytes:
+                raise ValueError(f"rank {self.rank}: publish({peer}) of {nbytes} bytes into a "
+                                 "0-byte send_buffer")
+            return
+        slot, use, claimed = claim
+        if nbytes > claimed:
+            raise ValueError(f"rank {self.rank}: publish({peer}) of {nbytes} bytes, but "
+                             f"send_buffer asked for {claimed}")
+        self._count_send(peer, buf)
+        self._publish(peer, slot, use, as_bytes(buf))
+
+    def fetch(self, peer: int, out: torch.Tensor):
+        """Copy ``out.numel()`` elements of the next slot ``peer`` publishes for us into ``out``."""
+        self._check_peer(peer)
+        nbytes = out.numel() * out.element_size()
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"rank {self.rank}: fetch of {nbytes} bytes from peer {peer} "
+                             f"exceeds the slot size {self.slot_bytes}; call reserve() first")
+        if nbytes == 0:
+            self._unreleased[peer].append(None)
+            return DoneHandle()
+        k = self._fetched[peer]
+        slot, use = k % self.window, k // self.window
+        encode_flag(self.epoch, use, 1)
+        handle = self._fetch(peer, slot, use, as_bytes(out))
+        self._fetched[peer] = k + 1
+        self._unreleased[peer].append((slot, use))
+        self._count_recv(peer, out)
+        return handle
+
+    def release(self, peer: int) -> None:
+        """Hand back the oldest slot fetched from ``peer`` (after its copy has completed)."""
+        self._check_peer(peer)
+        if not self._unreleased[peer]:
+            raise RuntimeError(f"rank {self.rank}: release({peer}) without a fetch to release")
+        entry = self._unreleased[peer].popleft()
+        if entry is not None:
+            self._release(peer, *entry)
+
+    def fence(self) -> None:
+        """Once per attention call: everyone is done with this epoch; flags reset; epoch + 1.
+
+        Slots fetched but not released are released implicitly (their copies are complete).
+        """
+        self._check_open()
+        unpublished = [p for p, c in self._pending.items() if c is not None]
+        if unpublished:
+            raise RuntimeError(f"rank {self.rank}: fence with send_buffer(s) for peers "
+                               f"{unpublished} never published (epoch {self.epoch})")
+        self._quiesce()
+        self._barrier("fence")
+        self.epoch += 1
+        self._reset_flags()
+        self._barrier("fence flag reset")
+        self._reset_state()
+
+    def reserve(self, nbytes: int) -> None:
+        """Collective: make every slot hold at least ``nbytes`` (same value on every rank).
+
+        Re-exports the segments (and device windows) only when they grow; implies a fence.
+        """
+        self._check_open()
+        if nbytes <= self.slot_bytes:
+            return
+        self.fence()
+        with self._device_ctx():
+            self._unexport()
+            self._export(round_up(int(nbytes), PAGE))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._quiesce()
+        except Exception as e:  # noqa: BLE001 - a dead peer must not keep us from cleaning up
+            log.warning("sparsp: %s transport on rank %d closed with transfers pending: %s",
+                        self.name, self.rank, e)
+        self._teardown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        """One line for the log: fabric and synchronization mechanics actually in use."""
+        if not self.cuda:
+            mech = "cpu copies"
+        else:
+            assert self._ops is not None
+            writes = "stream writes" if self._ops.mem_ops else "host-thread writes"
+            waits = "stream waits" if self._ops.wait_ops else "host-polled waits"
+            mech = f"{self.device}, {writes}, {waits}"
+        return (f"{self.name} ({mech}; window {self.window} x {self.slot_bytes} B, "
+                f"chunk {self.chunk_bytes} B)")
+
+    # -- flags, waits, barriers -----------------------------------------------------------
+
+    def _write_flag(self, owner: int, index: int, value: int,
+                    stream: torch.cuda.Stream | None = None) -> None:
+        """Store a flag word of ``owner``'s page: now, or after the work queued on ``stream``."""
+        if stream is None:
+            self._flags[owner][index] = value
+        elif self._ops is not None and self._ops.mem_ops:
+            self._ops.write(stream, self._devflags[owner] + 4 * index, value)
+        else:
+            assert self._signaler is not None
+            event = torch.cuda.Event()
+            event.record(stream)
+            words = self._flags[owner]
+
+            def store() -> None:
+                self._wait_event(event, "GPU work before a flag write")
+                words[index] = value
+
+            self._signaler.submit(store)
+
+    def _wait_published(self, peer: int, slot: int, use: int, count: int, epoch: int) -> None:
+        def describe(value: int) -> str:
+            return (f"rank {self.rank}: fetch from peer {peer}: slot {slot} (use {use}, chunk "
+                    f"{count}) of epoch {epoch} not published within {self.timeout_s:g} s "
+                    f"(flag holds {describe_flag(value)})")
+
+        wait_flag(self._flags[peer], self._layout.published(self.rank, slot),
+                  encode_flag(epoch, use, count), timeout_s=self.timeout_s, describe=describe,
+                  cap_s=self._poll_cap, spin_s=self._poll_spin)
+
+    def _wait_released(self, peer: int, slot: int, use: int) -> None:
+        def describe(value: int) -> str:
+            return (f"rank {self.rank}: send_buffer to peer {peer}: slot {slot} (use {use}) of "
+                    f"epoch {self.epoch} not released within {self.timeout_s:g} s: the window "
+                    f"of {self.window} is full (flag holds {describe_flag(value)})")
+
+        wait_flag(self._flags[self.rank], self._layout.released(peer, slot),
+                  encode_flag(self.epoch, use, 1), timeout_s=self.timeout_s, describe=describe,
+                  cap_s=self._poll_cap, spin_s=self._poll_spin)
+
+    @property
+    def _poll_cap(self) -> float:
+        # CPU runs share few cores with the peers; a GPU waiter wants low latency
+        return 2e-5 if self.cuda else 1e-3
+
+    @property
+    def _poll_spin(self) -> float:
+        return 5e-3 if self.cuda else 5e-5
+
+    def _barrier(self, what: str) -> None:
+        """Shared-memory barrier with a timeout that names the missing peer."""
+        self._bar = (self._bar + 1) & 0xFFFFFFFF
+        self._flags[self.rank][self._layout.barrier] = self._bar
+        for p in self.peers:
+            def describe(value: int, p=p) -> str:
+                return (f"rank {self.rank}: {what} (epoch {self.epoch}): peer {p} did not "
+                        f"arrive within {self.timeout_s:g} s")
+
+            wait_flag(self._flags[p], self._layout.barrier, self._bar,
+                      timeout_s=self.timeout_s, describe=describe, cap_s=self._poll_cap,
+                      spin_s=self._poll_spin)
+
+    def _reset_flags(self) -> None:
+        """Every word this rank writes := (epoch, use 0, count 0): 'nothing yet this epoch'."""
+        value = encode_flag(self.epoch, 0, 0)
+        own = self._flags[self.rank]
+        for p in self.peers:
+            for s in range(self.window):
+                own[self._layout.published(p, s)] = value
+                self._flags[p][self._layout.released(self.rank, s)] = value
+
+    def _wait_event(self, event: torch.cuda.Event, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        backoff = Backoff(spin_s=self._poll_spin, cap_s=self._poll_cap)
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: {what}: not complete within "
+                                   f"{self.timeout_s:g} s")
+            backoff.pause()
+
+    def _quiesce(self) -> None:
+        """Everything this rank queued (copies, flag writes) has completed."""
+        if not self.cuda:
+            return
+        if self._worker is not None:
+            self._worker.drain()
+        for event, what in self._inflight:
+            self._wait_event(event, what)
+        self._inflight.clear()
+        for stream in self._streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._wait_event(event, f"{self.name} copy stream")
+        if self._signaler is not None:
+            self._signaler.drain()
+
+    def _track(self, event: torch.cuda.Event, what: str) -> None:
+        """Remember GPU work whose timeout should name ``what`` at the next fence."""
+        if len(self._inflight) > 256:  # nobody fences: forget what already completed
+            self._inflight = [(e, w) for e, w in self._inflight if not e.query()]
+        self._inflight.append((event, what))
+
+    # -- export ---------------------------------------------------------------------------
+
+    def _export(self, slot_bytes: int) -> None:
+        """Collective: create, exchange and map the segments; the names are gone afterwards."""
+        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes)
+        configs = self._allgather(config)
+        if any(c != config for c in configs):
+            raise ValueError(f"rank {self.rank}: transport settings differ between ranks "
+                             f"(class, slot_bytes, window, chunk_bytes): {configs}")
+        size = HEADER_BYTES + self._layout.nbytes + self._slot_area_bytes(slot_bytes)
+        segs: list = [None] * self.world_size
+        self._segs = segs
+
+        def create() -> None:
+            sweep_stale()
+            segs[self.rank] = ShmSegment.create(self._tag, self.rank, size)
+
+        def open_peers() -> None:
+            for p in self.peers:
+                segs[p] = ShmSegment.open(self._tag, p, size)
+
+        self._agree("creating the shared-memory segment", create)
+        self._agree("opening the peers' segments", open_peers)
+        segs[self.rank].unlink()  # everyone has it mapped: a crash from here on leaks nothing
+        self.slot_bytes = slot_bytes
+        self._flags = [seg.words(HEADER_BYTES, self._layout.nwords) for seg in segs]
+        self._devflags = [None] * self.world_size
+        if self.cuda:
+            assert self._ops is not None
+            for p, seg in enumerate(segs):
+                base = self._ops.register(seg.ptr, seg.size)
+                self._devflags[p] = None if base is None else base + HEADER_BYTES
+            mapped = all(d is not None for d in self._devflags)
+            if self._ops.mem_ops and not mapped:  # a re-export lost what the first one had
+                raise RuntimeError("the flag pages could not be mapped for stream writes")
+            if not self._ops.mem_ops and mapped:
+                self._ops.probe(self._flags[self.rank], self._layout.scratch,
+                                self._devflags[self.rank])
+        self._agree("setting up the slots", self._export_slots)
+        self._bar = 0
+        self._reset_flags()
+        self._barrier("export")
+        self._reset_state()
+
+    def _unexport(self) -> None:
+        self._unexport_slots()
+        self._flags = []
+        for seg in self._segs:
+            if seg is None:
+                continue
+            if self._ops is not None:
+                self._ops.unregister(seg.ptr)
+            seg.close()
+        self._segs = []
+
+    def _teardown(self) -> None:
+        for w in (self._worker, self._signaler):
+            if w is not None:
+                w.stop()
+        self._worker = self._signaler = None
+        self._unexport()
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        g = self.world_size
+        self._sent = [0] * g
+        self._fetched = [0] * g
+        self._pending: dict[int, tuple[int, int, int] | None] = {}
+        self._unreleased: list[deque] = [deque() for _ in range(g)]
+
+    def _check_peer(self, peer: int) -> None:
+        self._check_open()
+        if not (0 <= peer < self.world_size) or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: peer {peer} is not another rank of a group "
+                             f"of {self.world_size}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} transport is closed")
+
+    def _device_ctx(self):
+        return torch.cuda.device(self.device) if self.cuda else _nullctx()
+
+    def _allgather(self, obj) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _agree(self, step: str, fn: Callable[[], None]) -> None:
+        """Run a setup step on every rank; a failure anywhere raises everywhere (no hang)."""
+        error = None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported to the group, then re-raised
+            error = e
+        reports = self._allgather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        for r, report in enumerate(reports):
+            if report is not None:
+                raise RuntimeError(f"rank {self.rank}: {step} failed on rank {r}: {report}")
+
+    def _chunks(self, nbytes: int) -> list[tuple[int, int, int]]:
+        """(count after this chunk, start, end) for each chunk of a payload."""
+        c = self.chunk_bytes
+        return [(j + 1, lo, min(lo + c, nbytes)) for j, lo in enumerate(range(0, nbytes, c))]
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _resolve_device(device, group) -> torch.device:
+    if device is None:
+        device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device} is not supported; use a cpu or cuda device")
+    return device
