@@ -187,6 +187,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
     ax.set(xlabel="ranks G", ylabel="GiB received per attention call (all ranks)", title=title, xscale="log")
     ax.set_xticks(sorted({v["ranks"] for v in sweep["volume"]}), labels=None)
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
     paths.append(_save(fig, out / "volume_vs_ranks.png"))
 
@@ -194,7 +195,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
     for pname, c in sweep["sharing"].items():
         ax.plot([100 * x for x in c["x"]], [100 * y for y in c["y"]], marker=".", label=pname)
     ax.set(xlabel="x: % of local Q blocks that read the K block", ylabel="% of remote K blocks received",
-           title=f"Figure 4 analogue, G={doc['ranks']}: {title}")
+           title=f"Figure 4 analogue, G={doc['ranks']}\n{title}")
     ax.legend()
     paths.append(_save(fig, out / "sharing_curve.png"))
 
@@ -203,7 +204,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
         ax.plot([r["ranks"] for r in rows], [r["relay_over_direct"] for r in rows], marker="o", label=pname)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xlabel="ranks G", ylabel="relay-ring bytes / direct (demand) bytes",
-           title=f"Figure 5 analogue: {title}")
+           title=f"Figure 5 analogue\n{title}")
     ax.legend()
     paths.append(_save(fig, out / "relay_amplification.png"))
     return paths
