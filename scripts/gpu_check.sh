@@ -2,7 +2,7 @@
 # GPU check for the lent 2×H200 machine (device tool): the `gpu`-marked tests, then the
 # benchmarks on both fabrics, then a short table last.
 #
-#   scripts/gpu_check.sh [tests|bench|attention|transport|all]   (default: all)
+#   scripts/gpu_check.sh [tests|soak|bench|attention|transport|all]   (default: all)
 #
 # Runs from a plain checkout with the machine's own python3 (torch 2.11 there, no installs):
 # the package is used from src/ via PYTHONPATH. Results land in bench/results/ and, when the
@@ -28,6 +28,12 @@ $PY -c 'from cuda.bindings import driver; print("cuda-bindings ok")' 2>/dev/null
 if [[ $MODE == tests || $MODE == all ]]; then
   echo "== gpu tests"
   $PY -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+
+if [[ $MODE == soak || $MODE == tests || $MODE == all ]]; then
+  echo "== gpu soak (2,000 sp_attention calls, device memory before/after)"
+  $PY scripts/gpu_soak.py --calls "${SOAK_CALLS:-2000}" --world "$NPROC" 2>&1 | tee "$OUT_DIR/gpu_soak.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 
@@ -57,5 +63,7 @@ fi
 today=$(date +%F)
 cp bench/results/*-"$today".json bench/results/*-"$today".png "$OUT_DIR"/ 2>/dev/null || true
 echo "== summary"
-$PY -m sparsp.bench.report bench/results/*-"$today".json || status=1
+ls bench/results/*-"$today".json >/dev/null 2>&1 && { $PY -m sparsp.bench.report bench/results/*-"$today".json || status=1; }
+[[ -f "$OUT_DIR/gpu_tests.log" ]] && { echo "gpu tests: $(tail -n 1 "$OUT_DIR/gpu_tests.log")"; }
+[[ -f "$OUT_DIR/gpu_soak.log" ]] && { echo "gpu soak: $(tail -n 1 "$OUT_DIR/gpu_soak.log")"; }
 exit $status

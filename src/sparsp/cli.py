@@ -56,6 +56,8 @@ def _run_analyze(args) -> int:
 
     console = Console()
     try:
+        if args.out.exists() and not args.out.is_dir():  # found now, not after the analysis
+            raise ValueError(f"--out {args.out} is a file; give a directory")
         cfg = AnalyzeConfig(
             model=args.model, ranks=args.ranks, cdf=tuple(args.cdf), placements=tuple(args.placement),
             strategies=tuple(args.strategy), trace=args.trace, layers=args.layers, dtype=args.dtype,
@@ -64,9 +66,8 @@ def _run_analyze(args) -> int:
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
             doc = analyze(cfg, progress)
-    except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+    except (ValueError, OSError) as e:  # bad arguments or an unreadable --trace: no traceback
+        return _usage_error(e)
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"G={doc['ranks']}, {doc['dtype']}, {doc['layers']} layer(s), {doc['masks']} masks")
     for col in ("cdf", "density", "placement", "strategy", "max/rank", "total", "vs ring"):
@@ -80,10 +81,19 @@ def _run_analyze(args) -> int:
     for s in doc["mask_stats"]:
         shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["patterns"].items())
         console.print(f"cdf {s['cdf']:.2f}: density {100 * s['density']:.1f}%; patterns: {shares}")
-    paths = _write_json_only(doc, args.out) if args.no_plots else write_outputs(doc, args.out)
+    try:
+        paths = _write_json_only(doc, args.out) if args.no_plots else write_outputs(doc, args.out)
+    except OSError as e:  # --out names a file, or a directory we may not write
+        return _usage_error(f"cannot write to --out {args.out}: {e}")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     console.print(f"done in {doc['seconds']:.1f} s")
     return 0
+
+
+def _usage_error(error) -> int:
+    """Report a bad argument the way argparse does: one line on stderr, exit status 2."""
+    print(f"sparsp analyze: error: {error}", file=sys.stderr)
+    return 2
 
 
 def _write_json_only(doc, out: Path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,20 +31,28 @@ class SparspConfig:
     """Every wait on a peer raises ``TimeoutError`` after this many seconds instead of hanging."""
     prefetch: int = 1
     """Rounds fetched ahead of the one being computed (1 = double buffering)."""
+    check_finite: bool = True
+    """Count NaN/Inf in q, k, v on every call and raise ``ValueError`` on every rank (naming the
+    tensor, the rank and the count) instead of letting them spread through the softmax merge
+    into every peer's output. Costs one pass over the inputs and, on GPU, one host sync (the
+    counts ride on the shape all-gather the call makes anyway). Turn it off in production once
+    the inputs are trusted."""
 
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
         _check_threshold("sim_threshold", self.sim_threshold, allow_none=True)
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if not _is_int(self.block_size) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if self.transport not in ("auto", "nccl", "ipc", "host"):
             raise ValueError(f"transport must be one of auto, nccl, ipc, host; got {self.transport!r}")
         if self.kernel not in ("auto", "torch", "flex"):
             raise ValueError(f"kernel must be one of auto, torch, flex; got {self.kernel!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+        if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if not _is_int(self.prefetch) or self.prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {self.prefetch!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"check_finite must be True or False, got {self.check_finite!r}")
 
     def cdf_tensor(self, heads: int) -> torch.Tensor | float:
         return _per_head(self.cdf_threshold, heads, "cdf_threshold")
@@ -58,11 +67,19 @@ class SparspConfig:
         return self.sim_threshold is None and all(v >= 1.0 for v in values)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_threshold(name, value, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
     values = value if isinstance(value, tuple) else (value,)
-    if not values or not all(isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in values):
+    if not values or not all(_is_number(v) and 0.0 <= v <= 1.0 for v in values):
         raise ValueError(f"{name} must be a number in [0, 1] or a tuple of them, got {value!r}")
 
 

@@ -32,7 +32,11 @@ STRATEGIES = ("ring", "ring-sparse", "ring-relay", "sparsp", "ulysses")
 
 
 def _check_masks(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a sparsp.placement.Placement, got {type(placement).__name__}")
     n = placement.geometry.num_blocks
+    if not isinstance(masks, torch.Tensor):
+        raise ValueError(f"masks must be bool [heads, {n}, {n}] in original block order, got {type(masks).__name__}")
     if masks.dim() != 3 or masks.shape[1:] != (n, n):
         raise ValueError(f"masks must be bool [heads, {n}, {n}] in original block order, got {tuple(masks.shape)}")
     return masks.bool()
@@ -72,6 +76,9 @@ def comm_bytes(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    for name, value in (("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     masks = _check_masks(masks, placement)
     H = masks.shape[0]
     G = placement.ranks

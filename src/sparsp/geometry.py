@@ -70,9 +70,9 @@ class VideoGeometry:
     def __post_init__(self) -> None:
         for attr in ("frames", "height", "width", "block_size", "heads", "head_dim", "layers"):
             value = getattr(self, attr)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"VideoGeometry.{attr} must be a positive int, got {value!r}")
-        if not isinstance(self.text_tokens, int) or self.text_tokens < 0:
+        if not _is_int(self.text_tokens) or self.text_tokens < 0:
             raise ValueError(f"VideoGeometry.text_tokens must be an int >= 0, got {self.text_tokens!r}")
 
     # --- token arithmetic -------------------------------------------------------------------
@@ -173,6 +173,9 @@ PRESETS = tuple(MODELS)
 def latent_grid(model: str, width: int, height: int, frames: int) -> tuple[int, int, int]:
     """(T, H, W) latent tokens of a ``width × height × frames`` video for ``model``."""
     spec = _spec(model)
+    for what, value in (("width", width), ("height", height), ("frames", frames)):
+        if not _is_int(value):
+            raise ValueError(f"{model}: {what} must be an int (pixels or frames), got {value!r}")
     if frames < 1 or (frames - 1) % spec.temporal_compression:
         raise ValueError(
             f"{model}: frames must be 1 + a multiple of {spec.temporal_compression}, got {frames}"
@@ -198,15 +201,21 @@ def preset(
     """The geometry of a model preset, at its default video size or at the one given."""
     spec = _spec(name)
     dw, dh, df = spec.default_video
-    t, h, w = latent_grid(name, width or dw, height or dh, frames or df)
+    # ``is None``, not ``or``: width=0 is a mistake to report, not a request for the default.
+    t, h, w = latent_grid(name, dw if width is None else width, dh if height is None else height,
+                          df if frames is None else frames)
     return VideoGeometry(
         frames=t, height=h, width=w, text_tokens=spec.text_tokens, block_size=block_size,
         heads=spec.heads, head_dim=spec.head_dim, layers=spec.layers, name=name, rope=spec.rope,
     )
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
+
+
 def _spec(name: str) -> ModelSpec:
     try:
         return MODELS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None

@@ -60,6 +60,7 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
     subtracted from every token first (key smoothing)."""
     if x.dim() != 4:
         raise ValueError(f"expected (B, S, H, D), got shape {tuple(x.shape)}")
+    _check_block("block_size", block_size)
     B, S, H, D = x.shape
     n = math.ceil(S / block_size)
     xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
@@ -77,6 +78,11 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
     unit = torch.nn.functional.normalize(blocks, dim=-1)  # zero rows stay zero
     sim = (unit.sum(dim=3) / denom).square().sum(dim=-1)
     return PooledBlocks(mean, sim, lengths.to(x.device))
+
+
+def _check_block(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int (tokens per block), got {value!r}")
 
 
 def _per_head(value: Threshold, heads: int, name: str, device) -> torch.Tensor:
@@ -132,10 +138,25 @@ def block_mask(
     block_k: int = 128,
 ) -> torch.Tensor:
     """The block mask of ``q, k`` (B, S, H, D) → bool [B, H, nQ, nK] (single process)."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor (B, S, H, D), got {type(t).__name__}")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be (B, S, H, D), got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, heads or head dim")
+    if not (q.is_floating_point() and k.is_floating_point()):
+        raise ValueError(f"q and k must be floating point, got {q.dtype} and {k.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+    if q.shape[1] < 1 or k.shape[1] < 1:
+        raise ValueError(f"q and k need at least one token, got {tuple(q.shape)} and {tuple(k.shape)}")
+    for name, t in (("q", q), ("k", k)):  # a NaN would silently pick arbitrary blocks
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{name} has {bad} NaN/Inf values; block_mask needs finite inputs")
+    _check_block("block_q", block_q)
+    _check_block("block_k", block_k)
     center = key_sum(k) / k.shape[1]
     pq = pool_blocks(q, block_q)
     pk = pool_blocks(k, block_k, center=center)

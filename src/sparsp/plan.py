@@ -84,8 +84,15 @@ class Shapes:
         return self.batch * self.heads * max(self.num_blocks) * self.block_size
 
 
-def exchange_shapes(q: torch.Tensor, group, config: SparspConfig, strategy: str) -> Shapes:
-    """One all-gather: every rank's length, and equal geometry everywhere (else ValueError)."""
+def exchange_shapes(q: torch.Tensor, group, config: SparspConfig, strategy: str, *,
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> Shapes:
+    """One all-gather: every rank's length, and equal geometry everywhere (else ValueError).
+
+    With ``config.check_finite`` the same all-gather carries each rank's count of NaN/Inf
+    values in q (and k, v when given), so a bad input on ONE rank makes EVERY rank raise the
+    same ``ValueError`` here, before any payload moves, instead of one rank raising while its
+    peers wait in the next collective until their timeout.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, S, H, D = q.shape
     mine = torch.tensor(
@@ -93,15 +100,26 @@ def exchange_shapes(q: torch.Tensor, group, config: SparspConfig, strategy: str)
          _STRATEGY_CODES[strategy]],
         dtype=torch.long, device=q.device,
     )
+    inputs = {"q": q, "k": k, "v": v}
+    # Counted on the device: no host sync here; the .cpu() of the gathered table is the one.
+    bad = [(~torch.isfinite(t)).sum().reshape(1) if config.check_finite and t is not None
+           else torch.zeros(1, dtype=torch.long, device=q.device) for t in inputs.values()]
+    mine = torch.cat([mine, *bad])
     everyone = [torch.empty_like(mine) for _ in range(world)]
     wait(dist.all_gather(everyone, mine, group=group, async_op=True), config.timeout_s, "geometry check")
     table = torch.stack(everyone).cpu()
     names = ("sequence length", "batch", "heads", "head dim", "dtype", "block_size", "strategy")
-    for col in range(1, table.shape[1]):
+    for col in range(1, len(names)):
         if (table[:, col] != table[0, col]).any():
             raise ValueError(f"ranks disagree on {names[col]}: {table[:, col].tolist()} (rank order)")
     if (table[:, 0] < 1).any():
         raise ValueError(f"every rank needs at least one token; sequence lengths {table[:, 0].tolist()}")
+    nonfinite = table[:, len(names):]
+    if nonfinite.any():
+        found = [f"rank {r}: {name} has {int(n)} NaN/Inf value{'s' if n > 1 else ''}"
+                 for r in range(world) for name, n in zip(inputs, nonfinite[r].tolist()) if n]
+        raise ValueError("non-finite inputs (" + "; ".join(found) + "); sp_attention needs finite q, k, v "
+                         "(SparspConfig(check_finite=False) skips this check)")
     return Shapes(rank, world, B, H, D, config.block_size, tuple(table[:, 0].tolist()))
 
 

@@ -428,6 +428,8 @@ def save_trace(
 
 def load_trace(path: str | Path, expected_geometry: VideoGeometry | None = None) -> Trace:
     """Read and validate a trace; ``ValueError`` naming ``path`` on any defect."""
+    if expected_geometry is not None and not isinstance(expected_geometry, VideoGeometry):
+        raise ValueError(f"expected_geometry must be a VideoGeometry or None, got {type(expected_geometry).__name__}")
     path = Path(path)
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)

@@ -77,7 +77,7 @@ def sp_attention(
     blocks) replaces the CDF mask — for tests.
     """
     validate(q, k, v, group, strategy, config, STRATEGIES)
-    shapes = exchange_shapes(q, group, config, strategy)
+    shapes = exchange_shapes(q, group, config, strategy, k=k, v=v)
     if _global_mask is not None and _global_mask.shape[-1] != shapes.total_blocks:
         raise ValueError(f"_global_mask has {_global_mask.shape[-1]} blocks, the inputs {shapes.total_blocks}")
     transport = get_transport(config.transport, group, q.device, config.timeout_s)

@@ -22,7 +22,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def validate(q, k, v, group, strategy: str, config: SparspConfig, strategies) -> None:
     """Every check that needs no communication; raises ``ValueError`` naming the argument."""
-    if strategy not in strategies:
+    if not isinstance(strategy, str) or strategy not in strategies:
         raise ValueError(f"strategy={strategy!r} is not one of {', '.join(strategies)}")
     if not isinstance(config, SparspConfig):
         raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")

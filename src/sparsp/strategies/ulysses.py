@@ -67,7 +67,8 @@ def run(call: Call) -> None:
             kv_num, kv_idx = kernel_indices(rows, lay, sh.num_blocks[pk])
             o, l = kernel(q_hm, lay.buffer(buf, D), kv_num, kv_idx, scale=D**-0.5)
             acc_o, acc_l = update_out_and_lse(acc_o, acc_l, o, l)
-        out[:, :, a:b] = acc_o
+        if acc_o is not None:  # else no query row of this slice reads a block: zeros
+            out[:, :, a:b] = acc_o
     out = out.permute(0, 2, 1, 3).to(call.q.dtype)  # (B, S, hp, D)
     back = {p: out[:, bounds[p][0]:bounds[p][1]].contiguous() for p in range(G) if p != r}
     got = _all_to_all(call, back, {p: (B, sh.seq_lens[r], hp, D) for p in range(G) if p != r})
