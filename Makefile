@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 soak: $(STAMP)
-	SPARSP_SOAK_CALLS=5000 $(PY) -m pytest -q -m slow tests
+	SPARSP_SOAK_CALLS=5000 $(PY) -m pytest -q -s -m slow tests
 
 clean:
 	rm -rf $(VENV) results build src/*.egg-info

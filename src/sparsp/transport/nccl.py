@@ -18,20 +18,39 @@ from .base import ByteCounter, DoneHandle, register_transport
 
 
 class _Works:
-    def __init__(self, works, timeout_s: float, what: str) -> None:
-        self._works = works
+    """The works of one ``batch_isend_irecv``; a failure names the op (and peer) that failed.
+
+    A batch carries the sends queued for other peers too, so "fetch from peer p" alone would
+    blame p for a send to a dead or silent peer q. gloo returns one work per op, in order;
+    NCCL coalesces the batch into one work, which is then named by every op in it.
+    """
+
+    def __init__(self, works, timeout_s: float, what: str, ops: list[str]) -> None:
+        self._works = list(works)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._what = what
+        if len(ops) == len(self._works):
+            self._names = ops
+        else:
+            self._names = [", ".join(ops)] * len(self._works)
 
     def wait(self) -> None:
-        for w in self._works:
+        for w, name in zip(self._works, self._names):
             try:
                 ok = w.wait(timeout=self._timeout)
             except RuntimeError as e:  # gloo raises on timeout or on a dead peer
-                raise TimeoutError(f"{self._what}: {e}") from e
+                raise TimeoutError(f"{self._what}: {name}: {e}") from e
             if ok is False:
-                raise TimeoutError(f"{self._what}: no answer within {self._timeout}")
+                raise TimeoutError(f"{self._what}: {name}: no answer within {self._timeout}")
         self._works = []
+
+
+def _issue(ops: list, what: str, names: list[str]) -> list:
+    """``batch_isend_irecv``; gloo refuses to start ops on a pair a dead peer has closed."""
+    try:
+        return dist.batch_isend_irecv(ops)
+    except RuntimeError as e:
+        raise TimeoutError(f"{what}: {', '.join(names)}: {e}") from e
 
 
 class P2PTransport(ByteCounter):
@@ -48,6 +67,7 @@ class P2PTransport(ByteCounter):
         self.device = torch.device(device) if device is not None else None
         self.epoch = 0
         self._pending: list[dist.P2POp] = []
+        self._pending_names: list[str] = []  # "send to peer p" for each queued op
         self._inflight: list[_Works] = []
 
     def _global(self, peer: int) -> int:
@@ -69,27 +89,29 @@ class P2PTransport(ByteCounter):
             return
         self._count_send(peer, buf)
         self._pending.append(dist.P2POp(dist.isend, buf, self._global(peer), self.group))
+        self._pending_names.append(f"send to peer {peer}")
 
     def fetch(self, peer: int, out: torch.Tensor):
-        ops = self._pending
-        self._pending = []
+        ops, names = self._pending, self._pending_names
+        self._pending, self._pending_names = [], []
         if out.numel():
             self._count_recv(peer, out)
             ops.append(dist.P2POp(dist.irecv, out, self._global(peer), self.group))
+            names.append(f"receive from peer {peer}")
         if not ops:
             return DoneHandle()
-        works = dist.batch_isend_irecv(ops)
-        handle = _Works(works, self.timeout_s, f"rank {self.rank}: fetch from peer {peer} "
-                                               f"(epoch {self.epoch})")
+        what = f"rank {self.rank}: fetch from peer {peer} (epoch {self.epoch})"
+        handle = _Works(_issue(ops, what, names), self.timeout_s, what, names)
         self._inflight.append(handle)
         return handle
 
     def flush(self) -> None:
         """Issue queued sends that no fetch has carried yet."""
         if self._pending:
-            works = dist.batch_isend_irecv(self._pending)
-            self._pending = []
-            self._inflight.append(_Works(works, self.timeout_s, f"rank {self.rank}: send"))
+            ops, names = self._pending, self._pending_names
+            self._pending, self._pending_names = [], []
+            what = f"rank {self.rank}: send (epoch {self.epoch})"
+            self._inflight.append(_Works(_issue(ops, what, names), self.timeout_s, what, names))
 
     def release(self, peer: int) -> None:
         return None

@@ -443,7 +443,11 @@ class SlotWindows(ByteCounter):
             fn()
         except Exception as e:  # noqa: BLE001 - reported to the group, then re-raised
             error = e
-        reports = self._allgather(None if error is None else f"{type(error).__name__}: {error}")
+        try:
+            reports = self._allgather(None if error is None else f"{type(error).__name__}: {error}")
+        except RuntimeError as e:  # a peer died mid-setup: gloo's message names no rank or step
+            raise RuntimeError(f"rank {self.rank}: {step}: the group did not finish this step "
+                               f"(a peer died or left): {e}") from e
         if error is not None:
             raise error
         for r, report in enumerate(reports):
