@@ -7,8 +7,8 @@ call a random block mask with empty rows. After a warm-up (transports built, slo
 the largest geometry) each rank must stay flat until the last call:
 
 - resident memory (VmRSS) grows by less than ``RSS_BOUND_MIB``;
-- open file descriptors other than sockets (/proc/self/fd; a segment holds one) and mapped
-  sparsp segments (/proc/self/maps) are exactly as many as after the warm-up, sockets no more
+- open file descriptors other than sockets (/proc/self/fd) grow by at most ``FD_SLACK``,
+  mapped sparsp segments (/proc/self/maps) are exactly as many as after the warm-up, sockets no more
   (gloo and the TCP store close setup connections on their own schedule), and nothing of this
   test is in /dev/shm;
 - every ``check_every``-th call equals the float64 single-process reference within 1e-5.
@@ -49,6 +49,9 @@ def _mapped_segments() -> int:
     """sparsp shared-memory segments this process has mapped (names unlinked or not)."""
     with open("/proc/self/maps") as f:
         return len({line.split(None, 5)[-1] for line in f if "/sparsp-" in line})
+
+
+FD_SLACK = 2
 
 
 def _open_fds() -> tuple[int, int]:
@@ -124,7 +127,9 @@ def _soak_worker(rank: int, world: int, transport: str, calls: int, check_every:
           f"{after['named']}", flush=True)
     growth = (after["rss_kib"] - before["rss_kib"]) / 1024
     assert growth < RSS_BOUND_MIB, f"rank {rank}: RSS grew {growth:.1f} MiB after the warm-up"
-    assert after["fds"] == before["fds"], f"rank {rank}: open fds {before['fds']} -> {after['fds']}"
+    # A leak per call would add hundreds of descriptors; gloo and torch's threads open and close
+    # a pipe or eventfd on their own schedule (seen once in CI: 21 -> 22 while sockets 6 -> 4).
+    assert after["fds"] <= before["fds"] + FD_SLACK, f"rank {rank}: open fds {before['fds']} -> {after['fds']}"
     # gloo/TCPStore close setup connections now and then, on their own schedule: fewer is fine
     assert after["sockets"] <= before["sockets"], f"rank {rank}: sockets grew"
     assert after["mapped"] == before["mapped"], f"rank {rank}: mapped segments changed"
