@@ -63,6 +63,16 @@ def _recv(t, peer: int, numel: int, dtype, *key: int, release: bool = True) -> i
     return nbytes
 
 
+def _exchange(t, rank: int, world: int, numel: int, dtype, epoch: int) -> None:
+    """Every rank publishes to every peer first, then fetches from every peer."""
+    for p in range(world):
+        if p != rank:
+            _send(t, p, numel, dtype, epoch, rank, p)
+    for p in range(world):
+        if p != rank:
+            _recv(t, p, numel, dtype, epoch, p, rank)
+
+
 # --------------------------------------------------------------------------- in-process
 
 
@@ -254,12 +264,7 @@ def _failures(rank: int, world: int, tag: str) -> None:
 
     # epoch 5: after all this, a plain all-to-all still works
     t.fence()
-    for p in range(world):
-        if p != rank:
-            _send(t, p, 333, torch.bfloat16, 5, rank, p)
-    for p in range(world):
-        if p != rank:
-            _recv(t, p, 333, torch.bfloat16, 5, p, rank)
+    _exchange(t, rank, world, 333, torch.bfloat16, 5)
 
     # a fence that a peer never joins: the error names the missing peer
     if rank == 2:
@@ -323,12 +328,7 @@ def _restart(rank: int, world: int, tag: str) -> int:
     t.reserve(100_000)  # collective re-export with larger slots
     assert t.slot_bytes >= 100_000 and t.epoch == 2
     t.fence()
-    for p in range(world):
-        if p != rank:
-            _send(t, p, 25_000, torch.float32, 2, rank, p)
-    for p in range(world):
-        if p != rank:
-            _recv(t, p, 25_000, torch.float32, 2, p, rank)
+    _exchange(t, rank, world, 25_000, torch.float32, 2)
     with pytest.raises(ValueError, match="reserve"):
         t.send_buffer((rank + 1) % world, 200_000, torch.uint8)
     t.close()

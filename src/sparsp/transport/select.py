@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import host, ipc  # noqa: F401  (register "host" and "ipc")
 from .base import Transport, TransportName, transport_factory
+from .slots import _resolve_device
 
 log = logging.getLogger("sparsp")
 _LOGGED: set[tuple[str, str]] = set()
@@ -43,15 +44,6 @@ def _name(value: str, source: str) -> str:
     except ValueError:
         allowed = [n.value for n in TransportName]
         raise ValueError(f"{source}={value!r} is not a transport; allowed: {allowed}") from None
-
-
-def _resolve(device, group) -> torch.device:
-    if device is None:
-        device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _gather(obj, group) -> list:
@@ -70,7 +62,7 @@ def _boot_id() -> str:
 
 def choose_auto(group=None, device=None) -> tuple[str, str]:
     """(transport name, reason) for ``auto``; collective over ``group`` for CUDA devices."""
-    device = _resolve(device, group)
+    device = _resolve_device(device, group)
     if device.type != "cuda":
         return "nccl", "CPU tensors: torch.distributed (gloo)"
     if dist.get_world_size(group) == 1:
