@@ -411,3 +411,10 @@ def _wrong_device_worker(rank, world):
     _raises(lambda: sp_attention(q, q, q, config=SparspConfig(block_size=8)),
             rf"q is on cuda:{1 - rank} but the current CUDA device is cuda:{rank}")
     return True
+
+
+def test_ipc_transport_rejects():
+    from sparsp.transport.ipc import IpcTransport
+
+    with pytest.raises(ValueError, match=r"ipc copy='dma': expected one of \('push', 'pull'\)"):
+        IpcTransport(None, copy="dma")

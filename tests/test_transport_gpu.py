@@ -82,6 +82,8 @@ def _worker(rank: int, world: int, name: str, options: dict) -> dict:
 
 CASES = [
     ("ipc", {}),
+    ("ipc", {"copy": "pull"}),
+    ("ipc", {"stream_waits": False}),
     ("host", {}),
     ("host", {"stream_waits": True}),
     ("host", {"chunk_bytes": 1 * MiB, "window": 2}),
@@ -94,6 +96,9 @@ def test_transport_moves_data_exactly(name, options):
     for info in infos:
         print(info["describe"])
         assert sum(info["sent"].values()) > 0
+        if name == "ipc":  # the copy path asked for is the one that ran
+            want = "pull: " if options.get("copy") == "pull" else "push: "
+            assert want in info["describe"]
 
 
 def _auto(rank: int, world: int) -> str:

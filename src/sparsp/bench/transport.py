@@ -6,9 +6,17 @@
 NCCL reads ``NCCL_P2P_DISABLE`` once per process, so the two fabrics are two runs; ``--fabric
 host`` sets it before the process group exists, and the second run extends the first one's
 result file. Every rank sends ``bytes`` to the other and receives as many from it at the same
-time (both GPUs exchanging); one exchange is fence → send_buffer + pack (untimed) → publish,
-fetch, wait, release (timed with CUDA events on the current stream), the slowest rank per
-iteration, median of ``--iters`` after ``--warmup``. gbps = payload bytes per direction / s / 1e9.
+time (both GPUs exchanging); one exchange is fence → send_buffer + pack (untimed) → gate →
+publish, fetch, wait, release (timed with CUDA events on the current stream), the slowest rank
+per iteration, median of ``--iters`` after ``--warmup``; that median is taken ``--repeats``
+times and the row reports their median (``gbps``) and all of them (``gbps_repeats``).
+gbps = payload bytes per direction / s / 1e9.
+
+The gate (``--gate-ms``, as NVIDIA's nvbandwidth does with a blocking kernel) is a short spin
+kernel queued before the start event: the host queues publish and fetch while it runs, so the
+timing measures the transfer on the GPU rather than how fast Python issues it. The fence's
+host barrier lines the ranks up first, so both GPUs leave the gate together. ``--gate-ms 0``
+measures with the issue latency included.
 
 Under load, an attention kernel (``scaled_dot_product_attention``, bf16, DESIGN's 32k tokens
 × 24×128 heads) runs on a second stream of the same GPU while back-to-back exchanges fill its
@@ -53,6 +61,10 @@ def add_arguments(p) -> None:
     p.add_argument("--factor", type=int, default=2, help="size step (powers of this factor)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="times each size's median is measured; the row keeps all of them")
+    p.add_argument("--gate-ms", type=float, default=1.0,
+                   help="spin kernel before each timed exchange so the host has queued it (0: off)")
     p.add_argument("--no-load", action="store_true", help="skip the under-attention-load runs")
     p.add_argument("--attn-tokens", type=int, default=32768)
     p.add_argument("--attn-heads", type=int, default=24)
@@ -84,8 +96,8 @@ def _fabric(name: str, peer_access: bool) -> str:
 class _Exchange:
     """One timed 2-way exchange of ``n`` bytes with ``peer`` through ``t``."""
 
-    def __init__(self, t, peer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.t, self.peer, self.src, self.dst = t, peer, src, dst
+    def __init__(self, t, peer: int, src: torch.Tensor, dst: torch.Tensor, gate) -> None:
+        self.t, self.peer, self.src, self.dst, self.gate = t, peer, src, dst, gate
 
     def start(self, n: int):
         """Fence, pack (untimed), then publish and fetch: the transfer is in flight."""
@@ -95,6 +107,7 @@ class _Exchange:
         if buf.device != self.src.device:  # nccl's send_buffer may not know our device
             buf = torch.empty(n, dtype=torch.uint8, device=self.src.device)
         buf.copy_(self.src[:n])  # the pack: a strategy's work whatever the transport, untimed
+        self.gate()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         t.publish(self.peer, buf)
@@ -114,6 +127,22 @@ class _Exchange:
 
     def __call__(self, n: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return self.finish(self.start(n))
+
+
+def _gate(ms: float, device):
+    """A function queueing a spin kernel of about ``ms`` on the current stream (calibrated)."""
+    if ms <= 0:
+        return lambda: None
+    cycles = 1_000_000
+    for _ in range(3):  # the first launches include warm-up
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        per_ms = cycles / max(a.elapsed_time(b), 1e-3)
+    n = int(per_ms * ms)
+    return lambda: torch.cuda._sleep(n)
 
 
 def _slowest(times: list[float], device) -> list[float]:
@@ -151,6 +180,8 @@ def run(args) -> dict:
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+    if args.repeats < 1 or args.gate_ms < 0:
+        raise SystemExit("--repeats must be >= 1 and --gate-ms >= 0")
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed("nccl")
@@ -175,6 +206,7 @@ def run(args) -> dict:
         attn_alone = median(_time_attention(attn, attn_stream, args.iters, device))
         if console:
             console.print(f"attention alone: {attn_alone:.2f} ms")
+    gate = _gate(args.gate_ms, device)
     rows = []
     for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
         options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
@@ -186,22 +218,26 @@ def run(args) -> dict:
             continue
         getattr(t, "reserve", lambda n: None)(top)
         fabric = _fabric(name, peer_access)
-        exchange = _Exchange(t, peer, src, dst)
+        exchange = _Exchange(t, peer, src, dst, gate)
         for n in sizes:
             for i in range(args.warmup):
                 _, end = exchange(n)
                 end.synchronize()
                 if i == 0 and not torch.equal(dst[:n], expect[:n]):
                     raise RuntimeError(f"{name}: rank {rank} received wrong bytes at size {n}")
-            times = []
-            for _ in range(args.iters):
-                start, end = exchange(n)
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = median(_slowest(times, device))
+            repeats = []
+            for _ in range(args.repeats):
+                times = []
+                for _ in range(args.iters):
+                    start, end = exchange(n)
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                repeats.append(median(_slowest(times, device)))
+            ms = median(repeats)
             row = {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
                    "under_load": False, "attention_slowdown": None, "median_ms": ms,
-                   "iters": args.iters}
+                   "iters": args.iters, "gbps_repeats": [n / r / 1e6 for r in repeats],
+                   "gate_ms": args.gate_ms, "mechanism": getattr(t, "describe", lambda: name)()}
             rows.append(row)
             if attn is not None:
                 rows.append(_under_load(exchange, n, ms, attn, attn_stream, attn_alone, args,
@@ -231,6 +267,15 @@ def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, devi
     """
     # same count on both ranks (alone_ms and attn_alone are max-reduced): fences must pair up
     reps = max(1, min(100, math.ceil(attn_alone / max(alone_ms, 1e-3))))
+    # no gate here: gaps between the exchanges would leave the attention alone part of the time
+    gate, exchange.gate = exchange.gate, lambda: None
+    try:
+        return _loaded_row(exchange, n, reps, attn, attn_stream, args, device, name, fabric)
+    finally:
+        exchange.gate = gate
+
+
+def _loaded_row(exchange, n, reps, attn, attn_stream, args, device, name, fabric) -> dict:
     alone, loaded, xfer_times = [], [], []
     for it in range(args.warmup + args.iters):
         alone_it = _time_attention(attn, attn_stream, 1, device)[0]
@@ -275,13 +320,16 @@ def _write(rows: list[dict], args, console) -> dict:
     doc = json.loads(path.read_text())
     table = Table(title=f"transport bandwidth, {doc['machine']} (GB/s per direction, 2 ranks "
                         "exchanging)")
-    for col in ("transport", "fabric", "size", "GB/s", "GB/s under load", "attention"):
+    for col in ("transport", "fabric", "size", "GB/s", "repeats", "GB/s under load",
+                "attention"):
         table.add_column(col, justify="left" if col in ("transport", "fabric") else "right")
     alone = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if not r["under_load"]}
     loaded = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if r["under_load"]}
     for key, r in alone.items():
         lr = loaded.get(key)
+        reps = r.get("gbps_repeats") or [r["gbps"]]
         table.add_row(r["transport"], r["fabric"], _fmt(r["bytes"]), f"{r['gbps']:.2f}",
+                      f"{min(reps):.1f}–{max(reps):.1f}",
                       f"{lr['gbps']:.2f}" if lr else "",
                       f"{100 * lr['attention_slowdown']:+.1f} %" if lr else "")
     console.print(table)

@@ -6,6 +6,7 @@ See ``host`` for how they are used; ``ipc`` uses the same pieces.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 
 log = logging.getLogger("sparsp")
+
+_IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -93,6 +96,35 @@ class DeviceOps:
         d = self.driver
         self._check(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(addr),
                                           value, 0), "cuStreamWaitValue32")
+
+    # -- CUDA IPC through the driver API (``ipc`` transport) -------------------------------
+
+    def ipc_handle(self, ptr: int) -> tuple[bytes, int]:
+        """(IPC handle of the allocation holding ``ptr``, offset of ``ptr`` in it)."""
+        d = self.driver
+        err, base, _ = d.cuMemGetAddressRange(d.CUdeviceptr(ptr))
+        self._check((err,), "cuMemGetAddressRange")
+        handle = self._check(d.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        return ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES), ptr - int(base)
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Map a peer's allocation into the current context (peer access enabled as needed)."""
+        d = self.driver
+        h = d.CUipcMemHandle()
+        ctypes.memmove(h.getPtr(), handle, _IPC_HANDLE_BYTES)
+        flags = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        return int(self._check(d.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
+
+    def ipc_close(self, base: int) -> None:
+        d = self.driver
+        self._check(d.cuIpcCloseMemHandle(d.CUdeviceptr(base)), "cuIpcCloseMemHandle")
+
+    def copy(self, stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
+        """``cuMemcpyDtoDAsync`` on ``stream``: a copy-engine DMA, no kernel; ``src`` may be a
+        peer's memory mapped with ``ipc_open`` (then the DMA reads it over NVLink/PCIe)."""
+        d = self.driver
+        self._check(d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes,
+                                        d.CUstream(stream.cuda_stream)), "cuMemcpyDtoDAsync")
 
     def probe(self, words: np.ndarray, index: int, devptr: int | None) -> None:
         """Try the stream memory operations once on a scratch flag word; fall back quietly."""

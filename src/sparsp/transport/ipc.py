@@ -2,34 +2,42 @@
 
 Export: each rank allocates one device buffer holding, for every peer, ``window`` slots of
 ``slot_bytes`` (once, and again only when ``reserve`` grows them) and shares it through a CUDA
-IPC memory handle (``torch.multiprocessing.reductions``), exchanged with
-``all_gather_object`` on the group: handles never leave the group. A peer opens it on the
-owner's device (DESIGN: "CUDA IPC handles open across processes (open on the owner's
-device)"), which is how torch rebuilds a shared CUDA tensor.
+IPC memory handle, exchanged with ``all_gather_object`` on the group: handles never leave the
+group. Which copy engine moves the bytes (``copy=`` or ``SPARSP_IPC_COPY``):
+
+- ``push`` (default): torch's CUDA tensor sharing (``reduce_tensor``) opens the window on the
+  owner's device, as torch rebuilds a shared CUDA tensor, and the fetch is a cross-device
+  ``copy_`` queued on a stream of that device: the *owner's* copy engine reads its local memory
+  and writes over NVLink into ``out``. The copy is fenced two-way with our copy stream. The
+  price: this process also holds a CUDA context on each peer GPU (G - 1 extra per GPU);
+- ``pull`` (needs cuda-python): ``cuIpcOpenMemHandle`` with lazy peer access maps the window
+  into *our own* context, and the fetch is one ``cuMemcpyDtoDAsync`` on our copy stream: our
+  copy engine reads the peer's memory. One context per GPU, no cross-device events.
+
+Measured on 2×H200 (NV18, both GPUs exchanging 256 MiB, 3 runs each): push 368.2–370.3 GB/s,
+pull 346.0–353.7 GB/s; at 512 MiB 377.8–380.1 vs 361.7–364.2 (NVLink writes beat reads).
+Pull is the choice when G - 1 extra contexts per GPU cost too much memory.
+
+The protocol on top:
 
 - ``send_buffer`` returns a view of our own exported slot: the producer packs in place;
 - ``publish`` writes the 'published' flag with ``cuStreamWriteValue32`` on the current
   stream, i.e. ordered after the pack (paper §6.1: "Publish is issued on the same CUDA stream
   as the packing operation"); without cuda-python, an event and a host thread;
-- ``fetch`` queues, on a stream of the source device, ``cuStreamWaitValue32`` on that flag and
-  then ``out.copy_(peer_slot)``: a same-dtype contiguous copy between devices is a
-  ``cudaMemcpyAsync`` on copy engines, no kernel, and no host thread sits in the path (host
-  polling cost ~0.3 ms per exchange on the 2×H200 box: 272 → 358 GB/s at 256 MiB). The
-  handle's ``wait()`` still polls the flag on the host with the timeout, so a dead peer raises
-  a ``TimeoutError`` naming peer, slot and epoch instead of hanging. torch runs a
-  cross-device copy on the *source* device's current stream and fences it two-way with the
-  destination device's current stream, so both are set to dedicated streams: a stream per peer
-  device (created in this process) and our copy stream, which then waits for the copy. Without
-  the driver API (or with ``stream_waits=False``) a host worker thread waits for the flag and
-  issues the copy;
+- ``fetch`` queues ``cuStreamWaitValue32`` on that flag and then the peer copy: no host thread
+  sits in the path (host polling cost ~0.3 ms per exchange on the 2×H200 box: 272 → 358 GB/s
+  at 256 MiB). The handle's ``wait()`` still polls the flag on the host with the timeout, so a
+  dead peer raises a ``TimeoutError`` naming peer, slot and epoch instead of hanging. Without
+  the stream operations (or with ``stream_waits=False``) a host worker thread waits for the
+  flag and issues the copy;
 - ``release`` writes the 'released' flag on the copy stream, i.e. after the copy completed.
 
-Flags, windows, epochs, barriers and timeouts are ``host.SlotWindows``'s (flag pages are small
+Flags, windows, epochs, barriers and timeouts are ``slots.SlotWindows``'s (flag pages are small
 shared-memory segments registered with CUDA), exactly as for the ``host`` transport.
 """
-
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -40,25 +48,33 @@ from .cuda_ops import CopyHandle, Worker, _keep_alive
 from .slots import SlotWindows, _resolve_device
 from .shm import encode_flag
 
+log = logging.getLogger("sparsp")
+
+COPY_MODES = ("push", "pull")
+
 
 class IpcTransport(SlotWindows):
     """Peer copies over NVLink/PCIe P2P from slots exported with CUDA IPC (GPU only)."""
 
     name = "ipc"
 
-    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
+    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None,
+                 copy: str | None = None, **options) -> None:
         self._window: torch.Tensor | None = None
-        self._peer_windows: dict[int, torch.Tensor] = {}
-        self._peer_streams: dict[int, torch.cuda.Stream] = {}
+        self._peer_ptrs: dict[int, int] = {}  # pull: the peer's window in our context
+        self._opened: list[int] = []  # pull: bases to cuIpcCloseMemHandle
+        self._peer_windows: dict[int, torch.Tensor] = {}  # push: the peer's window
+        self._peer_streams: dict[int, torch.cuda.Stream] = {}  # push: a stream per peer GPU
         self._copy: torch.cuda.Stream | None = None
+        self._mode = copy or os.environ.get("SPARSP_IPC_COPY", "push")
+        if self._mode not in COPY_MODES:
+            raise ValueError(f"ipc copy={self._mode!r}: expected one of {COPY_MODES}")
         if _resolve_device(device, group).type != "cuda":
             raise ValueError("the ipc transport moves CUDA tensors; use host or nccl on CPU")
         # Device-side waits by default: the copy is queued behind cuStreamWaitValue32 at once, no
         # host thread in the path (host polling measured ~0.3 ms per exchange on the H200s).
         # A dead peer still raises: ``wait()`` polls the published flag with the timeout.
         options.setdefault("stream_waits", True)
-        self._split = max(1, int(os.environ.get("SPARSP_IPC_SPLIT", "1")))
-        self._extra_streams: dict[int, list[torch.cuda.Stream]] = {}
         super().__init__(group, timeout_s=timeout_s, device=device, **options)
 
     def _slot_area_bytes(self, slot_bytes: int) -> int:
@@ -68,33 +84,61 @@ class IpcTransport(SlotWindows):
         return ((consumer - (consumer > producer)) * self.window + slot) * self.slot_bytes
 
     def _export_slots(self) -> None:
-        error, shared = None, None
-        try:
+        assert self._ops is not None
+
+        def allocate() -> bool:
             size = (self.world_size - 1) * self.window * self.slot_bytes
             self._window = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
-            shared = reduce_tensor(self._window)  # (rebuild function, its arguments)
-        except Exception as e:  # noqa: BLE001 - reported through the gather below
-            error = f"{type(e).__name__}: {e}"
-        # one unconditional collective, so a failure on one rank cannot hang the others
-        gathered = self._allgather((error, shared))
-        failed = [(r, err) for r, (err, _) in enumerate(gathered) if err]
-        if failed:
-            raise RuntimeError(f"exporting the slot window failed on rank {failed[0][0]}: "
-                               f"{failed[0][1]}")
+            return self._ops.driver is not None
+
+        if not all(self._gather("allocating the slot window", allocate)) and \
+                self._mode == "pull":
+            log.warning("sparsp: ipc copy='pull' needs cuda-python on every rank; pushing")
+            self._mode = "push"
+        # every rank says how it opens; a producer hands out what its consumers need
+        wants = self._allgather(self._mode)
+        handles = self._gather("exporting the slot window", lambda: (
+            self._ops.ipc_handle(self._window.data_ptr()) if "pull" in wants else None))
+        shared = self._gather("sharing the slot window", lambda: (
+            reduce_tensor(self._window) if "push" in wants else None))
         for p in self.peers:
-            rebuild, rebuild_args = gathered[p][1]
-            window = rebuild(*rebuild_args)
-            self._peer_windows[p] = window
-            self._peer_streams[p] = torch.cuda.Stream(window.device)
+            if self._mode == "pull":
+                handle, offset = handles[p]
+                base = self._ops.ipc_open(handle)
+                self._opened.append(base)
+                self._peer_ptrs[p] = base + offset
+            else:
+                rebuild, rebuild_args = shared[p]
+                window = rebuild(*rebuild_args)
+                self._peer_windows[p] = window
+                self._peer_streams[p] = torch.cuda.Stream(window.device)
         self._set_streams()
 
+    def _gather(self, step: str, fn) -> list:
+        """``fn()`` on every rank, gathered in one unconditional collective: a failure on one
+        rank raises on all of them instead of leaving the others hanging."""
+        error, value = None, None
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - reported through the gather below
+            error = f"{type(e).__name__}: {e}"
+        gathered = self._allgather((error, value))
+        failed = [(r, err) for r, (err, _) in enumerate(gathered) if err]
+        if failed:
+            raise RuntimeError(f"{step} failed on rank {failed[0][0]}: {failed[0][1]}")
+        return [v for _, v in gathered]
+
     def _unexport_slots(self) -> None:
-        if self._peer_windows:
+        if self._peer_ptrs or self._peer_windows:
             for stream in self._streams:
                 stream.synchronize()
+            assert self._ops is not None
+            for base in self._opened:
+                self._ops.ipc_close(base)
+            self._opened.clear()
+            self._peer_ptrs.clear()
             self._peer_windows.clear()
             self._peer_streams.clear()
-            self._extra_streams.clear()
             # let every consumer drop its mapping before the owners free their windows (torch
             # would otherwise warn that a producer freed memory a consumer still maps)
             if self._flags:
@@ -108,9 +152,13 @@ class IpcTransport(SlotWindows):
         self._window = None
         self._set_streams()
 
+    def _copies(self) -> str:
+        return ("pull: cuMemcpyDtoDAsync by this GPU's copy engine" if self._mode == "pull"
+                else "push: copies by the owner GPU's copy engine")
+
     def _set_streams(self) -> None:
         self._streams = ([self._copy] if self._copy is not None else []) + list(
-            self._peer_streams.values()) + [s for ss in self._extra_streams.values() for s in ss]
+            self._peer_streams.values())
 
     def _start_threads(self) -> None:
         super()._start_threads()
@@ -134,72 +182,55 @@ class IpcTransport(SlotWindows):
         done.record(stream)
         self._track(done, f"publish to peer {peer}, slot {slot} (epoch {self.epoch})")
 
+    def _copy_from(self, peer: int, slot: int, dst: torch.Tensor, flag=None) -> None:
+        """Queue (after ``flag`` = (address, value), if given) the copy of the peer's slot into
+        ``dst``; the copy stream is the caller's current stream and waits for it."""
+        assert self._ops is not None
+        offset, n = self._offset(peer, self.rank, slot), dst.numel()
+        copy = torch.cuda.current_stream(self.device)
+        if self._mode == "pull":
+            if flag is not None:
+                self._ops.wait(copy, *flag)
+            self._ops.copy(copy, dst.data_ptr(), self._peer_ptrs[peer] + offset, n)
+            return
+        src = self._peer_windows[peer][offset : offset + n]
+        stream = self._peer_streams[peer]
+        # torch copies between devices on the source device's current stream, fenced two-way
+        # with the destination's current stream (``copy``)
+        with torch.cuda.stream(stream):
+            if flag is not None:
+                self._ops.wait(stream, *flag)
+            dst.copy_(src, non_blocking=True)
+
     def _fetch(self, peer: int, slot: int, use: int, dst: torch.Tensor):
         assert self._copy is not None and self._worker is not None
-        if self._ops is not None and self._ops.wait_ops:
-            return self._fetch_device_wait(peer, slot, use, dst)
-        offset = self._offset(peer, self.rank, slot)
-        src = self._peer_windows[peer][offset : offset + dst.numel()]
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        _keep_alive(dst, self._copy)
-        done = torch.cuda.Event()
-        epoch, copy, peer_stream = self.epoch, self._copy, self._peer_streams[peer]
-
-        def issue() -> None:
-            self._wait_published(peer, slot, use, 1, epoch)
-            with torch.cuda.stream(copy):
-                copy.wait_event(ready)  # ``out`` is free on the caller's stream
-                with torch.cuda.stream(peer_stream):
-                    dst.copy_(src, non_blocking=True)
-                done.record(copy)
-
-        task = self._worker.submit(issue)
-        self._track(done, f"fetch from peer {peer}, slot {slot} (epoch {epoch})")
-        return CopyHandle(self.device, done, task)
-
-    def _fetch_device_wait(self, peer: int, slot: int, use: int, dst: torch.Tensor):
-        """Queue wait-for-flag and the peer copy now; the GPU starts it when the flag lands.
-
-        ``SPARSP_IPC_SPLIT`` > 1 splits the copy over as many streams of the source device;
-        measured on 2×H200 (exchange, 256 MiB): 1 part 358 GB/s, 2 parts 319, 3 parts 292 —
-        one copy per direction already fills the link, so the default is 1.
-        """
-        offset = self._offset(peer, self.rank, slot)
-        src = self._peer_windows[peer][offset : offset + dst.numel()]
         epoch, copy = self.epoch, self._copy
-        flag = self._devflags[peer] + 4 * self._layout.published(self.rank, slot)
-        value = encode_flag(epoch, use, 1)
-        streams = self._copy_streams(peer)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         _keep_alive(dst, copy)
         done = torch.cuda.Event()
-        n = dst.numel()
-        bounds = [n * i // len(streams) for i in range(len(streams) + 1)]
-        with torch.cuda.stream(copy):
-            copy.wait_event(ready)  # ``out`` is free on the caller's stream
-            for stream, lo, hi in zip(streams, bounds, bounds[1:]):
-                if hi > lo:
-                    with torch.cuda.stream(stream):
-                        self._ops.wait(stream, flag, value)
-                        dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-            done.record(copy)
         self._track(done, f"fetch from peer {peer}, slot {slot} (epoch {epoch})")
+
+        def issue(flag=None) -> None:
+            with torch.cuda.stream(copy):
+                copy.wait_event(ready)  # ``dst`` is free on the caller's stream
+                self._copy_from(peer, slot, dst, flag)
+                done.record(copy)
 
         def published() -> None:  # host check with the timeout: a dead peer raises, no hang
             self._wait_published(peer, slot, use, 1, epoch)
 
-        return _PublishedHandle(self.device, done, published)
+        if self._ops is not None and self._ops.wait_ops:
+            # queue wait-for-flag and the copy now; the GPU starts it when the flag lands
+            flag = self._devflags[peer] + 4 * self._layout.published(self.rank, slot)
+            issue((flag, encode_flag(epoch, use, 1)))
+            return _PublishedHandle(self.device, done, published)
 
-    def _copy_streams(self, peer: int) -> list[torch.cuda.Stream]:
-        extra = self._extra_streams.get(peer)
-        if extra is None:
-            dev = self._peer_streams[peer].device
-            extra = [torch.cuda.Stream(dev) for _ in range(self._split - 1)]
-            self._extra_streams[peer] = extra
-            self._set_streams()
-        return [self._peer_streams[peer], *extra]
+        def host_issue() -> None:  # a worker thread polls the flag, then issues
+            published()
+            issue()
+
+        return CopyHandle(self.device, done, self._worker.submit(host_issue))
 
     def _release(self, peer: int, slot: int, use: int) -> None:
         assert self._worker is not None

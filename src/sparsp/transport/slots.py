@@ -109,6 +109,10 @@ class SlotWindows(ByteCounter):
         self._write_flag(peer, self._layout.released(self.rank, slot),
                          encode_flag(self.epoch, use, 1))
 
+    def _copies(self) -> str:
+        """How payload bytes move, for ``describe``."""
+        return "chunked copies through pinned host memory"
+
     def _start_threads(self) -> None:
         if self._ops is not None and not self._ops.mem_ops:
             self._signaler = Worker(f"sparsp-{self.name}-signal", self.device)
@@ -238,7 +242,7 @@ class SlotWindows(ByteCounter):
             assert self._ops is not None
             writes = "stream writes" if self._ops.mem_ops else "host-thread writes"
             waits = "stream waits" if self._ops.wait_ops else "host-polled waits"
-            mech = f"{self.device}, {writes}, {waits}"
+            mech = f"{self.device}, {self._copies()}, {writes}, {waits}"
         return (f"{self.name} ({mech}; window {self.window} x {self.slot_bytes} B, "
                 f"chunk {self.chunk_bytes} B)")
 
