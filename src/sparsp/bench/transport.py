@@ -268,14 +268,7 @@ def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, devi
     # same count on both ranks (alone_ms and attn_alone are max-reduced): fences must pair up
     reps = max(1, min(100, math.ceil(attn_alone / max(alone_ms, 1e-3))))
     # no gate here: gaps between the exchanges would leave the attention alone part of the time
-    gate, exchange.gate = exchange.gate, lambda: None
-    try:
-        return _loaded_row(exchange, n, reps, attn, attn_stream, args, device, name, fabric)
-    finally:
-        exchange.gate = gate
-
-
-def _loaded_row(exchange, n, reps, attn, attn_stream, args, device, name, fabric) -> dict:
+    exchange = _Exchange(exchange.t, exchange.peer, exchange.src, exchange.dst, lambda: None)
     alone, loaded, xfer_times = [], [], []
     for it in range(args.warmup + args.iters):
         alone_it = _time_attention(attn, attn_stream, 1, device)[0]

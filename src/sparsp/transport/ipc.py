@@ -91,15 +91,15 @@ class IpcTransport(SlotWindows):
             self._window = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
             return self._ops.driver is not None
 
-        if not all(self._gather("allocating the slot window", allocate)) and \
+        if not all(self._agree("allocating the slot window", allocate)) and \
                 self._mode == "pull":
             log.warning("sparsp: ipc copy='pull' needs cuda-python on every rank; pushing")
             self._mode = "push"
         # every rank says how it opens; a producer hands out what its consumers need
         wants = self._allgather(self._mode)
-        handles = self._gather("exporting the slot window", lambda: (
+        handles = self._agree("exporting the slot window", lambda: (
             self._ops.ipc_handle(self._window.data_ptr()) if "pull" in wants else None))
-        shared = self._gather("sharing the slot window", lambda: (
+        shared = self._agree("sharing the slot window", lambda: (
             reduce_tensor(self._window) if "push" in wants else None))
         for p in self.peers:
             if self._mode == "pull":
@@ -113,20 +113,6 @@ class IpcTransport(SlotWindows):
                 self._peer_windows[p] = window
                 self._peer_streams[p] = torch.cuda.Stream(window.device)
         self._set_streams()
-
-    def _gather(self, step: str, fn) -> list:
-        """``fn()`` on every rank, gathered in one unconditional collective: a failure on one
-        rank raises on all of them instead of leaving the others hanging."""
-        error, value = None, None
-        try:
-            value = fn()
-        except Exception as e:  # noqa: BLE001 - reported through the gather below
-            error = f"{type(e).__name__}: {e}"
-        gathered = self._allgather((error, value))
-        failed = [(r, err) for r, (err, _) in enumerate(gathered) if err]
-        if failed:
-            raise RuntimeError(f"{step} failed on rank {failed[0][0]}: {failed[0][1]}")
-        return [v for _, v in gathered]
 
     def _unexport_slots(self) -> None:
         if self._peer_ptrs or self._peer_windows:

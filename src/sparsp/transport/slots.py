@@ -440,23 +440,28 @@ class SlotWindows(ByteCounter):
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _agree(self, step: str, fn: Callable[[], None]) -> None:
-        """Run a setup step on every rank; a failure anywhere raises everywhere (no hang)."""
-        error = None
+    def _agree(self, step: str, fn: Callable[[], object]) -> list:
+        """Run a setup step on every rank; a failure anywhere raises everywhere (no hang).
+
+        Returns what ``fn`` returned on each rank (rank order), gathered in the same collective.
+        """
+        error, value = None, None
         try:
-            fn()
+            value = fn()
         except Exception as e:  # noqa: BLE001 - reported to the group, then re-raised
             error = e
+        report = None if error is None else f"{type(error).__name__}: {error}"
         try:
-            reports = self._allgather(None if error is None else f"{type(error).__name__}: {error}")
+            gathered = self._allgather((report, None if error is not None else value))
         except RuntimeError as e:  # a peer died mid-setup: gloo's message names no rank or step
             raise RuntimeError(f"rank {self.rank}: {step}: the group did not finish this step "
                                f"(a peer died or left): {e}") from e
         if error is not None:
             raise error
-        for r, report in enumerate(reports):
+        for r, (report, _) in enumerate(gathered):
             if report is not None:
                 raise RuntimeError(f"rank {self.rank}: {step} failed on rank {r}: {report}")
+        return [v for _, v in gathered]
 
     def _chunks(self, nbytes: int) -> list[tuple[int, int, int]]:
         """(count after this chunk, start, end) for each chunk of a payload."""
