@@ -1,7 +1,10 @@
 import pytest
 import torch
 
-from sparsp.demand import STRATEGIES, comm_bytes, demand_sets, head_split, relay_amplification, sharing_curve
+from sparsp.demand import BYTE_RULES, demand_sets, head_split, relay_amplification, remote_demand, sharing_curve
+from sparsp.strategies import comm_bytes, strategy_names
+
+STRATEGIES = strategy_names()
 from sparsp.geometry import VideoGeometry
 from sparsp.placement import contiguous, periodic
 
@@ -54,8 +57,7 @@ def brute_force(masks, placement, strategy, head_dim, dtype_bytes):
 @pytest.mark.parametrize("kind", ["contiguous", "periodic"])
 def test_bytes_match_brute_force(G, strategy, kind):
     g = VideoGeometry(frames=3, height=4, width=7, text_tokens=9, block_size=8)  # 93 tokens, tail 5
-    torch.manual_seed(G)
-    masks = torch.rand(3, g.num_blocks, g.num_blocks) < 0.3
+    masks = torch.rand(3, g.num_blocks, g.num_blocks, generator=torch.Generator().manual_seed(G)) < 0.3
     pl = (contiguous if kind == "contiguous" else periodic)(g, G)
     got = comm_bytes(masks, pl, strategy, head_dim=16, dtype_bytes=2)
     want = brute_force(masks, pl, strategy, 16, 2)
@@ -66,7 +68,7 @@ def test_bytes_match_brute_force(G, strategy, kind):
 
 def test_orderings_between_strategies():
     g = VideoGeometry(frames=4, height=4, width=8, block_size=8)
-    masks = torch.rand(4, g.num_blocks, g.num_blocks) < 0.2
+    masks = torch.rand(4, g.num_blocks, g.num_blocks, generator=torch.Generator().manual_seed(4)) < 0.2
     pl = contiguous(g, 4)
     b = {s: comm_bytes(masks, pl, s, head_dim=8)["total"] for s in STRATEGIES}
     assert b["ring"] == b["ring-sparse"] >= b["ring-relay"] >= b["sparsp"]
@@ -87,7 +89,7 @@ def test_demand_sets_never_local():
 
 def test_two_ranks_relay_equals_direct_and_curves():
     g = VideoGeometry(frames=4, height=4, width=8, block_size=8)
-    masks = torch.rand(2, g.num_blocks, g.num_blocks) < 0.25
+    masks = torch.rand(2, g.num_blocks, g.num_blocks, generator=torch.Generator().manual_seed(2)) < 0.25
     amp = relay_amplification(masks, contiguous, g, [2, 4], head_dim=8)
     assert amp[0].ratio == pytest.approx(1.0)
     assert amp[1].ratio >= 1.0
@@ -98,7 +100,39 @@ def test_two_ranks_relay_equals_direct_and_curves():
 def test_bad_inputs():
     g = VideoGeometry(frames=2, height=4, width=8, block_size=8)
     pl = contiguous(g, 2)
-    with pytest.raises(ValueError, match="unknown strategy"):
+    with pytest.raises(ValueError, match="strategy='allgather' is not one of"):
         comm_bytes(torch.ones(1, 8, 8, dtype=torch.bool), pl, "allgather", head_dim=8)
+    from sparsp.demand import comm_bytes as rule_bytes
+
+    with pytest.raises(ValueError, match="unknown byte rule 'gossip'"):
+        rule_bytes(torch.ones(1, 8, 8, dtype=torch.bool), pl, "gossip", head_dim=8)
     with pytest.raises(ValueError, match="masks must be bool"):
         comm_bytes(torch.ones(1, 7, 8, dtype=torch.bool), pl, "ring", head_dim=8)
+
+
+def test_remote_demand_matches_demand_sets_and_a_loop():
+    """The one demand function: placed-order runtime masks and analysis masks agree."""
+    g = VideoGeometry(frames=3, height=4, width=8, block_size=8)
+    masks = torch.rand(2, g.num_blocks, g.num_blocks, generator=torch.Generator().manual_seed(7)) < 0.3
+    pl = periodic(g, 3)
+    want = torch.zeros(3, 2, g.num_blocks, dtype=torch.bool)
+    for r in range(3):
+        for h in range(2):
+            for qb in range(g.num_blocks):
+                for kb in range(g.num_blocks):
+                    if masks[h, qb, kb] and pl.owner[qb] == r and pl.owner[kb] != r:
+                        want[r, h, kb] = True
+    assert torch.equal(demand_sets(masks, pl), want)
+    # the runtime view: the same mask in placed order, blocks owned by contiguous rank ranges
+    order = pl.block_order
+    placed = masks[:, order][:, :, order]
+    got = remote_demand(placed[None], pl.owner[order], 3)[:, 0]
+    assert torch.equal(got, want[:, :, order])
+
+
+def test_every_strategy_names_a_byte_rule():
+    from sparsp.strategies import strategy_spec
+
+    for name in STRATEGIES:
+        rule = strategy_spec(name).byte_rule
+        assert rule in BYTE_RULES or callable(rule), name

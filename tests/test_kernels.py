@@ -1,14 +1,17 @@
-"""CPU tests of sparsp.kernels: packed layout, torch backend, LSE merge, flex wrapper logic.
+"""CPU tests of sparsp.kernels: both K/V layouts, torch backend, LSE merge, the flex and FA4
+wrappers' logic (with their kernel call emulated), the kernel benchmark's plumbing.
 
 The torch backend is checked against a slow, obviously correct float64 reference that builds
-a dense boolean token mask from (kv_num_blocks, kv_indices, KVBuffer); the dense case is
-checked against SDPA; the merge against the kernel on the union of key sets.
+a dense boolean token mask from (kv_num_blocks, kv_indices, K/V); the dense case is checked
+against SDPA; the merge against the kernel on the union of key sets. Packed buffers in the
+layout tests are built the way the strategies build them (``sparsp.packing``: layout, pack,
+``KVBuffer.from_payload``).
 """
 
 from __future__ import annotations
 
+import json
 import math
-import time
 
 import pytest
 import torch
@@ -18,13 +21,17 @@ from hypothesis import strategies as st
 from sparsp.kernels import (
     KernelName,
     KVBuffer,
+    LocalKV,
     canonical_block_ids,
+    fa4,
     flex,
     get_kernel,
+    kernel_indices,
     merge_partials,
     torch_ref,
     update_out_and_lse,
 )
+from sparsp.kernels.buffer import split_lists
 
 TOL = 1e-5
 
@@ -52,7 +59,7 @@ def make_buffer(gen, n_full, short_lens, bs, d, *, dtype=torch.float32, slack=0,
         torch.tensor(lens, dtype=torch.long, device=device),
         bs, n_full,
     )
-    kv.validate()
+    kv.validate(uniform_short=False)  # the torch reference reads short blocks of any length
     return kv
 
 
@@ -109,6 +116,53 @@ def run_case(seed, B, H, Sq, D, bs, n_full, short_lens, K, slack=0, scale=None):
     return q, kv, num, idx
 
 
+def packed_buffer(k, v, selected, bs, *, slack_rows=0):
+    """A KVBuffer holding the ``selected`` (bool [B*H, n]) blocks of shard ``k, v (B, S, H, D)``,
+    built as the strategies build payloads (sparsp.packing + KVBuffer.from_payload), in a
+    buffer with ``slack_rows`` unused rows (a fixed-capacity slot). Returns (kv, block_ids)."""
+    from sparsp.packing import layout, pack
+
+    B, S, H, D = k.shape
+    lay = layout(selected, S, bs)
+    flat = torch.zeros((lay.num_rows + slack_rows) * 2 * D, dtype=k.dtype, device=k.device)
+    pack(k, v, lay, H, flat)
+    kv = KVBuffer.from_payload(flat, rows=lay.num_rows, block_start=lay.block_start,
+                               block_len=lay.block_len, num_aligned=lay.num_aligned,
+                               block_size=bs, head_dim=D)
+    kv.validate()
+    return kv, lay.block_ids
+
+
+def shard_case(seed, B, H, Sq, S, D, bs, *, p_keep=0.5, p_block=0.6, dtype=torch.float32,
+               device="cpu"):
+    """q (B, H, Sq, D) head-major, a shard k, v (B, S, H, D), a random per-head block mask
+    [B, H, nQ, n] over the shard, and the packed selection (blocks some row keeps; a random
+    share of the others too, as a payload may carry blocks this rank does not read)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_q, n = math.ceil(Sq / bs), math.ceil(S / bs)
+    q = torch.randn(B, H, Sq, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(B, S, H, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(B, S, H, D, generator=gen).to(dtype).to(device)
+    mask = torch.rand(B, H, n_q, n, generator=gen) < p_block
+    mask[0, 0, 0] = False  # always one empty row
+    selected = mask.any(dim=2).reshape(B * H, n) | (torch.rand(B * H, n, generator=gen) < p_keep)
+    return q, k, v, mask.to(device), selected.to(device)
+
+
+def local_reference(q, k, v, mask, bs, scale=None):
+    """float64 attention of q (B, H, Sq, D) over a shard (B, S, H, D) under a block mask."""
+    B, H, Sq, D = q.shape
+    S = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    tok = mask.cpu().repeat_interleave(bs, dim=2)[:, :, :Sq].repeat_interleave(bs, dim=3)[..., :S]
+    s = torch.einsum("bhqd,bshd->bhqs", q.double().cpu(), k.double().cpu()) * scale
+    s = s.masked_fill(~tok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.where(tok, torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
+    return torch.einsum("bhqs,bshd->bhqd", p, v.double().cpu()), lse
+
+
 # ---------------------------------------------------------------------------- torch backend
 
 
@@ -158,14 +212,19 @@ def test_torch_backend_property(seed, B, H, Sq, bs, n_full, short_lens, K):
 
 
 @pytest.mark.parametrize("S", [64, 70])
-def test_dense_selection_equals_sdpa(S):
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
+def test_dense_selection_equals_sdpa(S, layout_kind):
     gen = torch.Generator().manual_seed(2)
     B, H, D, bs = 2, 3, 16, 16
     q, k, v = (torch.randn(B, S, H, D, generator=gen) for _ in range(3))
-    kv, block_id = KVBuffer.from_dense(k, v, bs)
-    n_q = math.ceil(S / bs)
-    idx = block_id.reshape(B, H, 1, -1).expand(B, H, n_q, -1).to(torch.int32)
-    num = torch.full((B, H, n_q), idx.shape[-1], dtype=torch.int32)
+    n = math.ceil(S / bs)
+    if layout_kind == "local":
+        kv = LocalKV(k, v, bs)
+        block_ids = kv.block_ids()
+    else:
+        kv, block_ids = packed_buffer(k, v, torch.ones(B * H, n, dtype=torch.bool), bs, slack_rows=7)
+    mask = torch.ones(B, H, n, n, dtype=torch.bool)
+    num, idx = kernel_indices(mask, block_ids, n)
     qh = q.transpose(1, 2)
     out, lse = torch_ref.block_sparse_attention(qh, kv, num, idx)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -175,19 +234,41 @@ def test_dense_selection_equals_sdpa(S):
     assert (lse - torch.logsumexp(scores, dim=-1)).abs().max().item() <= TOL
 
 
-def test_torch_backend_speed():
-    gen = torch.Generator().manual_seed(3)
-    B, H, Sq, D, bs = 1, 4, 1024, 32, 64
-    kv = make_buffer(gen, 16 * B * H, [], bs, D)
-    n_q = Sq // bs
-    idx = torch.stack([torch.randperm(kv.num_blocks, generator=gen)[:16] for _ in range(B * H * n_q)])
-    idx = idx.reshape(B, H, n_q, 16).to(torch.int32)
-    num = torch.full((B, H, n_q), 16, dtype=torch.int32)
-    q = torch.randn(B, H, Sq, D, generator=gen)
-    torch_ref.block_sparse_attention(q, kv, num, idx)  # warm-up
-    t0 = time.perf_counter()
-    torch_ref.block_sparse_attention(q, kv, num, idx)
-    assert time.perf_counter() - t0 < 1.0
+@pytest.mark.parametrize(
+    "B,H,Sq,S,bs",
+    [
+        (1, 2, 64, 64, 16),  # no tail on either side
+        (2, 3, 50, 70, 16),  # query tail and key tail
+        (2, 2, 7, 5, 8),  # one partial query block, one partial key block
+        (1, 1, 33, 48, 16),  # query tail only
+    ],
+)
+def test_local_and_packed_match_reference(B, H, Sq, S, bs):
+    """The same shard read as a LocalKV and as a packed payload gives the same attention, and
+    both match the float64 reference: tails on both sides, B > 1, an empty row."""
+    q, k, v, mask, selected = shard_case(11, B, H, Sq, S, 8, bs)
+    ref_out, ref_lse = local_reference(q, k, v, mask, bs)
+    local = LocalKV(k, v, bs)
+    n = local.num_blocks
+    out_l, lse_l = torch_ref.block_sparse_attention(q, local, *kernel_indices(mask, local.block_ids(), n))
+    assert_matches(out_l, lse_l, ref_out, ref_lse)
+    kv, block_ids = packed_buffer(k, v, selected, bs, slack_rows=5)
+    out_p, lse_p = torch_ref.block_sparse_attention(q, kv, *kernel_indices(mask, block_ids, n + 2))
+    assert_matches(out_p, lse_p, ref_out, ref_lse)
+    assert torch.isneginf(lse_l[0, 0, :bs]).all() and (out_l[0, 0, :bs] == 0).all()
+
+
+def test_local_kv_block_ids_and_shape_checks():
+    k = torch.randn(2, 37, 3, 8)
+    kv = LocalKV(k, k.clone(), 16)
+    assert (kv.num_blocks, kv.tail_len, kv.batch, kv.heads, kv.head_dim) == (3, 5, 2, 3, 8)
+    assert torch.equal(kv.block_ids(), torch.arange(3).repeat(6, 1))
+    q = torch.randn(2, 4, 20, 8)  # 4 heads against a 3-head shard
+    num = torch.zeros(2, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="heads"):
+        torch_ref.block_sparse_attention(q, kv, num, torch.zeros(2, 4, 2, 1, dtype=torch.int32))
+    with pytest.raises(AssertionError, match="contiguous"):
+        LocalKV(k.transpose(1, 2), k.transpose(1, 2), 16)
 
 
 def test_input_validation():
@@ -200,31 +281,72 @@ def test_input_validation():
         torch_ref.block_sparse_attention(q[..., :4], kv, num, idx)
     with pytest.raises(ValueError, match="dtype"):
         torch_ref.block_sparse_attention(q.double(), kv, num, idx)
+    with pytest.raises(ValueError, match="KVBuffer or a LocalKV"):
+        torch_ref.block_sparse_attention(q, (kv.k, kv.v), num, idx)
 
 
 # ---------------------------------------------------------------------------- layout
 
 
 @pytest.mark.parametrize("S", [48, 53, 5])
-def test_from_dense_round_trip(S):
+def test_payload_round_trip(S):
+    """A payload packed by sparsp.packing and viewed by from_payload holds every selected
+    block where its id says, full blocks first, and knows its short length without a sync."""
     gen = torch.Generator().manual_seed(5)
     B, H, D, bs = 2, 3, 4, 16
     k, v = torch.randn(B, S, H, D, generator=gen), torch.randn(B, S, H, D, generator=gen)
-    kv, block_id = KVBuffer.from_dense(k, v, bs)
-    kv.validate()
-    n_k, n_full = math.ceil(S / bs), S // bs
-    assert block_id.shape == (B * H, n_k) and kv.num_aligned == B * H * n_full
-    assert kv.num_blocks == B * H * n_k and kv.capacity == B * H * S
-    for b in range(B):
-        for h in range(H):
-            for kb in range(n_k):
-                j = int(block_id[b * H + h, kb])
-                st, ln = int(kv.block_start[j]), int(kv.block_len[j])
-                assert ln == min(bs, S - kb * bs)
-                assert (j < kv.num_aligned) == (ln == bs)  # full blocks first, then short
-                assert torch.equal(kv.k[st : st + ln], k[b, kb * bs : kb * bs + ln, h])
-                assert torch.equal(kv.v[st : st + ln], v[b, kb * bs : kb * bs + ln, h])
-    assert sorted(block_id.flatten().tolist()) == list(range(kv.num_blocks))
+    n, n_full = math.ceil(S / bs), S // bs
+    selected = torch.rand(B * H, n, generator=gen) < 0.7
+    kv, block_id = packed_buffer(k, v, selected, bs, slack_rows=9)
+    n_short = int(selected[:, -1].sum()) if S % bs else 0
+    assert kv.num_aligned == int(selected.sum()) - n_short and kv.num_short == n_short
+    assert kv.short_len == (S % bs if n_short else 0) and kv.tail_length() == kv.short_len
+    for bh in range(B * H):
+        b, h = divmod(bh, H)
+        for kb in range(n):
+            j = int(block_id[bh, kb])
+            assert (j >= 0) == bool(selected[bh, kb])
+            if j < 0:
+                continue
+            st, ln = int(kv.block_start[j]), int(kv.block_len[j])
+            assert ln == min(bs, S - kb * bs) and (j < kv.num_aligned) == (ln == bs)
+            assert torch.equal(kv.k[st : st + ln], k[b, kb * bs : kb * bs + ln, h])
+            assert torch.equal(kv.v[st : st + ln], v[b, kb * bs : kb * bs + ln, h])
+    assert not hasattr(KVBuffer, "from_dense")
+
+
+def test_validate_rejects_short_blocks_of_different_lengths():
+    k = torch.randn(40, 4)
+    kv = KVBuffer(k, k.clone(), torch.tensor([0, 16, 21]), torch.tensor([16, 5, 6]), 16, 1)
+    with pytest.raises(ValueError, match="same length"):
+        kv.validate()
+
+
+def test_split_lists_gives_one_short_slot_per_row():
+    """The width fix: a packed buffer's lists split into full blocks and ONE short slot per
+    row (the row's own tail), found without a loop; the scratch rows are that tail's rows."""
+    B, H, Sq, S, bs = 2, 3, 40, 53, 16
+    q, k, v, mask, selected = shard_case(12, B, H, Sq, S, 4, bs, p_keep=1.0)
+    kv, block_ids = packed_buffer(k, v, selected, bs)
+    n = math.ceil(S / bs)
+    num, idx = kernel_indices(mask, block_ids, n)
+    split = split_lists(kv, num, idx, 7)
+    assert split.idx.shape[-1] == 7 and bool((split.idx < kv.num_aligned).all())
+    assert torch.equal(split.num, mask[..., : n - 1].sum(-1, dtype=torch.int32))
+    assert torch.equal(split.has_short, mask[..., n - 1])
+    assert split.rows.shape == (B * H, S % bs)
+    for bh in range(B * H):
+        tail = int(block_ids[bh, n - 1])
+        if split.has_short.reshape(B * H, -1)[bh].any():
+            start = int(kv.block_start[tail])
+            assert torch.equal(split.rows[bh], torch.arange(start, start + S % bs))
+    # A row naming two short blocks breaks the buffer's rules: caught on CPU.
+    bad = idx.clone()
+    bad[0, 0, 1, :2] = torch.tensor([kv.num_aligned, kv.num_aligned + 1], dtype=bad.dtype)
+    bad_num = num.clone()
+    bad_num[0, 0, 1] = 2
+    with pytest.raises(AssertionError, match="more than one short"):
+        split_lists(kv, bad_num, bad, 7)
 
 
 def brute_block_ids(selected, tail):
@@ -297,7 +419,7 @@ def test_merge_handles_neg_inf():
         merge_partials([])
 
 
-# ---------------------------------------------------------------------------- registry, flex
+# ---------------------------------------------------------------------------- registry
 
 
 def test_registry():
@@ -305,37 +427,110 @@ def test_registry():
     assert get_kernel(KernelName.TORCH, torch.device("cpu")) is torch_ref.block_sparse_attention
     with pytest.raises(ValueError, match="allowed"):
         get_kernel("triton", "cpu")
-    with pytest.raises(ValueError, match="does not run on"):
-        get_kernel("flex", "cpu")
-    assert [n.value for n in KernelName] == ["torch", "flex", "auto"]
+    for name in ("flex", "fa4"):
+        with pytest.raises(ValueError, match="does not run on"):
+            get_kernel(name, "cpu")
+    assert [n.value for n in KernelName] == ["torch", "flex", "fa4", "auto"]
+    assert not fa4.fa4_available("cpu")
 
 
-def _emulated_flex_call(q, k, v, block_mask, scale):
+# ---------------------------------------------------------------------------- flex, FA4 wrappers
+
+
+def _token_mask(blocks, bs, sq, skv):
+    """[..., nQ, W] block flags -> [..., Sq, Skv] token flags (blocks past Skv cut off)."""
+    tok = blocks.repeat_interleave(bs, -2)[..., :sq, :].repeat_interleave(bs, -1)[..., :skv]
+    return torch.nn.functional.pad(tok, (0, skv - tok.shape[-1]))
+
+
+def _softmax_with_lse(q, k, v, tok, scale):
+    s = (torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale).masked_fill(~tok, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v.float(), lse
+
+
+def _emulated_flex_call(q, k, v, block_mask, scale, enable_gqa):
     """Dense stand-in for compiled flex that honours the BlockMask's kv indices (CPU)."""
     bs = block_mask.BLOCK_SIZE[1]
-    Sq, N = q.shape[2], k.shape[2]
-    blocks = block_mask.to_dense()[0].bool()  # [BH, nQ, W]
-    tok = blocks.repeat_interleave(bs, 1)[:, :Sq].repeat_interleave(bs, 2)[:, :, :N]
-    tok = torch.nn.functional.pad(tok, (0, N - tok.shape[-1]))
-    s = (q[0].float() @ k[0, 0].float().T * scale).masked_fill(~tok, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return (p @ v[0, 0].float()).to(q.dtype).unsqueeze(0), lse.unsqueeze(0)
+    Sq, Skv = q.shape[2], k.shape[2]
+    assert block_mask.seq_lengths == (Sq, Skv)
+    tok = _token_mask(block_mask.to_dense().bool(), bs, Sq, Skv)
+    rep = q.shape[1] // k.shape[1]
+    assert rep == 1 or enable_gqa
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out, lse = _softmax_with_lse(q, k, v, tok, scale)
+    return out.to(q.dtype), lse
+
+
+def _emulated_fa4_run(q4, k4, v4, num, idx, bs, scale):
+    """Dense stand-in for FA4's block-sparse forward with its layout and its rules: (B, S, H, D)
+    tensors, lists no wider than the key blocks, keys past the end masked only in the last
+    listed block (so a list holding a block that reaches past Sk must end with it)."""
+    Sq, Sk, Hq, Hk = q4.shape[1], k4.shape[1], q4.shape[2], k4.shape[2]
+    n_k = math.ceil(Sk / bs)
+    assert idx.dtype == torch.int32 and num.dtype == torch.int32 and idx.is_contiguous()
+    assert 1 <= idx.shape[-1] <= n_k, (idx.shape, n_k)
+    slots = torch.arange(idx.shape[-1])
+    used = slots < num.unsqueeze(-1)
+    past_end = used & ((idx.long() + 1) * bs > Sk)
+    last = slots == (num.long() - 1).unsqueeze(-1)
+    assert bool((~past_end | last).all()), "a block past the end is not the last listed"
+    dense = torch.zeros(*num.shape, n_k + 1, dtype=torch.bool)
+    dense.scatter_(-1, torch.where(used, idx.long(), n_k), True)
+    tok = _token_mask(dense[..., :n_k], bs, Sq, Sk)
+    q, k, v = (x.transpose(1, 2) for x in (q4, k4, v4))
+    k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
+    out, lse = _softmax_with_lse(q, k, v, tok, scale)
+    return out.to(q4.dtype).transpose(1, 2).contiguous(), lse
+
+
+CASES = [(2, 3, 45, 53, 8), (1, 2, 40, 48, 8), (2, 2, 7, 20, 8)]  # (B, H, Sq, S, bs)
 
 
 @pytest.mark.skipif(not flex.FLEX_AVAILABLE, reason="flex_attention not in this torch")
-@pytest.mark.parametrize(
-    "short_lens,K,slack", [([], 7, 11), ([3, 7, 1], 7, 11), ([], 20, 0), ([2], 20, 0)]
-)
-def test_flex_wrapper_logic_on_cpu(monkeypatch, short_lens, K, slack):
+@pytest.mark.parametrize("B,H,Sq,S,bs", CASES)
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
+def test_flex_wrapper_logic_on_cpu(monkeypatch, B, H, Sq, S, bs, layout_kind):
     # Compiled flex cannot return an LSE on CPU (torch 2.13), so the kernel call is replaced
-    # by a dense emulation of the same BlockMask: this still checks index compaction, the
-    # BlockMask built from_kv_blocks, the short-block split and the merge.
+    # by a dense emulation of the same BlockMask: this still checks the layouts, the BlockMask
+    # built from_kv_blocks, the short-block scratch call and the merge.
     monkeypatch.setattr(flex, "_flex_call", _emulated_flex_call)
-    q, kv, num, idx = run_case(8, 2, 3, 45, 8, 8, 9, short_lens, K, slack=slack)
-    num[1, 2, 0] = 0
-    out, lse = flex.block_sparse_attention(q, kv, num, idx)
-    assert_matches(out, lse, *dense_reference(q, kv, num, idx))
+    _check_wrapper(flex.block_sparse_attention, B, H, Sq, S, bs, layout_kind)
+
+
+@pytest.mark.parametrize("B,H,Sq,S,bs", CASES)
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
+def test_fa4_wrapper_logic_on_cpu(monkeypatch, B, H, Sq, S, bs, layout_kind):
+    # FA4 needs a GPU; its call is replaced by an emulation that enforces its layout and list
+    # rules, so this checks the (B, S, H, D) views, the sorting, the split and the merge.
+    monkeypatch.setattr(fa4, "_load", lambda: (None, None, None))
+    monkeypatch.setattr(fa4, "unsupported_reason", lambda q, block_size: None)
+    monkeypatch.setattr(fa4, "_run", _emulated_fa4_run)
+    _check_wrapper(fa4.block_sparse_attention, B, H, Sq, S, bs, layout_kind, shuffle=True)
+
+
+def _check_wrapper(kernel, B, H, Sq, S, bs, layout_kind, shuffle=False):
+    q, k, v, mask, selected = shard_case(13, B, H, Sq, S, 8, bs)
+    ref_out, ref_lse = local_reference(q, k, v, mask, bs)
+    n = math.ceil(S / bs)
+    if layout_kind == "local":
+        kv = LocalKV(k, v, bs)
+        block_ids = kv.block_ids()
+    else:
+        kv, block_ids = packed_buffer(k, v, selected, bs, slack_rows=11)
+    num, idx = kernel_indices(mask, block_ids, n + 3)
+    if shuffle:  # any order is allowed: the wrapper must restore what its kernel needs
+        num, idx = _permute_used(num, idx, torch.Generator().manual_seed(3))
+    out, lse = kernel(q, kv, num, idx)
+    assert out.shape == (B, H, Sq, 8) and lse.shape == (B, H, Sq)
+    assert_matches(out.float(), lse, ref_out, ref_lse, tol=1e-5)
+
+
+def _permute_used(num, idx, gen):
+    """Shuffle the used slots of every list among themselves (lists stay duplicate-free)."""
+    keys = torch.rand(idx.shape, generator=gen)
+    keys = torch.where(torch.arange(idx.shape[-1]) < num.unsqueeze(-1), keys, 2.0)
+    return num, torch.gather(idx, -1, keys.argsort(-1)).contiguous()
 
 
 @pytest.mark.skipif(not flex.FLEX_AVAILABLE, reason="flex_attention not in this torch")
@@ -343,12 +538,58 @@ def test_flex_does_not_recompile_on_new_indices(monkeypatch):
     # Dynamo's guards do not depend on the backend, so compiling with backend="eager" on CPU
     # checks that new index contents (same geometry) reuse the graph. Its numbers are not
     # checked: eager flex ignores block indices.
-    from torch.nn.attention.flex_attention import flex_attention
+    monkeypatch.setattr(flex, "_BACKEND", "eager")
+    monkeypatch.setattr(flex, "_COMPILED", {})
+    for layout_kind in ("local", "packed"):
+        q, k, v, mask, selected = shard_case(9, 1, 2, 40, 53, 8, 8, p_keep=1.0)
+        kv = LocalKV(k, v, 8) if layout_kind == "local" else packed_buffer(k, v, selected, 8)[0]
+        ids = kv.block_ids() if layout_kind == "local" else packed_buffer(k, v, selected, 8)[1]
+        flex.block_sparse_attention(q, kv, *kernel_indices(mask, ids, 7))
+        entries = flex.compiled_entries()
+        mask2 = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.3
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            flex.block_sparse_attention(q, kv, *kernel_indices(mask2, ids, 7))
+        assert flex.compiled_entries() == entries
 
-    compiled = torch.compile(flex_attention, backend="eager", dynamic=False, fullgraph=True)
-    monkeypatch.setitem(flex._COMPILED, "flex_attention", compiled)
-    q, kv, num, idx = run_case(9, 1, 2, 40, 8, 8, 6, [5], 4, slack=3)
-    flex.block_sparse_attention(q, kv, num, idx)
-    q2, _, num2, idx2 = run_case(10, 1, 2, 40, 8, 8, 6, [5], 4, slack=3)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        flex.block_sparse_attention(q2, kv, num2, idx2)
+
+@pytest.mark.skipif(not flex.FLEX_AVAILABLE, reason="flex_attention not in this torch")
+def test_flex_many_geometries_never_hit_the_recompile_limit(monkeypatch):
+    # Ten geometries in one process with dynamo's per-code-object limit at ONE graph: passes
+    # only because every geometry gets its own compiled entry (its own code object).
+    monkeypatch.setattr(flex, "_BACKEND", "eager")
+    monkeypatch.setattr(flex, "_COMPILED", {})
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for i in range(10):
+            q, k, v, mask, _ = shard_case(i, 1, 2, 16 + 8 * i, 24 + 8 * i, 8, 8)
+            kv = LocalKV(k, v, 8)
+            flex.block_sparse_attention(q, kv, *kernel_indices(mask, kv.block_ids(), kv.num_blocks))
+    assert flex.compiled_entries() == 10
+
+
+# ---------------------------------------------------------------------------- bench kernel
+
+
+def test_bench_kernel_plumbing_on_cpu(tmp_path):
+    """`sparsp bench kernel` on CPU with a tiny shape (torch kernel): a result file of kind
+    `kernel` with the documented row fields, dense rows included, and its PNG."""
+    from sparsp.cli import main
+
+    rc = main(["bench", "kernel", "--device", "cpu", "--shape", "96x160x2x16", "--block-size", "32",
+               "--density", "0.5", "--cdf", "0.9", "--warmup", "1", "--iters", "10",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    files = list(tmp_path.glob("kernel-all-*.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert doc["kind"] == "kernel"
+    rows = doc["rows"]
+    fields = {"kernel", "head_dim", "density", "ms", "tflops_kept", "vs_cudnn", "vs_best_dense"}
+    assert all(fields <= set(r) for r in rows)
+    dense = [r for r in rows if r["mask"] == "dense"]
+    sparse = [r for r in rows if r["mask"] != "dense"]
+    assert dense and {r["mask"] for r in sparse} == {"cdf 0.9", "random 0.5"}
+    assert all(r["ms"] > 0 and r["tflops_kept"] > 0 and r["head_dim"] == 16 for r in rows)
+    assert all(0 < r["density"] <= 1 for r in rows)
+    assert all(r["vs_best_dense"] is not None for r in rows)
+    assert max(r["vs_best_dense"] for r in dense) == pytest.approx(1.0)
+    assert files[0].with_suffix(".png").exists()

@@ -1,24 +1,29 @@
-"""GPU tests of the flex backend (run on the device machine with ``pytest -m gpu``).
+"""GPU tests of the fast kernels (run on the device machine: ``pytest -o addopts="" -m gpu``).
 
-Error bounds follow flash-attention's tests (STYLE §9): against an fp32 reference computed
-on the same bf16-valued inputs, the flex error must stay within 2x the error of a plain
-PyTorch computation done in bf16, plus the rounding error of bf16 at the output's scale.
-At most four geometries are compiled here (dynamo's default recompile limit is eight).
+Error bounds follow flash-attention's tests (STYLE §9): against an fp32 reference computed on
+the same bf16-valued inputs, a kernel's error must stay within 2x the error of a plain PyTorch
+computation done in bf16, plus the rounding error of bf16 at the output's scale; the LSE
+within 2x PyTorch's LSE error + 1e-3 (a log2-based LSE would be off by ~0.44·|lse|).
+
+Both K/V layouts (``LocalKV`` and a packed ``KVBuffer`` built as payloads are), query and key
+tails (S % 128 != 0), B = 2, d64 and d128, empty rows. FA4 cases skip cleanly where
+``flash_attn.cute`` does not import or the GPU is not sm90+.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 try:
-    from test_kernels import make_buffer, random_selection
+    from test_kernels import packed_buffer, shard_case
 except ImportError:  # tests/ imported as a package
-    from tests.test_kernels import make_buffer, random_selection
+    from tests.test_kernels import packed_buffer, shard_case
 
-from sparsp.kernels import KVBuffer, flex, get_kernel, torch_ref
+from sparsp.kernels import LocalKV, fa4, flex, get_kernel, kernel_indices
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,31 +32,25 @@ pytestmark = [
 
 DEV = "cuda"
 BS = 128
+KERNELS = {"flex": flex.block_sparse_attention, "fa4": fa4.block_sparse_attention}
 
 
-def token_mask(kv: KVBuffer, num, idx, sq: int) -> torch.Tensor:
-    """Dense bool ``[B, H, Sq, N]``: which buffer rows each query row attends."""
-    B, H, n_q, K = idx.shape
-    nb, N = kv.num_blocks, kv.capacity
-    used = torch.arange(K, device=idx.device) < num.unsqueeze(-1)
-    sel = torch.zeros(B, H, n_q, nb + 1, dtype=torch.bool, device=idx.device)
-    sel.scatter_(-1, torch.where(used, idx.long(), nb), True)  # slot nb: "unused"
-    sel[..., nb] = False
-    row_block = torch.full((N,), nb, dtype=torch.long)  # rows of no block map to slot nb
-    for j, (st, ln) in enumerate(zip(kv.block_start.tolist(), kv.block_len.tolist())):
-        row_block[st : st + ln] = j
-    tok = sel[..., row_block.to(idx.device)]
-    return tok.repeat_interleave(kv.block_size, dim=2)[:, :, :sq]
+def need(kernel: str) -> None:
+    if kernel == "fa4" and not fa4.fa4_available(DEV):
+        pytest.skip(f"FA4 not usable here: {fa4.import_error() or 'GPU older than sm90'}")
 
 
-def dense_attention(q, k, v, mask, scale, compute_dtype):
-    """Masked softmax attention with every step in ``compute_dtype``; lse in fp32."""
+def shard_attention(q, k, v, mask, scale, compute_dtype):
+    """Masked softmax attention of q (B, H, Sq, D) over a shard k, v (B, S, H, D) under a
+    block mask [B, H, nQ, n], every step in ``compute_dtype``; lse in fp32."""
+    Sq, S = q.shape[2], k.shape[1]
+    tok = mask.repeat_interleave(BS, dim=2)[:, :, :Sq].repeat_interleave(BS, dim=3)[..., :S]
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
-    s = torch.einsum("bhqd,nd->bhqn", q, k) * scale
-    s = s.masked_fill(~mask, float("-inf"))
+    s = torch.einsum("bhqd,bshd->bhqs", q, k) * scale
+    s = s.masked_fill(~tok, float("-inf"))
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return p @ v, lse
+    return torch.einsum("bhqs,bshd->bhqd", p, v), lse
 
 
 def bf16_atol(ref: torch.Tensor) -> float:
@@ -59,94 +58,136 @@ def bf16_atol(ref: torch.Tensor) -> float:
     return 2 * ((ref.bfloat16() + 0.3 - 0.3).float() - ref).abs().max().item()
 
 
-def check_against_reference(out, lse, ref_out, ref_lse, pt_out, pt_lse):
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+def check(out, lse, q, k, v, mask):
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = shard_attention(q, k, v, mask, scale, torch.float32)
+    pt_out, pt_lse = shard_attention(q, k, v, mask, scale, torch.bfloat16)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
     empty = torch.isneginf(ref_lse)
-    assert (out[empty] == 0).all()
+    assert torch.equal(torch.isneginf(lse), empty), "empty rows must have lse -inf, others finite"
+    assert (out[empty] == 0).all() and not out.isnan().any()
     fin = ~empty
     err = (out.float() - ref_out).abs().max().item()
     err_pt = (pt_out.float() - ref_out).abs().max().item()
     assert err <= 2 * err_pt + bf16_atol(ref_out), (err, err_pt)
     lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
     lse_err_pt = (pt_lse[fin] - ref_lse[fin]).abs().max().item()
-    # A log2-based LSE would be off by ~0.44 * |lse| here, far beyond this bound.
     assert lse_err <= 2 * lse_err_pt + 1e-3, (lse_err, lse_err_pt)
 
 
-def make_case(seed, B, H, sq, D, n_full, short_lens, K, dtype):
-    gen = torch.Generator().manual_seed(seed)
-    kv = make_buffer(gen, n_full, short_lens, BS, D, dtype=dtype, slack=300, device=DEV)
-    num, idx = random_selection(gen, B, H, math.ceil(sq / BS), kv.num_blocks, K, device=DEV)
-    q = torch.randn(B, H, sq, D, generator=gen).to(dtype).to(DEV)
-    return q, kv, num, idx
+def run(kernel, layout_kind, q, k, v, mask, selected, width=None):
+    n = math.ceil(k.shape[1] / BS)
+    if layout_kind == "local":
+        kv = LocalKV(k, v, BS)
+        ids = kv.block_ids()
+    else:
+        kv, ids = packed_buffer(k, v, selected, BS, slack_rows=300)
+    num, idx = kernel_indices(mask, ids, width or n)
+    return KERNELS[kernel](q, kv, num, idx)
 
 
-def as_fp32(kv: KVBuffer) -> KVBuffer:
-    return KVBuffer(kv.k.float(), kv.v.float(), kv.block_start, kv.block_len, kv.block_size,
-                    kv.num_aligned)
-
-
+@pytest.mark.parametrize("kernel", ["fa4", "flex"])
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
 @pytest.mark.parametrize(
-    "sq,short_lens", [(1000, [5, 127, 64, 1]), (1024, [])], ids=["short_blocks", "aligned"]
+    "B,H,Sq,S,D",
+    [(2, 4, 1000, 1100, 128), (2, 4, 1000, 1100, 64), (1, 4, 1024, 1024, 128)],
+    ids=["tails-d128", "tails-d64", "aligned-d128"],
 )
-def test_flex_matches_torch_bf16(sq, short_lens):
-    B, H, D = 2, 4, 128
-    q, kv, num, idx = make_case(0, B, H, sq, D, 24, short_lens, 12, torch.bfloat16)
-    num[0, 1, 2] = 0  # an empty query block
-    ref_out, ref_lse = torch_ref.block_sparse_attention(q.float(), as_fp32(kv), num, idx)
-    mask = token_mask(kv, num, idx, sq)
-    pt_out, pt_lse = dense_attention(q, kv.k, kv.v, mask, D**-0.5, torch.bfloat16)
-    out, lse = flex.block_sparse_attention(q, kv, num, idx)
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    check_against_reference(out, lse, ref_out, ref_lse, pt_out, pt_lse)
+def test_kernel_matches_fp32_reference(kernel, layout_kind, B, H, Sq, S, D):
+    """Short blocks in the fast kernel (packed: scratch call + merge; local: the end of the
+    sequence), query tails, B = 2, both head dims, empty rows (one whole head empty too)."""
+    need(kernel)
+    q, k, v, mask, selected = shard_case(0, B, H, Sq, S, D, BS, dtype=torch.bfloat16, device=DEV)
+    mask[-1, -1] = False  # a head that reads nothing at all
+    out, lse = run(kernel, layout_kind, q, k, v, mask, selected)
+    check(out, lse, q, k, v, mask)
 
 
-def test_flex_matches_torch_fp32():
-    q, kv, num, idx = make_case(1, 2, 4, 1000, 128, 24, [5, 127, 64, 1], 12, torch.float32)
-    ref_out, ref_lse = torch_ref.block_sparse_attention(q, kv, num, idx)
-    out, lse = flex.block_sparse_attention(q, kv, num, idx)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    fin = ~torch.isneginf(ref_lse)
-    # TF32 may be on for flex's fp32 dots depending on float32_matmul_precision.
-    tol = 1e-4 if torch.get_float32_matmul_precision() == "highest" else 5e-3
-    assert (out - ref_out).abs().max().item() <= tol
-    assert (lse[fin] - ref_lse[fin]).abs().max().item() <= tol
+@pytest.mark.parametrize("kernel", ["fa4", "flex"])
+def test_unordered_wide_lists(kernel):
+    """Lists in any order and wider than the shard's block count (a geometry's fixed width)."""
+    need(kernel)
+    q, k, v, mask, selected = shard_case(5, 2, 2, 700, 900, 128, BS, dtype=torch.bfloat16, device=DEV)
+    kv = LocalKV(k, v, BS)
+    num, idx = kernel_indices(mask, kv.block_ids(), kv.num_blocks + 5)
+    keys = torch.rand(idx.shape, device=DEV)
+    keys = torch.where(torch.arange(idx.shape[-1], device=DEV) < num.unsqueeze(-1), keys, 2.0)
+    idx = torch.gather(idx, -1, keys.argsort(-1)).contiguous()  # shuffle the used slots
+    out, lse = KERNELS[kernel](q, kv, num, idx)
+    check(out, lse, q, k, v, mask)
 
 
-def test_flex_does_not_recompile_for_new_indices():
-    from torch._dynamo.utils import counters
-
-    q, kv, num, idx = make_case(2, 2, 4, 1000, 128, 24, [5, 127, 64, 1], 12, torch.bfloat16)
-    flex.block_sparse_attention(q, kv, num, idx)
-    graphs = counters["stats"]["unique_graphs"]
-    _, _, num2, idx2 = make_case(3, 2, 4, 1000, 128, 24, [5, 127, 64, 1], 12, torch.bfloat16)
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
+def test_flex_does_not_recompile_for_new_indices(layout_kind):
+    q, k, v, mask, selected = shard_case(2, 2, 4, 1000, 1100, 128, BS, p_keep=1.0,
+                                         dtype=torch.bfloat16, device=DEV)
+    run("flex", layout_kind, q, k, v, mask, selected)
+    entries = flex.compiled_entries()
+    mask2 = torch.rand(mask.shape, device=DEV) < 0.3
     with torch._dynamo.config.patch(error_on_recompile=True):
-        out, lse = flex.block_sparse_attention(q, kv, num2, idx2)
+        out, lse = run("flex", layout_kind, q, k, v, mask2, selected)
     torch.cuda.synchronize()
-    assert counters["stats"]["unique_graphs"] == graphs
-    ref_out, ref_lse = torch_ref.block_sparse_attention(q.float(), as_fp32(kv), num2, idx2)
-    fin = ~torch.isneginf(ref_lse)
-    assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 1e-2
+    assert flex.compiled_entries() == entries
+    check(out, lse, q, k, v, mask2)
 
 
-def test_flex_dense_selection_vs_sdpa():
+@pytest.mark.parametrize("kernel", ["fa4", "flex"])
+def test_ten_geometries_in_one_process(kernel):
+    """Ten distinct shapes, both layouts, in one process: flex gets one compiled entry per
+    geometry (no recompile limit), FA4 reuses its kernel across sequence lengths."""
+    need(kernel)
+    for i in range(10):
+        sq, s = 256 + 96 * i, 384 + 80 * i
+        q, k, v, mask, selected = shard_case(20 + i, 1, 2, sq, s, 64, BS, dtype=torch.bfloat16,
+                                             device=DEV)
+        for layout_kind in ("local", "packed"):
+            out, lse = run(kernel, layout_kind, q, k, v, mask, selected)
+            check(out, lse, q, k, v, mask)
+
+
+def test_flex_fp32():
+    q, k, v, mask, selected = shard_case(1, 2, 4, 1000, 1100, 128, BS, device=DEV)
+    for layout_kind in ("local", "packed"):
+        out, lse = run("flex", layout_kind, q, k, v, mask, selected)
+        ref_out, ref_lse = shard_attention(q, k, v, mask, 128**-0.5, torch.float64)
+        fin = ~torch.isneginf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), ~fin)
+        # TF32 may be on for flex's fp32 dots depending on float32_matmul_precision.
+        tol = 1e-4 if torch.get_float32_matmul_precision() == "highest" else 5e-3
+        assert (out.double() - ref_out).abs().max().item() <= tol
+        assert (lse[fin].double() - ref_lse[fin]).abs().max().item() <= tol
+
+
+def test_fa4_falls_back_to_flex_for_unsupported_calls():
+    need("fa4")
+    fa4._WARNED.clear()  # the warning is given once per reason and process
+    q, k, v, mask, selected = shard_case(3, 1, 2, 300, 300, 128, BS, device=DEV)  # fp32
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = run("fa4", "local", q, k, v, mask, selected)
+    assert any("running the flex kernel" in str(w.message) for w in caught)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+
+
+def test_dense_selection_vs_sdpa():
     B, S, H, D = 1, 1000, 8, 128  # S % 128 != 0: one short tail block per head
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(B, S, H, D, generator=gen).bfloat16().to(DEV) for _ in range(3))
-    kv, block_id = KVBuffer.from_dense(k, v, BS)
-    n_q = math.ceil(S / BS)
-    idx = block_id.reshape(B, H, 1, -1).expand(B, H, n_q, -1).to(torch.int32).contiguous()
-    num = torch.full((B, H, n_q), idx.shape[-1], dtype=torch.int32, device=DEV)
+    kv = LocalKV(k, v, BS)
+    n = kv.num_blocks
+    num, idx = kernel_indices(torch.ones(B, H, n, n, dtype=torch.bool, device=DEV), kv.block_ids(), n)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     ref = sdpa(qh.float(), kh.float(), vh.float())
     ref_lse = torch.logsumexp(qh.float() @ kh.float().transpose(-1, -2) / math.sqrt(D), -1)
     err_pt = (sdpa(qh, kh, vh).float() - ref).abs().max().item()
-    out, lse = get_kernel("auto", DEV)(qh, kv, num, idx)
+    out, lse = get_kernel("auto", DEV)(qh.contiguous(), kv, num, idx)
     assert (out.float() - ref).abs().max().item() <= 2 * err_pt + bf16_atol(ref)
     assert (lse - ref_lse).abs().max().item() <= 1e-2
 
 
-def test_auto_is_flex_on_cuda():
-    assert get_kernel("auto", DEV) is flex.block_sparse_attention
+def test_auto_prefers_fa4_then_flex():
+    expected = fa4.block_sparse_attention if fa4.fa4_available(DEV) else flex.block_sparse_attention
+    assert get_kernel("auto", DEV) is expected
     assert flex.flex_available(DEV)

@@ -37,7 +37,9 @@ from dist_utils import run_distributed
 from sparsp.geometry import VideoGeometry
 from sparsp.placement import make_placement
 
-STRATEGIES = ("ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
+from sparsp.strategies import strategy_names  # noqa: E402
+
+STRATEGIES = strategy_names()
 TRANSPORTS = ("nccl", "host")
 MASK_KINDS = ("random", "empty-rows", "empty", "dense", "one-column", "diagonal", "tail-column",
               "per-head-extremes", "every-head-different")
@@ -189,7 +191,7 @@ def _properties_worker(rank, world, cases_, digest):
     import torch.distributed as dist
 
     from sparsp import SparspConfig, sp_attention
-    from sparsp.demand import comm_bytes
+    from sparsp.strategies import comm_bytes
     from sparsp.strategies import close_transports, get_transport
 
     hashes = [None] * world

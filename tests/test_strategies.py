@@ -7,7 +7,9 @@ import torch
 
 from dist_utils import run_distributed
 
-STRATEGIES = ("ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
+from sparsp.strategies import strategy_names  # noqa: E402
+
+STRATEGIES = strategy_names()
 
 
 def reference(q, k, v, block_of_token, mask):
@@ -31,13 +33,9 @@ def slice_blocks(lens, bs):
 
 def split_mask(q, k, lens, bs, cdf, sim):
     """The mask every strategy must use: per-slice blocks, pooled as in the split form."""
-    from sparsp.masks import PooledBlocks, key_sum, pool_blocks, select_blocks
+    from sparsp.masks import split_mask as split
 
-    bounds = torch.tensor([0] + lens).cumsum(0).tolist()
-    center = key_sum(k) / k.shape[1]
-    pq = PooledBlocks.cat([pool_blocks(q[:, a:b], bs) for a, b in zip(bounds, bounds[1:])])
-    pk = PooledBlocks.cat([pool_blocks(k[:, a:b], bs, center) for a, b in zip(bounds, bounds[1:])])
-    return select_blocks(pq, pk, cdf_threshold=cdf, sim_threshold=sim)
+    return split(q, k, lens, bs, cdf_threshold=cdf, sim_threshold=sim)
 
 
 def _inputs(seed, B, S, H, D):
@@ -124,7 +122,7 @@ def _placed_worker(rank, world, kind, strategy_cdf, seed):
     import torch.distributed as dist
 
     from sparsp import SparspConfig, sp_attention
-    from sparsp.demand import comm_bytes
+    from sparsp.strategies import comm_bytes
     from sparsp.geometry import VideoGeometry
     from sparsp.masks import block_mask
     from sparsp.placement import make_placement

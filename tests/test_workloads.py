@@ -12,18 +12,8 @@ from hypothesis import strategies as st
 
 from sparsp import masks as M
 from sparsp.geometry import Rope, VideoGeometry, preset
-from sparsp.workloads import (
-    DEFAULT_MIX,
-    KINDS,
-    HeadMix,
-    Trace,
-    head_kinds,
-    load_trace,
-    pooled_qk,
-    save_trace,
-    synthetic_masks,
-    token_qk,
-)
+from sparsp.traces import Trace, load_trace, save_trace
+from sparsp.workloads import DEFAULT_MIX, KINDS, HeadMix, head_kinds, pooled_qk, synthetic_masks, token_qk
 
 CDFS = (0.85, 0.9, 0.95)
 # Small, awkward on purpose: text tokens, a short tail block, frames not a whole number of blocks.

@@ -15,7 +15,11 @@ def __getattr__(name):
         from . import strategies
 
         return getattr(strategies, name)
+    if name in ("parallelize", "unparallelize"):  # needs diffusers only when called
+        from .integrations import diffusers
+
+        return getattr(diffusers, name)
     raise AttributeError(f"module 'sparsp' has no attribute {name!r}")
 
 
-__all__ = ["SparspConfig", "sp_attention", "close_transports", "__version__"]
+__all__ = ["SparspConfig", "sp_attention", "close_transports", "parallelize", "unparallelize", "__version__"]

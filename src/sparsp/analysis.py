@@ -17,6 +17,7 @@ import torch
 
 from . import demand, masks as masks_mod, placement as placement_mod
 from .geometry import VideoGeometry, preset
+from .strategies import comm_bytes, strategy_names
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 SWEEP_RANKS = (2, 4, 8, 16)
@@ -31,7 +32,8 @@ class AnalyzeConfig:
     cdf: tuple[float, ...] = (0.85, 0.9, 0.95)
     """SpargeAttn CDF thresholds to analyse (synthetic masks only)."""
     placements: tuple[str, ...] = ("contiguous", "periodic")
-    strategies: tuple[str, ...] = demand.STRATEGIES
+    strategies: tuple[str, ...] = ()
+    """Strategies to account (empty: every registered one)."""
     trace: Path | None = None
     layers: int = 1
     """How many synthetic layers (different seeds and head mixes) to sum over."""
@@ -53,9 +55,12 @@ class AnalyzeConfig:
         for p in self.placements:
             if p not in placement_mod.PLACEMENTS:
                 raise ValueError(f"unknown placement {p!r}; choose from {list(placement_mod.PLACEMENTS)}")
+        known = strategy_names()
         for s in self.strategies:
-            if s not in demand.STRATEGIES:
-                raise ValueError(f"unknown strategy {s!r}; choose from {list(demand.STRATEGIES)}")
+            if s not in known:
+                raise ValueError(f"unknown strategy {s!r}; choose from {list(known)}")
+        if not self.strategies:
+            object.__setattr__(self, "strategies", known)
 
 
 def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple[VideoGeometry, dict[float, torch.Tensor], str]:
@@ -63,7 +68,9 @@ def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple[VideoGeometry, dict[f
     from . import workloads
 
     if cfg.trace is not None:
-        trace = workloads.load_trace(cfg.trace)
+        from .traces import load_trace
+
+        trace = load_trace(cfg.trace)
         return trace.geometry, {float(trace.cdf_threshold): trace.masks[: cfg.layers]}, f"trace:{trace.source}"
     geom = preset(cfg.model)
     masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=cfg.layers, seed=cfg.seed)
@@ -73,7 +80,7 @@ def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple[VideoGeometry, dict[f
 def _bytes_over_layers(m: torch.Tensor, pl, strategy: str, head_dim: int, dtype_bytes: int) -> dict:
     total = None
     for layer in m:
-        b = demand.comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        b = comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes)
         total = b if total is None else {
             "total": total["total"] + b["total"],
             "per_rank": [x + y for x, y in zip(total["per_rank"], b["per_rank"])],
@@ -134,7 +141,7 @@ def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
         for pname in cfg.placements:
             pl = placement_mod.make_placement(pname, geom, G)
             for strategy in cfg.strategies:
-                b = demand.comm_bytes(m, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes)
+                b = comm_bytes(m, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes)
                 volume.append({"ranks": G, "placement": pname, "strategy": strategy, "bytes_total": b["total"]})
             _advance(progress, task)
     sharing = {}

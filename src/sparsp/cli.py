@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import demand
 from .geometry import PRESETS
+from .strategies import strategy_names
 
 
 def _fmt_bytes(n: int) -> str:
@@ -35,7 +35,8 @@ def _add_analyze(sub) -> None:
     p.add_argument("--cdf", type=float, nargs="+", default=[0.85, 0.9, 0.95], help="CDF thresholds")
     p.add_argument("--placement", nargs="+", default=["contiguous", "periodic"],
                    choices=["contiguous", "periodic"], help="placements to compare")
-    p.add_argument("--strategy", nargs="+", default=list(demand.STRATEGIES), choices=demand.STRATEGIES,
+    names = strategy_names()
+    p.add_argument("--strategy", nargs="+", default=list(names), choices=names,
                    help="strategies to account")
     p.add_argument("--trace", type=Path, default=None,
                    help="a sparsp trace (.pt) with real masks to analyse instead of synthetic ones")
@@ -108,7 +109,7 @@ def _write_json_only(doc, out: Path):
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="GPU benchmarks (run under torchrun)",
                        description="GPU benchmarks; results go to bench/results/ as JSON + PNG.")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="{attention,transport}")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="{attention,kernel,transport,e2e}")
     from .bench import attention as bench_attention
 
     a = bsub.add_parser("attention", help="one attention layer per strategy",
@@ -116,6 +117,19 @@ def _add_bench(sub) -> None:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench_attention.add_arguments(a)
     a.set_defaults(func=bench_attention.main)
+    from .bench import e2e as bench_e2e
+
+    e = bsub.add_parser("e2e", help="denoising steps of a Diffusers transformer per strategy",
+                        description=bench_e2e.__doc__, formatter_class=bench_e2e.HelpFormatter)
+    bench_e2e.add_arguments(e)
+    e.set_defaults(func=bench_e2e.main)
+    from .bench import kernel as bench_kernel
+
+    kr = bsub.add_parser("kernel", help="block-sparse kernels vs dense kernels on one GPU",
+                         description=bench_kernel.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_kernel.add_arguments(kr)
+    kr.set_defaults(func=bench_kernel.main)
     try:
         from .bench import transport as bench_transport
     except ImportError:  # pragma: no cover - optional while the transport bench is absent
@@ -132,14 +146,37 @@ def _run_result(fn, args) -> int:
     return 0
 
 
+def _add_simulate(sub) -> None:
+    """``sparsp simulate`` (CPU cost model; arguments and job in ``sparsp.simulate``)."""
+    from .simulate import cli as simulate_cli
+
+    p = sub.add_parser("simulate", help="predict each strategy's timing on a fabric profile (CPU)",
+                       description=simulate_cli.DESCRIPTION,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    simulate_cli.add_arguments(p)
+    p.set_defaults(func=simulate_cli.main)
+
+
+def _add_trace(sub) -> None:
+    """``sparsp trace`` (record a transformer's block masks; job in ``sparsp.integrations.trace``)."""
+    from .integrations import trace
+
+    p = sub.add_parser("trace", help="record a Diffusers transformer's block masks for analyze --trace",
+                       description=trace.__doc__, formatter_class=trace.HelpFormatter)
+    trace.add_arguments(p)
+    p.set_defaults(func=trace.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparsp",
         description="Sparsity-aware sequence-parallel attention for video diffusion transformers.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,bench,simulate,trace}")
     _add_analyze(sub)
     _add_bench(sub)
+    _add_trace(sub)
+    _add_simulate(sub)
     return parser
 
 

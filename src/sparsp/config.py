@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
-
-TransportChoice = Literal["auto", "nccl", "ipc", "host"]
-KernelChoice = Literal["auto", "torch", "flex"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,12 +16,14 @@ class SparspConfig:
     """Block self-similarity threshold in [0, 1], or one per head; None turns similarity off."""
     block_size: int = 128
     """Kernel tile in tokens, for queries and keys alike (the unit of demand and transfer)."""
-    transport: TransportChoice = "auto"
-    """How payloads move: ``nccl`` (torch.distributed p2p: NCCL on GPU, gloo on CPU), ``ipc``
-    (CUDA IPC peer copies on copy engines), ``host`` (pinned shared host memory), ``auto``
-    (ipc where peer access works, else host on GPU; nccl/gloo on CPU)."""
-    kernel: KernelChoice = "auto"
-    """Block-sparse kernel: ``torch`` (reference, CPU/GPU), ``flex`` (GPU), ``auto``."""
+    transport: str = "auto"
+    """How payloads move: a registered transport (``sparsp.transport.transport_names()``:
+    ``nccl`` = torch.distributed p2p, NCCL on GPU and gloo on CPU; ``ipc`` = CUDA IPC peer
+    copies on copy engines; ``host`` = pinned shared host memory) or ``auto`` (ipc where peer
+    access works, else host on GPU; nccl/gloo on CPU; ``sparsp.transport.select``)."""
+    kernel: str = "auto"
+    """Block-sparse kernel: a registered kernel (``sparsp.kernels.kernel_names()``: ``torch``
+    reference on CPU/GPU, ``flex`` on GPU, ...) or ``auto``."""
     timeout_s: float = 120.0
     """Every wait on a peer raises ``TimeoutError`` after this many seconds instead of hanging."""
     prefetch: int = 1
@@ -43,10 +40,15 @@ class SparspConfig:
         _check_threshold("sim_threshold", self.sim_threshold, allow_none=True)
         if not _is_int(self.block_size) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
-        if self.transport not in ("auto", "nccl", "ipc", "host"):
-            raise ValueError(f"transport must be one of auto, nccl, ipc, host; got {self.transport!r}")
-        if self.kernel not in ("auto", "torch", "flex"):
-            raise ValueError(f"kernel must be one of auto, torch, flex; got {self.kernel!r}")
+        from .kernels import kernel_names  # the registries, imported when a config is made
+        from .transport import transport_names
+
+        transports = transport_names(with_auto=True)
+        if self.transport not in transports:
+            raise ValueError(f"transport must be one of {', '.join(transports)}; got {self.transport!r}")
+        kernels = kernel_names(with_auto=True)
+        if self.kernel not in kernels:
+            raise ValueError(f"kernel must be one of {', '.join(kernels)}; got {self.kernel!r}")
         if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if not _is_int(self.prefetch) or self.prefetch < 1:

@@ -8,28 +8,25 @@ Demand stays per head (§5.2: the union over heads is nearly dense). Bytes count
 real tokens of every block: ``2 · tokens · head_dim · dtype_bytes``. All numbers are bytes
 *received* per rank; every strategy's total is the sum over ranks.
 
-Strategies (the five ``sparsp.strategies`` implements, same names):
+Byte rules (``BYTE_RULES``; each strategy names its rule when it registers, see
+``sparsp.strategies.registry``; ``sparsp.strategies.comm_bytes`` takes a strategy name):
 
-* ``ring``        dense shards relayed G−1 hops: every rank receives every other full shard.
-* ``ring-sparse`` the same full shards with a sparse kernel (Diffusers + SpargeAttn baseline):
-                  bytes identical to ``ring``.
-* ``ring-relay``  relay ring with selective KV (§3.3, §5.1's conventional routing): at hop k
+* ``full-shards`` every rank receives every other full shard (``ring``, ``ring-sparse``).
+* ``relay``       relay ring with selective KV (§3.3, §5.1's conventional routing): at hop k
                   rank r receives from r−1 the blocks of origin p = r−k that any consumer still
-                  downstream (r, r+1, …, p−1) needs.
-* ``sparsp``      direct owner→consumer: rank r receives exactly ∪_p D[r, ·, p].
-* ``ulysses``     all-to-all of Q, K, V (sequence → heads) and of the output back.
+                  downstream (r, r+1, …, p−1) needs (``ring-relay``).
+* ``direct``      direct owner→consumer: rank r receives exactly ∪_p D[r, ·, p] (``sparsp``).
+* ``all-to-all``  Q, K, V (sequence → heads) and the output back (``ulysses``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .placement import Placement
-
-STRATEGIES = ("ring", "ring-sparse", "ring-relay", "sparsp", "ulysses")
-
 
 def _check_masks(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
     if not isinstance(placement, Placement):
@@ -42,19 +39,31 @@ def _check_masks(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
     return masks.bool()
 
 
+def remote_demand(mask: torch.Tensor, owner: torch.Tensor, ranks: int,
+                  rows: list[slice] | None = None) -> torch.Tensor:
+    """The demand of every rank: bool [G, *lead, nB] from a block mask [*lead, nB, nB].
+
+    ``owner`` [nB]: the rank of every block (rows and columns alike). ``out[r, ..., kb]``: some
+    query block of rank r keeps key block kb, and kb is remote to r. D[r, ·, p] is
+    ``out[r] & (owner == p)``. The one demand function: the strategies call it on the call's
+    mask (placed order, ``rows`` given), ``comm_bytes`` on analysis masks (original order).
+    """
+    owner = owner.to(mask.device)
+    if rows is None:  # boolean row selection (a host sync on GPU; analysis runs on CPU)
+        out = torch.stack([mask[..., owner == r, :].any(dim=-2) for r in range(ranks)])
+    else:  # ``rows[r]``: rank r's rows as a slice (placed order at run time): no host sync
+        out = torch.stack([mask[..., rows[r], :].any(dim=-2) for r in range(ranks)])
+    remote = owner[None, :] != torch.arange(ranks, device=mask.device)[:, None]  # [G, nB]
+    return out & remote.view(ranks, *([1] * (mask.dim() - 2)), -1)
+
+
 def demand_sets(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
     """Bool [G, H, nB]: ``out[r, h, kb]`` — rank r needs remote block kb for head h.
 
     D[r, h, p] is ``out[r, h] & (owner == p)``; a rank never demands its own blocks.
     """
     masks = _check_masks(masks, placement)
-    owner = placement.owner.to(masks.device)
-    G = placement.ranks
-    out = torch.zeros(G, masks.shape[0], masks.shape[2], dtype=torch.bool, device=masks.device)
-    for r in range(G):
-        rows = masks[:, owner == r, :]
-        out[r] = rows.any(dim=1) & (owner != r)[None, :]
-    return out
+    return remote_demand(masks, placement.owner, placement.ranks)
 
 
 def block_bytes(placement: Placement, *, head_dim: int, dtype_bytes: int = 2) -> torch.Tensor:
@@ -62,44 +71,28 @@ def block_bytes(placement: Placement, *, head_dim: int, dtype_bytes: int = 2) ->
     return placement.geometry.block_lengths() * (2 * head_dim * dtype_bytes)
 
 
-def comm_bytes(
-    masks: torch.Tensor,
-    placement: Placement,
-    strategy: str,
-    *,
-    head_dim: int,
-    dtype_bytes: int = 2,
-) -> dict:
-    """Bytes received per rank by ``strategy`` → ``{"total": int, "per_rank": [int] * G}``.
+ByteRule = Callable[..., torch.Tensor]
+"""``rule(masks, placement, *, head_dim, dtype_bytes) -> LongTensor [G]`` bytes received per rank
+(``masks`` already checked: bool [heads, nB, nB], original block order)."""
 
-    ``masks``: bool [heads, nB, nB] in original block order (fold a batch into heads).
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    for name, value in (("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    masks = _check_masks(masks, placement)
-    H = masks.shape[0]
-    G = placement.ranks
+
+def full_shard_bytes(masks, placement, *, head_dim, dtype_bytes) -> torch.Tensor:
+    bb = block_bytes(placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    shard = torch.zeros(placement.ranks, dtype=torch.long).index_add_(0, placement.owner, bb)
+    shard = shard * masks.shape[0]  # K+V, all heads
+    return shard.sum() - shard
+
+
+def direct_bytes(masks, placement, *, head_dim, dtype_bytes) -> torch.Tensor:
+    bb = block_bytes(placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    return (demand_sets(masks, placement).cpu().long() * bb).sum(dim=(1, 2))
+
+
+def relay_bytes(masks, placement, *, head_dim, dtype_bytes) -> torch.Tensor:
+    """Relay ring: hop k into rank r carries origin p = r − k's blocks still needed downstream."""
+    need = demand_sets(masks, placement).cpu()
     owner = placement.owner
     bb = block_bytes(placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
-    shard = torch.zeros(G, dtype=torch.long).index_add_(0, owner, bb) * H  # K+V, all heads
-    if strategy in ("ring", "ring-sparse"):
-        per_rank = shard.sum() - shard
-    elif strategy == "sparsp":
-        need = demand_sets(masks, placement).cpu()
-        per_rank = (need.long() * bb).sum(dim=(1, 2))
-    elif strategy == "ring-relay":
-        per_rank = _relay_bytes(demand_sets(masks, placement).cpu(), owner, bb)
-    else:  # ulysses
-        per_rank = _ulysses_bytes(placement, H, head_dim, dtype_bytes)
-    per_rank = [int(x) for x in per_rank.tolist()]
-    return {"total": sum(per_rank), "per_rank": per_rank}
-
-
-def _relay_bytes(need: torch.Tensor, owner: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
-    """Relay ring: hop k into rank r carries origin p = r − k's blocks still needed downstream."""
     G = need.shape[0]
     per_rank = torch.zeros(G, dtype=torch.long)
     for p in range(G):
@@ -119,7 +112,8 @@ def head_split(heads: int, ranks: int) -> list[int]:
     return [heads // ranks + (1 if i < heads % ranks else 0) for i in range(ranks)]
 
 
-def _ulysses_bytes(placement: Placement, H: int, head_dim: int, dtype_bytes: int) -> torch.Tensor:
+def all_to_all_bytes(masks, placement, *, head_dim, dtype_bytes) -> torch.Tensor:
+    H = masks.shape[0]
     tokens = torch.tensor(placement.tokens_per_rank, dtype=torch.long)
     heads = torch.tensor(head_split(H, placement.ranks), dtype=torch.long)
     row = head_dim * dtype_bytes
@@ -128,6 +122,40 @@ def _ulysses_bytes(placement: Placement, H: int, head_dim: int, dtype_bytes: int
     qkv_in = 3 * (tokens.sum() - tokens) * heads * row
     out_back = tokens * (heads.sum() - heads) * row
     return qkv_in + out_back
+
+
+BYTE_RULES: dict[str, ByteRule] = {
+    "full-shards": full_shard_bytes,
+    "relay": relay_bytes,
+    "direct": direct_bytes,
+    "all-to-all": all_to_all_bytes,
+}
+
+
+def comm_bytes(
+    masks: torch.Tensor,
+    placement: Placement,
+    rule: str | ByteRule,
+    *,
+    head_dim: int,
+    dtype_bytes: int = 2,
+) -> dict:
+    """Bytes received per rank under a byte ``rule`` (a name of ``BYTE_RULES`` or a function)
+    → ``{"total": int, "per_rank": [int] * G}``.
+
+    ``masks``: bool [heads, nB, nB] in original block order (fold a batch into heads).
+    """
+    if isinstance(rule, str):
+        if rule not in BYTE_RULES:
+            raise ValueError(f"unknown byte rule {rule!r}; choose one of {', '.join(BYTE_RULES)}")
+        rule = BYTE_RULES[rule]
+    for name, value in (("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    masks = _check_masks(masks, placement)
+    per_rank = rule(masks, placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    per_rank = [int(x) for x in per_rank.tolist()]
+    return {"total": sum(per_rank), "per_rank": per_rank}
 
 
 # --- the paper's Figure 4 and Figure 5 ---------------------------------------------------------
@@ -170,7 +198,7 @@ def relay_amplification(masks, placement_fn, geometry, ranks_list, *, head_dim, 
     out = []
     for G in ranks_list:
         pl = placement_fn(geometry, G)
-        relay = comm_bytes(masks, pl, "ring-relay", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
-        direct = comm_bytes(masks, pl, "sparsp", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
+        relay = comm_bytes(masks, pl, "relay", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
+        direct = comm_bytes(masks, pl, "direct", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
         out.append(Amplification(G, relay, direct))
     return out

@@ -11,10 +11,14 @@ Semantics (DESIGN.md, "Mask semantics"), per (batch, head):
    ≤ ``cdf_threshold`` are kept (the block that crosses the threshold is not; at least one is);
 4. non-similar K blocks become full columns, non-similar Q blocks full rows.
 
-The split form serves sequence parallelism (paper §4.2): every rank pools its own blocks after
-one all-reduce of the key sum, all-gathers the (tiny) pooled keys, and calls
-``select_blocks`` for its local query blocks — bit-identical to the single-process mask because
-both run the same arithmetic on the same pooled tensors.
+The split form serves sequence parallelism (paper §4.2): every rank pools its own slice
+(``summarize``: pooled queries, pooled keys and the slice's key sum), the summaries are
+all-gathered (``sparsp.plan``), and ``select_blocks`` runs on their concatenation. Pooling
+commutes with centring (mean(k − c) = mean(k) − c), so with similarity off the keys are
+pooled raw and centred after the gather (``PooledBlocks.centered``) and one collective
+suffices; with similarity on, the key mean is all-reduced first. ``split_mask`` computes the
+same mask in one process from the whole sequence and its slice lengths — bit-identical to the
+distributed one because both run the same arithmetic on the same pooled tensors.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class PooledBlocks:
     def num_blocks(self) -> int:
         return self.mean.shape[2]
 
+    def centered(self, center: torch.Tensor) -> "PooledBlocks":
+        """Means minus ``center`` [B, H, D] (key smoothing after pooling; ``sim`` unchanged,
+        so only for summaries pooled without similarity)."""
+        return PooledBlocks(self.mean - center.float()[:, :, None, :], self.sim, self.lengths)
+
     @staticmethod
     def cat(parts: list["PooledBlocks"]) -> "PooledBlocks":
         """Concatenate summaries along the block dim (rank order = global order)."""
@@ -52,32 +61,101 @@ class PooledBlocks:
 
 def key_sum(k: torch.Tensor) -> torch.Tensor:
     """Sum of k over the sequence, float32 [B, H, D] (all-reduced across ranks in SP)."""
-    return k.float().sum(dim=1)
+    return k.sum(dim=1, dtype=torch.float32)
 
 
-def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = None) -> PooledBlocks:
+def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = None, *,
+                similarity: bool = True) -> PooledBlocks:
     """Pool ``x`` (B, S, H, D) into blocks of ``block_size`` tokens; ``center`` (B, H, D) is
-    subtracted from every token first (key smoothing)."""
+    subtracted from every token first (key smoothing). ``similarity=False`` skips the block
+    self-similarity (a pass over normalised tokens) and leaves ``sim`` zero."""
     if x.dim() != 4:
         raise ValueError(f"expected (B, S, H, D), got shape {tuple(x.shape)}")
     _check_block("block_size", block_size)
     B, S, H, D = x.shape
     n = math.ceil(S / block_size)
-    xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
-    if center is not None:
-        xf = xf - center.float()[:, :, None, :]
     pad = n * block_size - S
     lengths = torch.full((n,), block_size, dtype=torch.long)
     if pad:
         lengths[-1] = block_size - pad
+    denom = _lengths_on(lengths, x.device)[None, None, :, None]
+    if center is None and not similarity:
+        # the common case: block sums straight from x's own layout, accumulated in float32,
+        # without a float32 copy of x (a full-size tensor per call at video sizes)
+        full = (S // block_size) * block_size
+        sums = x[:, :full].reshape(B, S // block_size, block_size, H, D).sum(2, dtype=torch.float32)
+        if pad:
+            sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
+        mean = sums.permute(0, 2, 1, 3) / denom
+        sim = torch.zeros(mean.shape[:-1], dtype=mean.dtype, device=mean.device)
+        return PooledBlocks(mean, sim, _lengths_on(lengths, x.device, torch.long))
+    xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
+    if center is not None:
+        xf = xf - center.float()[:, :, None, :]
+    if pad:
         # Zero padding adds nothing to sums; dividing by the real length gives the mean.
         xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
     blocks = xf.reshape(B, H, n, block_size, D)
-    denom = lengths.to(x.device, torch.float32)[None, None, :, None]
     mean = blocks.sum(dim=3) / denom
-    unit = torch.nn.functional.normalize(blocks, dim=-1)  # zero rows stay zero
-    sim = (unit.sum(dim=3) / denom).square().sum(dim=-1)
-    return PooledBlocks(mean, sim, lengths.to(x.device))
+    if similarity:
+        unit = torch.nn.functional.normalize(blocks, dim=-1)  # zero rows stay zero
+        sim = (unit.sum(dim=3) / denom).square().sum(dim=-1)
+    else:
+        sim = torch.zeros(mean.shape[:-1], dtype=mean.dtype, device=mean.device)
+    return PooledBlocks(mean, sim, _lengths_on(lengths, x.device, torch.long))
+
+
+_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _lengths_on(lengths: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
+    """``lengths`` on ``device``, cached: a pageable host-to-device copy syncs the stream."""
+    key = (tuple(lengths.tolist()), str(device), dtype)
+    t = _LENGTHS.get(key)
+    if t is None:
+        t = lengths.to(device, dtype)
+        _LENGTHS[key] = t
+    return t
+
+
+def summarize(q: torch.Tensor, k: torch.Tensor, block_size: int, *, center: torch.Tensor | None = None,
+              similarity: bool = False) -> tuple[PooledBlocks, PooledBlocks, torch.Tensor]:
+    """One slice's share of the split form: pooled queries, pooled keys and the key sum.
+
+    Keys are pooled raw (``center=None``; centre them after the gather with
+    ``PooledBlocks.centered``) or, when the similarity needs smoothed keys, around ``center``.
+    """
+    pq = pool_blocks(q, block_size, similarity=similarity)
+    pk = pool_blocks(k, block_size, center=center, similarity=similarity)
+    return pq, pk, key_sum(k)
+
+
+def split_mask(q: torch.Tensor, k: torch.Tensor, seq_lens, block_size: int, *, cdf_threshold: Threshold,
+               sim_threshold: Threshold | None = None) -> torch.Tensor:
+    """The block mask a sequence-parallel call uses, computed in one process.
+
+    ``q, k`` (B, S, H, D) hold the whole (placed) sequence, ``seq_lens`` the slice of every rank
+    in rank order; every slice is cut into blocks from its own start → bool [B, H, N, N] over
+    the slices' blocks. Same arithmetic as the distributed call (``sparsp.plan``), so the same
+    bits; with whole-block slices it equals ``block_mask(q, k)`` up to float rounding of the
+    key mean.
+    """
+    bounds = [0]
+    for n in seq_lens:
+        bounds.append(bounds[-1] + int(n))
+    if bounds[-1] != q.shape[1] or q.shape != k.shape:
+        raise ValueError(f"seq_lens {list(seq_lens)} must sum to the {q.shape[1]} tokens of q and k "
+                         f"(same shape), got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    sim = sim_threshold is not None
+    slices = list(zip(bounds, bounds[1:]))
+    sums = torch.stack([key_sum(k[:, a:b]) for a, b in slices])
+    center = sums.sum(0) / bounds[-1]
+    pq = PooledBlocks.cat([pool_blocks(q[:, a:b], block_size, similarity=sim) for a, b in slices])
+    pk = PooledBlocks.cat([pool_blocks(k[:, a:b], block_size, center=center if sim else None,
+                                       similarity=sim) for a, b in slices])
+    if not sim:
+        pk = pk.centered(center)
+    return select_blocks(pq, pk, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold)
 
 
 def _check_block(name: str, value) -> None:
@@ -85,14 +163,35 @@ def _check_block(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int (tokens per block), got {value!r}")
 
 
+_THRESHOLDS: dict[tuple, torch.Tensor] = {}
+
+
 def _per_head(value: Threshold, heads: int, name: str, device) -> torch.Tensor:
-    t = torch.as_tensor(value, dtype=torch.float64, device=device)
-    if t.dim() == 0:
-        t = t.expand(heads)
-    if t.shape != (heads,):
-        raise ValueError(f"{name} must be a scalar or a tensor of {heads} per-head values, got shape {tuple(t.shape)}")
-    if torch.isnan(t).any() or (t < 0).any() or (t > 1).any():
+    """float64 [heads] on ``device``. Checked on the host (the values are host numbers or a
+    CPU tensor from ``SparspConfig``) and cached per value and device: no host sync per call."""
+    src = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+    if src.device.type != "cpu":  # a caller's device tensor: checked where it lives
+        t = src.to(device=device, dtype=torch.float64)
+        t = t.expand(heads) if t.dim() == 0 else t
+        if t.shape != (heads,):
+            raise ValueError(f"{name} must be a scalar or a tensor of {heads} per-head values, "
+                             f"got shape {tuple(t.shape)}")
+        if torch.isnan(t).any() or (t < 0).any() or (t > 1).any():
+            raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
+        return t
+    values = tuple(float(x) for x in src.double().reshape(-1).tolist())
+    if src.dim() == 0:
+        values = values * heads
+    if len(values) != heads or src.dim() > 1:
+        raise ValueError(f"{name} must be a scalar or a tensor of {heads} per-head values, "
+                         f"got shape {tuple(src.shape)}")
+    if not all(0.0 <= x <= 1.0 for x in values):  # NaN fails too
         raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
+    key = (values, str(device))
+    t = _THRESHOLDS.get(key)
+    if t is None:
+        t = torch.tensor(values, dtype=torch.float64).to(device)
+        _THRESHOLDS[key] = t
     return t
 
 
@@ -120,7 +219,7 @@ def select_blocks(
     keep_sorted = ordered.cumsum(dim=-1) <= cdf[None, :, None, None]
     keep_sorted[..., 0] = True  # at least one block per row
     # cdf = 1 keeps everything: a cumulative sum can round to 1 + ε before the last block.
-    keep_sorted |= (cdf >= 1.0)[None, :, None, None]
+    keep_sorted |= (cdf >= 1.0)[None, :, None, None]  # (device ops: no host sync)
     mask = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     if sim_threshold is not None:
         mask |= ~k_similar[:, :, None, :]
@@ -158,8 +257,11 @@ def block_mask(
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
     center = key_sum(k) / k.shape[1]
-    pq = pool_blocks(q, block_q)
-    pk = pool_blocks(k, block_k, center=center)
+    sim = sim_threshold is not None
+    pq = pool_blocks(q, block_q, similarity=sim)
+    pk = pool_blocks(k, block_k, center=center if sim else None, similarity=sim)
+    if not sim:
+        pk = pk.centered(center)  # the split form's order of operations (see the module doc)
     return select_blocks(pq, pk, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold)
 
 

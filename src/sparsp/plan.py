@@ -1,45 +1,58 @@
-"""The per-call communication plan (paper §4.2, §5.2).
+"""The per-call communication plan (paper §4.2, §5.2): what every rank learns before any
+payload moves, with one collective and one host synchronisation per call.
 
-Once per attention call, before any payload moves:
+1. ``gather_metadata``: ONE all-gather of a float32 vector per rank — a header (the rank's
+   local shape, dtype, block size, strategy, its count of NaN/Inf values in q, k, v, and the
+   size of its summaries, bit-cast) followed, for sparse strategies, by the pooled query and
+   key summaries and the key sum (``sparsp.masks.summarize``), padded to the group's
+   capacity so that the collective's size never depends on other ranks' shapes. From it
+   every rank derives the WHOLE block mask locally (``masks.select_blocks`` on the
+   concatenated summaries), hence every rank's demand on every peer
+   (``sparsp.demand.remote_demand``): no demand exchange. The shapes that cut the gathered
+   summaries are those of the last call of this local geometry;
+2. ``Metadata.resolve``: the one host synchronisation. It copies the header table and every
+   count the strategy's layouts need (selected and short blocks per payload, kept blocks per
+   origin) to the host in one transfer, raises the same ``ValueError`` on every rank when the
+   headers disagree (batch, heads, head dim, dtype, block size, strategy) or hold NaN/Inf
+   counts — before any payload moves — and returns the packed layouts (``sparsp.packing``),
+   whose offsets both ends derive from prefix sums. When the guessed shapes were wrong (the
+   geometry changed) or a summary outgrew the capacity, it says so and the call redoes the
+   mask (``remask``) or the gather: only the first call of a geometry pays for that.
 
-1. ``exchange_shapes``: one all-gather of a small int vector — every rank's sequence length,
-   and a check that batch, heads, head dim, dtype, block size and strategy agree everywhere;
-2. ``local_mask``: one all-reduce of the key sum (key smoothing), one all-gather of the pooled
-   key summaries, then this rank's rows of the block mask — the mask the kernel will use;
-3. ``exchange_demand``: demand masks per peer, exchanged in one batched p2p operation; what a
-   peer demands from me is what I provide to it;
-4. ``Layout``: pack/unpack offsets derived *identically on both ends* from prefix sums over
-   (batch·head, block) — no offsets or lengths ever cross the wire.
-
-Blocks: each rank's slice is cut into ``block_size`` tokens from its own start; only a slice's
-last block may be short (``sparsp.placement`` guarantees that layout for placed sequences).
+Why the host sync is inherent: copy engines take their sizes from the host (a
+``cudaMemcpyAsync`` length is a host argument), and the errors above must be raised on the
+host. With ``sim_threshold`` set, key smoothing must precede the block similarity, so the key
+sum and token count are all-reduced first (two more collectives; similarity is off by default).
 """
 
 from __future__ import annotations
 
-import datetime
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .config import SparspConfig
-from .kernels import KVBuffer, canonical_block_ids
-from .masks import PooledBlocks, key_sum, pool_blocks, select_blocks
+from .groups import all_gather_flat, wait
+from .masks import PooledBlocks, key_sum, select_blocks, summarize
+from .packing import Layout, layout
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-_STRATEGY_CODES = {"ring": 1, "ring-sparse": 2, "ring-relay": 3, "ulysses": 4, "sparsp": 5}
+_HEADER = ("sequence length", "batch", "heads", "head dim", "dtype", "block_size", "strategy")
+_HEADER_SLOTS = len(_HEADER) + 3  # + NaN/Inf counts of q, k, v
 
 
-def wait(work, timeout_s: float, what: str) -> None:
-    """Wait for an async collective, turning a silent or dead peer into a ``TimeoutError``."""
-    try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TimeoutError(f"{what}: {e}") from e
-    if ok is False:
-        raise TimeoutError(f"{what}: no answer from a peer within {timeout_s} s")
+_CODES: dict[int, str] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def strategy_code(name: str) -> int:
+    """A stable int per strategy name (the header carries it; crc32 fits in int32)."""
+    code = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    _CODES[code] = name
+    return code
 
 
 @dataclass(frozen=True)
@@ -83,212 +96,249 @@ class Shapes:
         """Rows of a payload buffer big enough for any rank's full shard (static for flex)."""
         return self.batch * self.heads * max(self.num_blocks) * self.block_size
 
+    def block_owner(self, device=None) -> torch.Tensor:
+        """LongTensor [total_blocks]: the rank holding each global block."""
+        key = ("owner", self, str(device))
+        t = _CONSTANTS.get(key)
+        if t is None:
+            t = torch.repeat_interleave(torch.arange(self.world_size),
+                                        torch.tensor(self.num_blocks)).to(device)
+            _CONSTANTS[key] = t
+        return t
 
-def exchange_shapes(q: torch.Tensor, group, config: SparspConfig, strategy: str, *,
-                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> Shapes:
-    """One all-gather: every rank's length, and equal geometry everywhere (else ValueError).
 
-    With ``config.check_finite`` the same all-gather carries each rank's count of NaN/Inf
-    values in q (and k, v when given), so a bad input on ONE rank makes EVERY rank raise the
-    same ``ValueError`` here, before any payload moves, instead of one rank raising while its
-    peers wait in the next collective until their timeout.
+def _header(q: torch.Tensor, config: SparspConfig, strategy: str,
+            k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    """int64 [_HEADER_SLOTS] on q's device: local shape, codes, NaN/Inf counts (no host sync)."""
+    B, S, H, D = q.shape
+    fields = (S, B, H, D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, config.block_size,
+              strategy_code(strategy))
+    mine = _CONSTANTS.get((fields, str(q.device)))
+    if mine is None:  # made once: a pageable host-to-device copy would sync the stream
+        mine = torch.tensor(fields, dtype=torch.long).to(q.device)
+        _CONSTANTS[(fields, str(q.device))] = mine
+    # Counted on the device; the one host copy of the call reads them.
+    bad = [(~torch.isfinite(t)).sum().reshape(1) if config.check_finite and t is not None
+           else torch.zeros(1, dtype=torch.long, device=q.device) for t in (q, k, v)]
+    return torch.cat([mine, *bad]).clamp(max=2**31 - 1)  # travels as int32
+
+
+def _check_table(table: torch.Tensor, world: int) -> None:
+    """Raise the same ``ValueError`` on every rank for a bad header table [G, _HEADER_SLOTS]."""
+    for col in range(1, len(_HEADER)):
+        if (table[:, col] != table[0, col]).any():
+            values = table[:, col].tolist()
+            if _HEADER[col] == "strategy":
+                values = [_CODES.get(v, v) for v in values]
+            raise ValueError(f"ranks disagree on {_HEADER[col]}: {values} (rank order)")
+    if (table[:, 0] < 1).any():
+        raise ValueError(f"every rank needs at least one token; sequence lengths {table[:, 0].tolist()}")
+    nonfinite = table[:, len(_HEADER):]
+    if nonfinite.any():
+        found = [f"rank {r}: {name} has {int(n)} NaN/Inf value{'s' if n > 1 else ''}"
+                 for r in range(world) for name, n in zip("qkv", nonfinite[r].tolist()) if n]
+        raise ValueError("non-finite inputs (" + "; ".join(found) + "); sp_attention needs finite q, k, v "
+                         "(SparspConfig(check_finite=False) skips this check)")
+
+
+class _GroupState:
+    """Per (group, device): the metadata capacity and the last shapes of each local geometry."""
+
+    def __init__(self) -> None:
+        self.capacity = 0  # float32 elements of summary data per rank (grows, never shrinks)
+        self.shapes: dict[tuple, Shapes] = {}
+
+
+_STATE: dict[tuple, _GroupState] = {}
+
+
+def forget_shapes() -> None:
+    """Drop the per-group state (``close_transports`` calls it: a new group may reuse an id)."""
+    _STATE.clear()
+
+
+@dataclass
+class Metadata:
+    """What the call's metadata all-gather brought: every rank's header (device) and summary
+    data, the shapes they describe (guessed from the last call of this local geometry until
+    ``resolve`` confirms them) and, for sparse strategies, the whole block mask
+    ``mask`` bool [B, H, N, N] (N = all ranks' blocks, rank order)."""
+
+    shapes: Shapes
+    table: torch.Tensor  # int64 [G, _HEADER_SLOTS + 1] on the device
+    rows: torch.Tensor  # float32 [G, header + capacity]: what each rank sent
+    mask: torch.Tensor | None
+    capacity: int
+
+    def resolve(self, selections: dict, extra: dict | None = None):
+        """The call's one host synchronisation: header checks, then layouts and counts.
+
+        ``selections[key] = (selected bool [BH, n_p], p)``: blocks of rank p's shard a payload
+        holds → ``layouts[key]``. ``extra[key]``: 0-dim integer tensors wanted on the host →
+        ``values[key]`` (ints). Raises ``ValueError`` on every rank for a bad header. Returns
+        ``None`` when the guessed shapes or the capacity were wrong (the caller redoes the
+        mask with ``true_shapes``), else ``(layouts, values)``.
+        """
+        sh = self.shapes
+        keys = list(selections)
+        counts = []
+        for key in keys:
+            sel, p = selections[key]
+            counts.append(sel.sum().reshape(1))
+            counts.append(sel[:, -1].sum().reshape(1) if sh.has_tail(p)
+                          else torch.zeros(1, dtype=torch.long, device=sel.device))
+        extra = extra or {}
+        parts = [self.table.reshape(-1)] + [c.long() for c in counts] + \
+            [extra[k].long().reshape(1) for k in extra]
+        host = torch.cat([t.to(self.table.device) for t in parts]).cpu()
+        n_head = self.table.numel()
+        table = host[:n_head].view(sh.world_size, -1)
+        self._host_table = table
+        _check_table(table[:, :_HEADER_SLOTS], sh.world_size)
+        if int(table[:, _HEADER_SLOTS].max()) > self.capacity or \
+                tuple(table[:, 0].tolist()) != sh.seq_lens:
+            return None
+        rest = host[n_head:].tolist()
+        layouts = {}
+        for i, key in enumerate(keys):
+            sel, p = selections[key]
+            layouts[key] = layout(sel, sh.seq_lens[p], sh.block_size, counts=(rest[2 * i], rest[2 * i + 1]))
+        return layouts, dict(zip(extra, rest[2 * len(keys):]))
+
+    def true_shapes(self) -> Shapes:
+        """The shapes the gathered headers describe (after ``resolve`` read them)."""
+        sh = self.shapes
+        return Shapes(sh.rank, sh.world_size, sh.batch, sh.heads, sh.head_dim, sh.block_size,
+                      tuple(self._host_table[:, 0].tolist()))
+
+    @property
+    def needed(self) -> int:
+        """The largest summary any rank sent (after ``resolve`` read the headers)."""
+        return int(self._host_table[:, _HEADER_SLOTS].max())
+
+
+def _summary_size(B: int, H: int, D: int, n: int) -> int:
+    return 2 * B * H * n * (D + 1) + B * H * D
+
+
+def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, config: SparspConfig,
+                    strategy: str, *, sparse: bool) -> Metadata:
+    """The call's metadata all-gather and, for sparse strategies, the whole mask.
+
+    Every rank sends ``header | summaries`` padded to the group's capacity, so the collective's
+    size never depends on other ranks' shapes (a rank's slice may change while a peer's does
+    not). The shapes used to cut the gathered summaries are those of the last call of this
+    local geometry; ``Metadata.resolve`` checks them. Only the first call of a group (or one
+    whose summaries outgrow the capacity, or whose shapes were guessed wrong) costs a second
+    collective or host read.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, S, H, D = q.shape
-    mine = torch.tensor(
-        [S, B, H, D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, config.block_size,
-         _STRATEGY_CODES[strategy]],
-        dtype=torch.long, device=q.device,
-    )
-    inputs = {"q": q, "k": k, "v": v}
-    # Counted on the device: no host sync here; the .cpu() of the gathered table is the one.
-    bad = [(~torch.isfinite(t)).sum().reshape(1) if config.check_finite and t is not None
-           else torch.zeros(1, dtype=torch.long, device=q.device) for t in inputs.values()]
-    mine = torch.cat([mine, *bad])
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    wait(dist.all_gather(everyone, mine, group=group, async_op=True), config.timeout_s, "geometry check")
-    table = torch.stack(everyone).cpu()
-    names = ("sequence length", "batch", "heads", "head dim", "dtype", "block_size", "strategy")
-    for col in range(1, len(names)):
-        if (table[:, col] != table[0, col]).any():
-            raise ValueError(f"ranks disagree on {names[col]}: {table[:, col].tolist()} (rank order)")
-    if (table[:, 0] < 1).any():
-        raise ValueError(f"every rank needs at least one token; sequence lengths {table[:, 0].tolist()}")
-    nonfinite = table[:, len(names):]
-    if nonfinite.any():
-        found = [f"rank {r}: {name} has {int(n)} NaN/Inf value{'s' if n > 1 else ''}"
-                 for r in range(world) for name, n in zip(inputs, nonfinite[r].tolist()) if n]
-        raise ValueError("non-finite inputs (" + "; ".join(found) + "); sp_attention needs finite q, k, v "
-                         "(SparspConfig(check_finite=False) skips this check)")
-    return Shapes(rank, world, B, H, D, config.block_size, tuple(table[:, 0].tolist()))
+    bs = config.block_size
+    state = _STATE.setdefault((id(group), str(q.device)), _GroupState())
+    center = None
+    data = torch.zeros(0, dtype=torch.float32, device=q.device)
+    if sparse:
+        if config.sim_threshold is not None:
+            # similarity of smoothed keys needs the global key mean before pooling: one all-reduce
+            ksum = key_sum(k)
+            wait(dist.all_reduce(ksum, group=group, async_op=True), config.timeout_s, "key-mean all-reduce")
+            center = ksum / _global_tokens(S, group, config)
+        pq, pk, ks = summarize(q, k, bs, center=center, similarity=config.sim_threshold is not None)
+        data = torch.cat([pq.mean.reshape(-1), pq.sim.reshape(-1), pk.mean.reshape(-1),
+                          pk.sim.reshape(-1), ks.reshape(-1)])
+    size = torch.full((1,), data.numel(), dtype=torch.long, device=q.device)
+    header = torch.cat([_header(q, config, strategy, k, v), size]).to(torch.int32)
+    local_key = (tuple(q.shape), q.dtype, bs, strategy)
+    guess = state.shapes.get(local_key)
+    while True:
+        cap = state.capacity  # group-wide: it changes only from gathered headers
+        body = torch.zeros(cap, dtype=torch.float32, device=q.device)
+        body[: min(cap, data.numel())] = data[:cap]
+        mine = torch.cat([header.view(torch.float32), body])
+        everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        wait(all_gather_flat(everyone, mine, group), config.timeout_s,
+             "geometry check (metadata all-gather)")
+        rows = everyone.view(world, -1)
+        table = rows[:, : _HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
+        if guess is None:  # first call of this local geometry: read the headers now
+            host = table.cpu()
+            _check_table(host[:, :_HEADER_SLOTS], world)
+            guess = Shapes(rank, world, B, H, D, bs, tuple(host[:, 0].tolist()))
+            need = int(host[:, _HEADER_SLOTS].max())
+            if need > cap:
+                state.capacity = need
+                continue  # the summaries did not fit: gather again at the group's new capacity
+        break
+    state.shapes[local_key] = guess
+    meta = Metadata(guess, table, rows, None, cap)
+    if sparse:
+        meta.mask = _mask(meta, guess, config, center)
+    return meta
 
 
-def local_mask(q: torch.Tensor, k: torch.Tensor, shapes: Shapes, group, config: SparspConfig) -> torch.Tensor:
-    """This rank's rows of the global block mask: bool [B, H, n_local, total_blocks]."""
-    bs = shapes.block_size
-    ksum = key_sum(k)
-    wait(dist.all_reduce(ksum, group=group, async_op=True), config.timeout_s, "key-mean all-reduce")
-    center = ksum / sum(shapes.seq_lens)
-    pk_local = pool_blocks(k, bs, center=center)
-    pk = gather_pooled(pk_local, shapes, group, config.timeout_s)
-    pq = pool_blocks(q, bs)
-    H = shapes.heads
-    return select_blocks(pq, pk, cdf_threshold=config.cdf_tensor(H), sim_threshold=config.sim_tensor(H))
+def remask(meta: Metadata, group, config: SparspConfig, sparse: bool) -> Metadata | None:
+    """After ``resolve`` returned None: the same gathered data cut with the true shapes (no
+    collective), or None when the summaries did not fit: the group's capacity grows (every
+    rank read the same headers) and the caller gathers again."""
+    if meta.needed > meta.capacity:
+        _STATE[(id(group), str(meta.rows.device))].capacity = meta.needed
+        return None
+    shapes = meta.true_shapes()
+    out = Metadata(shapes, meta.table, meta.rows, None, meta.capacity)
+    if sparse:
+        out.mask = _mask(out, shapes, config, None)
+    return out
 
 
-def gather_pooled(pk: PooledBlocks, shapes: Shapes, group, timeout_s: float) -> PooledBlocks:
-    """All-gather pooled key summaries (means and similarities, padded to the longest rank)."""
-    B, H, n, D = pk.mean.shape
-    n_max = max(shapes.num_blocks)
-    packed = torch.zeros(B, H, n_max, D + 1, dtype=torch.float32, device=pk.mean.device)
-    packed[:, :, :n, :D] = pk.mean
-    packed[:, :, :n, D] = pk.sim
-    parts = [torch.empty_like(packed) for _ in range(shapes.world_size)]
-    wait(dist.all_gather(parts, packed, group=group, async_op=True), timeout_s, "pooled-key all-gather")
-    means, sims, lens = [], [], []
-    for p, part in enumerate(parts):
-        np_ = shapes.num_blocks[p]
-        means.append(part[:, :, :np_, :D])
-        sims.append(part[:, :, :np_, D])
-        L = torch.full((np_,), shapes.block_size, dtype=torch.long)
-        if shapes.has_tail(p):
-            L[-1] = shapes.seq_lens[p] - (np_ - 1) * shapes.block_size
-        lens.append(L)
-    return PooledBlocks(torch.cat(means, 2), torch.cat(sims, 2), torch.cat(lens).to(pk.mean.device))
+def _global_tokens(S: int, group, config: SparspConfig) -> int:
+    n = torch.tensor([S], dtype=torch.long)
+    if dist.get_backend(group) == "nccl":
+        n = n.cuda()
+    wait(dist.all_reduce(n, group=group, async_op=True), config.timeout_s, "token-count all-reduce")
+    return int(n.item())
 
 
-def exchange_demand(need: dict[int, torch.Tensor], shapes: Shapes, group, timeout_s: float) -> dict[int, torch.Tensor]:
-    """Send ``need[p]`` (bool [B, H, n_p]) to every peer p; return ``provide[p]``
-    (bool [B, H, n_local]): the blocks peer p wants from me. One batched p2p operation."""
-    r, G = shapes.rank, shapes.world_size
-    device = next(iter(need.values())).device if need else torch.device("cpu")
-    ops, provide = [], {}
-    gr = (lambda p: dist.get_global_rank(group, p)) if group is not None else (lambda p: p)
-    for p in range(G):
-        if p == r:
-            continue
-        send = need[p].to(torch.uint8).contiguous()
-        recv = torch.empty(shapes.batch, shapes.heads, shapes.num_blocks[r], dtype=torch.uint8, device=device)
-        provide[p] = recv
-        ops += [dist.P2POp(dist.isend, send, gr(p), group), dist.P2POp(dist.irecv, recv, gr(p), group)]
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            wait(w, timeout_s, f"rank {r}: demand-mask exchange")
-    return {p: m.bool() for p, m in provide.items()}
+def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch.Tensor:
+    """The whole block mask from every rank's summaries (cut with ``shapes``)."""
+    B, H, D, G = shapes.batch, shapes.heads, shapes.head_dim, shapes.world_size
+    off = _HEADER_SLOTS + 1
+    lens = _block_lengths(shapes, meta.rows.device)
+    N = shapes.total_blocks
+    if any(_summary_size(B, H, D, n) > meta.capacity for n in shapes.num_blocks):
+        # the summaries did not fit (or the shapes are a wrong guess): resolve redoes the call,
+        # any mask of the right size serves until then
+        return torch.ones(B, H, N, N, dtype=torch.bool, device=meta.rows.device)
+    pqs, pks, sums = [], [], []
+    for p, n in enumerate(shapes.num_blocks):
+        row = meta.rows[p, off:]
+        sizes = [B * H * n * D, B * H * n, B * H * n * D, B * H * n, B * H * D]
+        qm, qs, km, ksim, ks = torch.split(row[: sum(sizes)], sizes)
+        L = lens[p][:n]
+        pqs.append(PooledBlocks(qm.view(B, H, n, D), qs.view(B, H, n), L))
+        pks.append(PooledBlocks(km.view(B, H, n, D), ksim.view(B, H, n), L))
+        sums.append(ks.view(B, H, D))
+    pq_all, pk_all = PooledBlocks.cat(pqs), PooledBlocks.cat(pks)
+    if center is None and config.sim_threshold is None:
+        # pooled keys were not smoothed yet: subtract the global key mean now
+        center = torch.stack(sums).sum(0) / sum(shapes.seq_lens)
+        pk_all = pk_all.centered(center)
+    return select_blocks(pq_all, pk_all, cdf_threshold=config.cdf_tensor(H),
+                         sim_threshold=config.sim_tensor(H))
 
 
-# --- packing ------------------------------------------------------------------------------------
+def _block_lengths(shapes: Shapes, device) -> list[torch.Tensor]:
+    key = ("lengths", shapes.seq_lens, shapes.block_size, str(device))
+    out = _CONSTANTS.get(key)
+    if out is None:
+        out = []
+        for p, n in enumerate(shapes.num_blocks):
+            L = torch.full((n,), shapes.block_size, dtype=torch.long)
+            if shapes.has_tail(p):
+                L[-1] = shapes.seq_lens[p] - (n - 1) * shapes.block_size
+            out.append(L.to(device))
+        _CONSTANTS[key] = out
+    return out
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The canonical packed order of some selected blocks of one rank's shard.
-
-    Buffer block ids: every full selected block in row-major (batch·head, block) order, then
-    the short tail blocks (row-major over batch·head), so the full blocks sit at multiples of
-    ``block_size`` — the flex kernel addresses them directly (``KVBuffer``'s invariant).
-    """
-
-    block_ids: torch.Tensor  # [BH, n] buffer id of each selected block, −1 elsewhere
-    block_start: torch.Tensor  # [nb]
-    block_len: torch.Tensor  # [nb]
-    num_aligned: int
-    num_rows: int
-    selected: torch.Tensor  # [BH, n] bool
-    seq_len: int
-    block_size: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_start.numel()
-
-    def token_rows(self, heads: int, source: "Layout | None" = None) -> torch.Tensor:
-        """Source row of every packed row, in packed order.
-
-        Without ``source``: rows of the owner's (B, S, H, ·) tensor flattened to (B·S·H, ·).
-        With ``source``: rows of a payload packed in ``source``'s layout — a relay forwarding a
-        subset of what it received (``source.selected`` must cover ``self.selected``).
-        """
-        bs, S = self.block_size, self.seq_len
-        bh, j = torch.nonzero(self.selected, as_tuple=True)
-        order = torch.argsort(self.block_ids[bh, j])
-        bh, j = bh[order], j[order]
-        lens = self.block_len
-        within = torch.arange(self.num_rows, device=lens.device) - torch.repeat_interleave(self.block_start, lens)
-        if source is not None:
-            src_ids = source.block_ids[bh, j]
-            assert (src_ids >= 0).all(), "forwarding a block the relay never received"
-            return torch.repeat_interleave(source.block_start[src_ids], lens) + within
-        s = torch.repeat_interleave(j * bs, lens) + within
-        b = torch.repeat_interleave(bh // heads, lens)
-        h = torch.repeat_interleave(bh % heads, lens)
-        return (b * S + s) * heads + h
-
-    def buffer(self, flat: torch.Tensor, head_dim: int) -> KVBuffer:
-        """View a flat payload buffer (K rows, then V rows) as the kernel's ``KVBuffer``.
-
-        The payload occupies ``[0, 2·rows·D)``: K rows then V rows. ``k`` and ``v`` are both
-        viewed at the buffer's full capacity (rows past the payload are never addressed), so
-        the kernel's shapes are the same on every call of a geometry and both views are
-        contiguous, as the flex kernel needs.
-        """
-        D = head_dim
-        cap = flat.numel() // (2 * D)
-        k = flat[: cap * D].view(cap, D)
-        v = flat[self.num_rows * D: (self.num_rows + cap) * D].view(cap, D)
-        return KVBuffer(k, v, self.block_start, self.block_len, self.block_size, self.num_aligned)
-
-
-def layout(selected: torch.Tensor, seq_len: int, block_size: int) -> Layout:
-    """Derive the packed layout of ``selected`` (bool [BH, n]) — the same on both ends."""
-    n = selected.shape[1]
-    tail = seq_len % block_size != 0
-    ids = canonical_block_ids(selected, tail)
-    tail_len = seq_len - (n - 1) * block_size
-    n_sel = int(selected.sum())
-    n_short = int(selected[:, -1].sum()) if tail else 0
-    n_full = n_sel - n_short
-    device = selected.device
-    pos = torch.arange(n_sel, device=device)
-    starts = torch.where(pos < n_full, pos * block_size, n_full * block_size + (pos - n_full) * tail_len)
-    lens = torch.where(pos < n_full, torch.full_like(pos, block_size), torch.full_like(pos, tail_len))
-    rows = n_full * block_size + n_short * tail_len
-    return Layout(ids, starts, lens, n_full, rows, selected, seq_len, block_size)
-
-
-def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, heads: int, out: torch.Tensor,
-         source: Layout | None = None) -> int:
-    """Gather the selected blocks into the flat ``out``: K rows, then V rows, in packed order.
-
-    ``k, v`` are the owner's (B, S, H, D) tensors, or with ``source`` the [rows, D] halves of a
-    payload packed in that layout (a relay forwarding a subset). Returns the elements written
-    (``2 · rows · D``).
-    """
-    D = k.shape[-1]
-    rows = lay.token_rows(heads, source).to(k.device)
-    n = lay.num_rows * D
-    torch.index_select(k.reshape(-1, D), 0, rows, out=out[:n].view(-1, D))
-    torch.index_select(v.reshape(-1, D), 0, rows, out=out[n: 2 * n].view(-1, D))
-    return 2 * n
-
-
-def halves(flat: torch.Tensor, lay: Layout, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V row blocks [rows, D] of a payload packed in ``lay``."""
-    n = lay.num_rows * head_dim
-    return flat[:n].view(-1, head_dim), flat[n: 2 * n].view(-1, head_dim)
-
-
-def kernel_indices(mask: torch.Tensor, lay: Layout, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block lists for the kernel: ``mask`` bool [B, H, nQ, n] over one rank's blocks, ``lay``
-    the layout those blocks arrived in → (kv_num_blocks int32 [B, H, nQ], kv_indices int32
-    [B, H, nQ, width]); ``width`` is fixed per geometry so compiled kernels see static shapes."""
-    B, H, nQ, n = mask.shape
-    ids = lay.block_ids.view(B, H, 1, n).to(mask.device)
-    assert not (mask & (ids < 0)).any(), "a kept block is missing from the payload"
-    big = torch.iinfo(torch.int32).max
-    keyed = torch.where(mask, ids, torch.full_like(ids, big))
-    idx = keyed.sort(dim=-1).values[..., : min(width, n)]
-    idx = torch.where(idx == big, torch.zeros_like(idx), idx).to(torch.int32)
-    if idx.shape[-1] < width:
-        idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
-    return mask.sum(-1, dtype=torch.int32), idx.contiguous()
+__all__ = ["Layout", "Metadata", "Shapes", "forget_shapes", "gather_metadata", "remask", "strategy_code"]

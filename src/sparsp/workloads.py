@@ -18,28 +18,23 @@ as in Diffusers' processor, so they look like position (0, 0, 0) to a positional
 ``pooled_qk`` works at block level: the mean of R(p_n)x over a block is x turned by the block
 means of cos/sin (per frequency, shared by all heads), and the mean of ``len`` iid N(0, σ²)
 noises is N(0, σ²/len) — 126,720 tokens × 24 heads never exist at token level.
-Model, calibration and caveats: docs/workloads.md.
+Model, calibration and caveats: docs/workloads.md. Recorded masks (traces) are read and written
+by ``sparsp.traces``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
-import pickle
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .geometry import MODELS, Rope, VideoGeometry, preset
+from .geometry import Rope, VideoGeometry, preset
 from .masks import PooledBlocks, density, pattern_shares, select_blocks
 
 KINDS = ("diagonal", "multi-diagonal", "column", "dense")
-TRACE_FORMAT = "sparsp-trace"
-TRACE_VERSION = 1
 # Above this many elements per tensor token_qk refuses: full-size geometries use pooled_qk.
 _TOKEN_LIMIT = 1 << 26
 
@@ -367,102 +362,6 @@ def synthetic_masks(
         if on_layer is not None:
             on_layer(layer)
     return out
-
-
-# --- traces --------------------------------------------------------------------------------------
-
-_GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(VideoGeometry) if f.name != "rope")
-# Fields a trace must agree on with an expected geometry (name and model layer count may differ).
-_SHAPE_FIELDS = ("frames", "height", "width", "text_tokens", "block_size", "heads", "head_dim")
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A recorded set of block masks. ``masks``: bool [layers, heads, nQ, nK], original order."""
-
-    masks: torch.Tensor
-    geometry: VideoGeometry
-    cdf_threshold: float
-    sim_threshold: float | None
-    source: str
-
-
-def _check_masks(masks, geom: VideoGeometry, where: str) -> None:
-    if not isinstance(masks, torch.Tensor) or masks.dtype != torch.bool:
-        raise ValueError(f"{where}: masks must be a bool tensor, got {getattr(masks, 'dtype', type(masks))}")
-    want = (geom.heads, geom.num_blocks, geom.num_blocks)
-    if masks.dim() != 4 or masks.shape[0] < 1 or tuple(masks.shape[1:]) != want:
-        raise ValueError(f"{where}: masks must have shape [layers, {', '.join(map(str, want))}] for "
-                         f"{geom.describe()}, got {tuple(masks.shape)}")
-
-
-def _check_thresholds(cdf, sim, where: str) -> None:
-    if isinstance(cdf, bool) or not isinstance(cdf, (int, float)) or not 0.0 <= cdf <= 1.0:
-        raise ValueError(f"{where}: cdf_threshold must be a float in [0, 1], got {cdf!r}")
-    if sim is not None and (isinstance(sim, bool) or not isinstance(sim, (int, float)) or not 0.0 <= sim <= 1.0):
-        raise ValueError(f"{where}: sim_threshold must be None or a float in [0, 1], got {sim!r}")
-
-
-def save_trace(
-    path: str | Path,
-    masks: torch.Tensor,
-    geom: VideoGeometry,
-    *,
-    cdf_threshold: float,
-    sim_threshold: float | None = None,
-    source: str,
-) -> None:
-    """Write ``masks`` (bool [layers, heads, nQ, nK], original block order) as a trace file."""
-    _check_masks(masks, geom, "save_trace")
-    _check_thresholds(cdf_threshold, sim_threshold, "save_trace")
-    torch.save({
-        "format": TRACE_FORMAT,
-        "version": TRACE_VERSION,
-        "masks": masks.detach().cpu().contiguous(),
-        "geometry": {name: getattr(geom, name) for name in _GEOMETRY_FIELDS},
-        "cdf_threshold": float(cdf_threshold),
-        "sim_threshold": None if sim_threshold is None else float(sim_threshold),
-        "source": str(source),
-    }, Path(path))
-
-
-def load_trace(path: str | Path, expected_geometry: VideoGeometry | None = None) -> Trace:
-    """Read and validate a trace; ``ValueError`` naming ``path`` on any defect."""
-    if expected_geometry is not None and not isinstance(expected_geometry, VideoGeometry):
-        raise ValueError(f"expected_geometry must be a VideoGeometry or None, got {type(expected_geometry).__name__}")
-    path = Path(path)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable trace file (truncated or corrupt?): {exc}") from exc
-    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: not a {TRACE_FORMAT} file (format {found!r})")
-    if data.get("version") != TRACE_VERSION:
-        raise ValueError(f"{path}: trace version {data.get('version')!r} is not supported (expected {TRACE_VERSION})")
-    missing = {"masks", "geometry", "cdf_threshold", "sim_threshold", "source"} - data.keys()
-    if missing:
-        raise ValueError(f"{path}: trace lacks {sorted(missing)}")
-    fields = data["geometry"]
-    if not isinstance(fields, dict) or set(fields) != set(_GEOMETRY_FIELDS):
-        raise ValueError(f"{path}: geometry must be a dict of {_GEOMETRY_FIELDS}, got {fields!r}")
-    try:
-        geom = VideoGeometry(**fields)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: invalid geometry: {exc}") from exc
-    if geom.name in MODELS:
-        geom = dataclasses.replace(geom, rope=MODELS[geom.name].rope)
-    _check_masks(data["masks"], geom, str(path))
-    _check_thresholds(data["cdf_threshold"], data["sim_threshold"], str(path))
-    if expected_geometry is not None and any(
-        getattr(geom, f) != getattr(expected_geometry, f) for f in _SHAPE_FIELDS
-    ):
-        raise ValueError(f"{path}: trace geometry {geom.describe()} does not match the expected "
-                         f"{expected_geometry.describe()}")
-    return Trace(data["masks"], geom, float(data["cdf_threshold"]),
-                 None if data["sim_threshold"] is None else float(data["sim_threshold"]), str(data["source"]))
 
 
 # --- calibration table (docs/workloads.md): python -m sparsp.workloads -----------------------------

@@ -1,18 +1,42 @@
-"""One attention layer per strategy on several GPUs (run under torchrun).
+"""One attention layer per strategy on several GPUs, with its time split and bound.
 
     torchrun --nproc-per-node 2 -m sparsp.cli bench attention --model hunyuan-video --fabric nvlink
-    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m sparsp.cli bench attention --fabric host
+    torchrun --nproc-per-node 2 -m sparsp.cli bench attention --fabric host   # NCCL_P2P_DISABLE=1
 
 Inputs are the synthetic video Q/K of ``sparsp.workloads`` (V random) at the model's full
-geometry, placed periodically for ``sparsp`` and contiguously for the baselines (each as it
-would run). Every strategy uses the same kernel; timings are CUDA events around the whole
-call (mask, plan, transfers, kernels, merge), warm-up first, median of ≥ 10 iterations, the
-slowest rank each iteration. Results: ``bench/results/attention-<model>-<machine>-<date>.json``
-(+ PNG); a second run with the other ``--fabric`` extends the same file.
+geometry, placed as each strategy runs by default (its registration). Every strategy uses the
+same kernel. Per row:
+
+* ``median_ms``: CUDA events around the whole call (mask, plan, transfers, kernels, merge),
+  warm-up first, median of ≥ 10 iterations, the slowest rank each iteration;
+* the time split of one more call, timed phase by phase with CUDA events on the compute
+  stream (``strategies.base.PhaseTimer``), the slowest rank's: ``mask_ms`` (metadata
+  all-gather, whole mask, the host sync), ``pack_ms``, ``compute_ms`` (kernels), ``merge_ms``
+  (LSE merges), ``transfer_ms`` (each fetch from issue to landed, summed; overlaps compute),
+  ``exposed_comm_ms`` = call − mask − pack − compute − merge (the compute stream waiting);
+* ``host_syncs`` and ``collectives`` of one call, counted by ``torch.profiler``
+  (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaEventSynchronize`` calls; c10d
+  collectives other than send/recv);
+* the bound: C = the slowest rank's kept-block FLOPs (real tokens) / ``dense_tflops`` (the
+  fastest dense kernel measured in this run at this head dim), T = ``bytes_max_rank`` /
+  ``link_gbps`` (the best 256 MiB bandwidth any transport reached on the fabric, from this
+  machine's ``bench transport`` result or ``--link-gbps``), ``bound_ms`` = max(C, T),
+  ``efficiency`` = bound / median.
+
+One-GPU rows over the whole sequence (rank 0): ``1gpu-dense`` (the fastest dense kernel: what a
+user without sparsp runs) and ``1gpu-sparse`` (the strategies' kernel and mask on one GPU).
+``--ablation`` adds rows that switch on one thing at a time from ``ring-sparse`` on contiguous
+placement over NCCL: periodic placement, direct routing (``ring-relay`` → ``sparsp``), the
+copy-engine transport (``ipc`` / ``host``); each names it in ``ablation``.
+
+Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
+per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 from pathlib import Path
 
@@ -22,22 +46,29 @@ import torch.distributed as dist
 from .common import init_distributed, median, time_ms, write_result
 
 FABRICS = ("nvlink", "host")
+COPY_ENGINE = {"nvlink": "ipc", "host": "host"}  # sparsp's own transport on each fabric
+SPLIT = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms")
 
 
 def add_arguments(p) -> None:
-    from ..demand import STRATEGIES
     from ..geometry import PRESETS
+    from ..kernels import kernel_names
+    from ..strategies import strategy_names
 
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS)
     p.add_argument("--text", action="store_true", help="include the model's text tokens (default: video only)")
     p.add_argument("--cdf", type=float, nargs="+", default=[0.9])
-    p.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    p.add_argument("--placement", default="auto", choices=["auto", "contiguous", "periodic"],
-                   help="auto: periodic for sparsp and ring-relay, contiguous for the rest")
+    p.add_argument("--strategy", nargs="+", default=list(strategy_names()), choices=strategy_names())
     p.add_argument("--fabric", default="nvlink", choices=FABRICS,
                    help="nvlink: peer copies allowed; host: NCCL_P2P_DISABLE=1, host-staged transports")
-    p.add_argument("--transport", default="nccl", choices=["auto", "nccl", "ipc", "host"])
-    p.add_argument("--kernel", default="auto", choices=["auto", "torch", "flex"])
+    p.add_argument("--kernel", default="auto", choices=kernel_names(with_auto=True))
+    p.add_argument("--no-copy-engine", action="store_true",
+                   help="skip the extra sparsp row on the fabric's copy-engine transport (ipc / host)")
+    p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
+    p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
+                        "transport-all-*.json on this fabric)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -56,6 +87,123 @@ def make_inputs(geom, placement, rank: int, device, dtype, seed: int):
     return tuple(x.to(dtype).contiguous() for x in (q, k, v))
 
 
+def link_gbps(fabric: str, results: Path) -> float | None:
+    """The best 256 MiB bandwidth any transport reached on ``fabric`` (bench transport files)."""
+    best = None
+    for path in sorted(glob.glob(str(Path(results) / "transport-all-*.json"))):
+        for r in json.loads(Path(path).read_text()).get("rows", []):
+            if r.get("fabric") == fabric and r.get("bytes") == 256 << 20 and not r.get("under_load"):
+                best = max(best or 0.0, float(r["gbps"]))
+    return best
+
+
+def kept_flops(mask: torch.Tensor | None, shapes) -> float:
+    """FLOPs of this rank's kept block pairs, real token counts (4·q·k·D per pair and head)."""
+    lens = []
+    for p, n in enumerate(shapes.num_blocks):
+        L = torch.full((n,), shapes.block_size, dtype=torch.float64)
+        if shapes.has_tail(p):
+            L[-1] = shapes.seq_lens[p] - (n - 1) * shapes.block_size
+        lens.append(L)
+    klen = torch.cat(lens)
+    qlen = lens[shapes.rank]
+    per_pair = 4.0 * shapes.head_dim * qlen[:, None] * klen[None, :]
+    if mask is None:
+        return float(per_pair.sum()) * shapes.batch * shapes.heads
+    return float((mask.double().cpu() * per_pair).sum())
+
+
+def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
+    """TFLOP/s of the fastest dense kernel on (local queries × all keys) shapes of this head dim."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
+    best, name = 0.0, "none"
+    candidates = [("cudnn", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
+                  ("flash", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))]
+    for label, ctx in candidates:
+        try:
+            with ctx():
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)  # noqa: E731
+                ms = _time_local(fn)
+        except RuntimeError:
+            continue
+        if flops / ms / 1e9 > best:
+            best, name = flops / ms / 1e9, label
+    try:
+        from ..kernels import fa4  # optional backend (flash-attn-4)
+
+        if fa4.fa4_available(q.device):
+            ms = _time_local(lambda: fa4.dense_attention(q, k, v))
+            if flops / ms / 1e9 > best:
+                best, name = flops / ms / 1e9, "fa4"
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    return best, name
+
+
+def _time_local(fn, iters: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def count_syncs_and_collectives(fn) -> tuple[int, int]:
+    """(host syncs, collectives) of one call, from the profiler's CPU events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    syncs = colls = 0
+    for e in prof.events():
+        name = e.name
+        if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+            syncs += 1
+        elif (name.startswith("c10d::") or name.startswith("nccl:")) and not any(
+                w in name for w in ("send", "recv", "coalesced", "barrier")):
+            colls += 1
+    # the fn's own closing synchronize is not part of the call
+    return max(0, syncs - 1), colls
+
+
+def _max(x: float, device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None]]:
+    """(strategy, placement, transport, ablation) of every row."""
+    from ..strategies import strategy_spec
+
+    ce = COPY_ENGINE[args.fabric]
+    rows = []
+    for s in args.strategy:
+        spec = strategy_spec(s)
+        if spec.heads_divisible and heads % world:
+            continue
+        rows.append((s, spec.placement, "nccl", None))
+        if s == "sparsp" and not args.no_copy_engine:
+            rows.append((s, spec.placement, ce, None))
+    if args.ablation:
+        rows += [("ring-sparse", "contiguous", "nccl", "baseline"),
+                 ("ring-sparse", "periodic", "nccl", "+periodic placement"),
+                 ("ring-relay", "periodic", "nccl", "+periodic, relay routing"),
+                 ("sparsp", "periodic", "nccl", "+periodic, direct routing"),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport")]
+    return rows
+
+
 def main(args) -> int:
     from dataclasses import replace
 
@@ -65,32 +213,37 @@ def main(args) -> int:
     from .. import SparspConfig, sp_attention
     from ..geometry import preset
     from ..placement import make_placement
-    from ..strategies import get_transport
+    from ..strategies import close_transports, get_transport, strategy_spec
+    from ..strategies.base import PhaseTimer
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed()
+    if device.type != "cuda":
+        raise SystemExit("bench attention needs CUDA GPUs (run it under torchrun on a GPU machine)")
     console = Console() if rank == 0 else None
     geom = preset(args.model)
     if not args.text:
         geom = replace(geom, text_tokens=0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    transport = args.transport
-    rows = []
-    inputs = {}
+    gbps = args.link_gbps or link_gbps(args.fabric, args.out)
+    if gbps is None:
+        raise SystemExit(f"no 256 MiB transport row for fabric {args.fabric} in {args.out}; run "
+                         "`sparsp bench transport` first or pass --link-gbps")
+    rows, inputs, dense = [], {}, None
+    one_gpu = dist.new_group([0]) if world > 1 else None
     for cdf in args.cdf:
-        for strategy in args.strategy:
-            if strategy == "ulysses" and geom.heads % world:
-                continue
-            kind = args.placement if args.placement != "auto" else (
-                "periodic" if strategy in ("sparsp", "ring-relay") else "contiguous")
+        for strategy, kind, transport, ablation in _configs(args, world, geom.heads):
             if kind not in inputs:
-                pl = make_placement(kind, geom, world)
                 inputs.clear()  # one placement's inputs on the GPU at a time
+                pl = make_placement(kind, geom, world)
                 inputs[kind] = (pl, make_inputs(geom, pl, rank, device, dtype, args.seed))
             pl, (q, k, v) = inputs[kind]
+            if dense is None:
+                dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
+                                     v if world == 1 else torch.cat([v] * world, 1), args.kernel)
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
                                kernel=args.kernel, timeout_s=300.0)
             t = get_transport(transport, None, device, cfg.timeout_s)
@@ -101,53 +254,143 @@ def main(args) -> int:
             call()
             t.fence()
             moved = torch.tensor([t.total_received], dtype=torch.long, device=device)
+            most = moved.clone()
             dist.all_reduce(moved)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
             times = time_ms(call, warmup=args.warmup, iters=args.iters, device=device)
-            density = _density(q, k, geom, cfg, strategy)
-            row = {"model": geom.name, "tokens": geom.num_tokens, "ranks": world, "fabric": args.fabric,
-                   "cdf": cdf, "strategy": strategy, "transport": t.name, "placement": kind,
-                   "kernel": args.kernel, "median_ms": round(median(times), 3),
-                   "min_ms": round(min(times), 3), "iters": len(times),
-                   "bytes_moved": int(moved.item()), "density": density}
+            split, mask_density, flops = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
+            syncs, colls = count_syncs_and_collectives(call)
+            c_ms = _max(flops, device) / (dense[0] * 1e9)
+            t_ms = int(most.item()) / (gbps * 1e6)
+            med = median(times)
+            row = {"model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
+                   "head_dim": geom.head_dim, "ranks": world, "fabric": args.fabric, "cdf": cdf,
+                   "strategy": strategy, "transport": t.name, "placement": kind,
+                   "kernel": args.kernel, "median_ms": round(med, 3), "min_ms": round(min(times), 3),
+                   "iters": len(times), "bytes_moved": int(moved.item()),
+                   "bytes_max_rank": int(most.item()), "density": mask_density,
+                   **{key: round(split.get(key, 0.0), 3) for key in SPLIT},
+                   "transfer_ms": round(split.get("transfer_ms", 0.0), 3),
+                   "host_syncs": syncs, "collectives": colls, "link_gbps": round(gbps, 2),
+                   "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
+                   "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
+                   "bound_ms": round(max(c_ms, t_ms), 3),
+                   "efficiency": round(max(c_ms, t_ms) / med, 3), "ablation": ablation}
             rows.append(row)
             if console:
-                console.print(f"{strategy:12s} {kind:10s} cdf {cdf}: {row['median_ms']:.2f} ms, "
-                              f"{row['bytes_moved'] / 2**30:.2f} GiB moved, density {density:.3f}")
+                console.print(f"{strategy:12s} {kind:10s} {t.name:5s} cdf {cdf}: {med:.2f} ms "
+                              f"(bound {row['bound_ms']:.2f}, eff {row['efficiency']:.2f}); split "
+                              + ", ".join(f"{key[:-3]} {row[key]:.1f}" for key in SPLIT)
+                              + f"; {syncs} syncs, {colls} collectives")
+        if not args.no_1gpu:
+            rows += _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, one_gpu, dense, gbps)
     if rank == 0:
         path = write_result("attention", geom.name, rows, args.out)
-        table = Table(title=f"attention, {geom.name}, {world} GPUs, fabric {args.fabric}")
-        for c in ("strategy", "placement", "cdf", "median ms", "GiB moved", "density"):
+        table = Table(title=f"{geom.name}, {world} ranks, fabric {args.fabric}")
+        for c in ("strategy", "transport", "placement", "ablation", "cdf", "median ms", "bound ms",
+                  "eff", "mask", "compute", "merge", "exposed", "syncs", "coll", "GiB max"):
             table.add_column(c)
         for r in rows:
-            table.add_row(r["strategy"], r["placement"], str(r["cdf"]), f"{r['median_ms']:.2f}",
-                          f"{r['bytes_moved'] / 2**30:.3f}", f"{r['density']:.3f}")
+            table.add_row(r["strategy"], r["transport"], r["placement"], r["ablation"] or "",
+                          str(r["cdf"]), f"{r['median_ms']:.2f}", f"{r['bound_ms']:.2f}",
+                          f"{r['efficiency']:.2f}", f"{r['mask_ms']:.1f}", f"{r['compute_ms']:.1f}",
+                          f"{r['merge_ms']:.1f}", f"{r['exposed_comm_ms']:.1f}", str(r["host_syncs"]),
+                          str(r["collectives"]), f"{r['bytes_max_rank'] / 2**30:.3f}")
         console.print(table)
         console.print(f"wrote {path}")
         plot(path)
     dist.barrier()
-    from ..strategies import close_transports
-
     close_transports()
     dist.destroy_process_group()
     return 0
 
 
-def _density(q, k, geom, cfg, strategy) -> float:
-    """Mean kept-block share of the mask this call used (1.0 for the dense ring)."""
-    if strategy == "ring":
-        return 1.0
-    from ..plan import exchange_shapes, local_mask
+def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
+    """One timed call: the slowest rank's phase times, the mask density, this rank's FLOPs."""
+    from .. import sp_attention
+    from ..plan import gather_metadata
+    from ..strategies import strategy_spec
 
-    shapes = exchange_shapes(q, None, cfg, strategy)
-    m = local_mask(q, k, shapes, None, cfg)
-    d = torch.tensor([m.float().sum().item(), m.numel()], dtype=torch.float64, device=q.device)
+    timer = PhaseTimer()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    sp_attention(q, k, v, strategy=strategy, config=cfg, _timer=timer)
+    end.record()
+    end.synchronize()
+    total = start.elapsed_time(end)
+    s = timer.summary()
+    split = {f"{key}_ms": s.get(key, 0.0) for key in ("mask", "pack", "compute", "merge", "transfer")}
+    split["exposed_comm_ms"] = max(0.0, total - sum(split[f"{key}_ms"] for key in
+                                                    ("mask", "pack", "compute", "merge")))
+    split = {key: _max(value, device) for key, value in split.items()}
+    transport.fence()
+    meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=strategy_spec(strategy).sparse)
+    sh = meta.shapes
+    mask = None if meta.mask is None else meta.mask[:, :, sh.blocks_of(sh.rank)]
+    d = torch.tensor([0.0 if mask is None else float(mask.sum()), 1.0 if mask is None else mask.numel()],
+                     dtype=torch.float64, device=device)
+    if mask is None:
+        d[0] = d[1]
     dist.all_reduce(d)
-    return round((d[0] / d[1]).item(), 4)
+    return split, round(float(d[0] / d[1]), 4), kept_flops(mask, sh)
+
+
+def _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, group, dense, gbps) -> list[dict]:
+    """``1gpu-dense`` and ``1gpu-sparse`` over the whole sequence, on rank 0."""
+    from .. import SparspConfig, sp_attention
+    from ..placement import make_placement
+    from ..strategies.base import PhaseTimer  # noqa: F401  (same split as the strategies)
+
+    rows = []
+    if rank == 0:
+        pl = make_placement("contiguous", geom, 1)
+        q, k, v = make_inputs(geom, pl, 0, device, dtype, args.seed)
+        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+        flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
+        best_dense, name = dense_tflops(q, k, v, args.kernel)
+        ms = flops / (best_dense * 1e9)
+        rows.append(_one_row(geom, args, cdf, "1gpu-dense", name, ms, flops / (dense[0] * 1e9), 1.0, gbps,
+                             dense))
+        cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl",
+                           kernel=args.kernel, timeout_s=300.0)
+        call = lambda: sp_attention(q, k, v, group=group, strategy="ring-sparse", config=cfg)  # noqa: E731
+        times = []
+        for _ in range(args.warmup):
+            call()
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        from ..plan import gather_metadata
+
+        meta = gather_metadata(q, k, v, group, cfg, "ring-sparse", sparse=True)
+        kept = kept_flops(meta.mask, meta.shapes)
+        rows.append(_one_row(geom, args, cdf, "1gpu-sparse", args.kernel, median(times),
+                             kept / (dense[0] * 1e9), float(meta.mask.float().mean()), gbps, dense))
+        del q, k, v
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return rows
+
+
+def _one_row(geom, args, cdf, strategy, kernel, ms, c_ms, density, gbps, dense) -> dict:
+    return {"model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads, "head_dim": geom.head_dim,
+            "ranks": 1, "fabric": args.fabric, "cdf": cdf, "strategy": strategy, "transport": "none",
+            "placement": "none", "kernel": kernel, "median_ms": round(ms, 3), "min_ms": round(ms, 3),
+            "iters": args.iters, "bytes_moved": 0, "bytes_max_rank": 0, "density": round(density, 4),
+            **{key: 0.0 for key in SPLIT}, "transfer_ms": 0.0, "host_syncs": None, "collectives": 0,
+            "link_gbps": round(gbps, 2), "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
+            "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": 0.0, "bound_ms": round(c_ms, 3),
+            "efficiency": round(c_ms / ms, 3), "ablation": None}
 
 
 def plot(path: Path) -> Path:
-    import json
-
+    """Stacked time split per row (like the paper's Figure 13), the bound as a marker."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,21 +399,26 @@ def plot(path: Path) -> Path:
     doc = json.loads(Path(path).read_text())
     rows = doc["rows"]
     fabrics = list(dict.fromkeys(r["fabric"] for r in rows))
-    # one group per (strategy, transport): the transports differ by fabric (nccl on both,
-    # ipc on nvlink, host on host), so a group may have one bar
-    groups = list(dict.fromkeys((r["strategy"], r["transport"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
-    width = 0.8 / max(1, len(fabrics))
-    for i, fab in enumerate(fabrics):
-        ys = []
-        for s, t in groups:
-            rs = [r for r in rows if r["fabric"] == fab and r["strategy"] == s and r["transport"] == t]
-            ys.append(rs[-1]["median_ms"] if rs else float("nan"))
-        ax.bar([j + i * width for j in range(len(groups))], ys, width, label=fab)
-    ax.set_xticks([j + width * (len(fabrics) - 1) / 2 for j in range(len(groups))],
-                  [f"{s}\n{t}" for s, t in groups], fontsize=8)
-    ax.set(ylabel="median ms per attention call", title=f"{rows[0]['model']} attention, {doc['machine']}")
-    ax.legend(title="fabric")
+    fig, axes = plt.subplots(1, len(fabrics), figsize=(max(8, 1.0 * len(rows) / max(1, len(fabrics)) + 4), 5),
+                             squeeze=False)
+    colors = {"mask_ms": "#8c8c8c", "pack_ms": "#bcbd22", "compute_ms": "#1f77b4", "merge_ms": "#17becf",
+              "exposed_comm_ms": "#d62728"}
+    for ax, fab in zip(axes[0], fabrics):
+        rs = [r for r in rows if r["fabric"] == fab]
+        xs = range(len(rs))
+        bottom = [0.0] * len(rs)
+        for key, color in colors.items():
+            vals = [r.get(key, 0.0) or 0.0 for r in rs]
+            ax.bar(xs, vals, bottom=bottom, color=color, label=key[:-3])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(xs, [r["median_ms"] for r in rs], marker="_", s=400, color="k", label="median", zorder=3)
+        ax.scatter(xs, [r["bound_ms"] for r in rs], marker="v", color="g", label="bound", zorder=3)
+        labels = [f"{r['strategy']}\n{r['transport']}" + (f"\n{r['ablation']}" if r.get("ablation") else "")
+                  for r in rs]
+        ax.set_xticks(list(xs), labels, fontsize=6, rotation=60, ha="right")
+        ax.set(ylabel="ms per attention call", title=f"{rows[0]['model']}, {fab}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"attention time split, {doc['machine']}")
     fig.tight_layout()
     out = Path(path).with_suffix(".png")
     fig.savefig(out, dpi=120)

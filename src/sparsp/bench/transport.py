@@ -111,10 +111,7 @@ class _Exchange:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         t.publish(self.peer, buf)
-        handle = t.fetch(self.peer, self.dst[:n])
-        flush = getattr(t, "flush", None)
-        if flush is not None:
-            flush()
+        handle = t.fetch(self.peer, self.dst[:n])  # the round's end: nccl issues both here
         return start, handle
 
     def finish(self, pending) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -176,7 +173,7 @@ def _time_attention(attn, stream, iters: int, device) -> list[float]:
 def run(args) -> dict:
     from rich.console import Console
 
-    from ..transport.select import make_transport
+    from ..transport import make_transport
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
@@ -216,7 +213,7 @@ def run(args) -> dict:
             if console:
                 console.print(f"[yellow]skipping {name}: {e}[/yellow]")
             continue
-        getattr(t, "reserve", lambda n: None)(top)
+        t.reserve(top)
         fabric = _fabric(name, peer_access)
         exchange = _Exchange(t, peer, src, dst, gate)
         for n in sizes:
@@ -237,7 +234,7 @@ def run(args) -> dict:
             row = {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
                    "under_load": False, "attention_slowdown": None, "median_ms": ms,
                    "iters": args.iters, "gbps_repeats": [n / r / 1e6 for r in repeats],
-                   "gate_ms": args.gate_ms, "mechanism": getattr(t, "describe", lambda: name)()}
+                   "gate_ms": args.gate_ms, "mechanism": t.describe()}
             rows.append(row)
             if attn is not None:
                 rows.append(_under_load(exchange, n, ms, attn, attn_stream, attn_alone, args,

@@ -6,14 +6,21 @@ from peers), packed one after the other, plus where each block starts and how lo
 A kernel addresses K/V only through buffer block ids, so the same code serves a dense local
 shard and a sparse remote payload.
 
-Canonical order (shared by ``from_dense`` and the packing of remote payloads):
+Canonical order (the packing of every payload, ``sparsp.packing``):
 
 1. all *full* blocks (``block_size`` tokens), row-major over ``(bh, kb)``;
 2. then the *short* tail blocks (the last block of a segment whose length is not a multiple
    of ``block_size``), row-major over ``bh``.
 
-Full blocks first keeps them aligned at ``j * block_size``, which is what the flex backend
-needs to address them through a ``BlockMask``; short blocks are handled by the torch backend.
+Full blocks first keeps them aligned at ``j * block_size``, which is what flex's ``BlockMask``
+and FlashAttention-4's block lists address. Short blocks obey two rules that every payload of
+``sparsp.packing`` meets (a payload holds blocks of ONE owner's shard): they all have the same
+length ``short_len`` (the tail of the owner's shard), and a query row of ``(b, h)`` lists at
+most one of them (its own segment's tail). The fast kernels then run them as a second, tiny
+block-sparse call over a per-head scratch K/V (``split_lists``) and merge the two by LSE.
+
+The kernels' other K/V type, ``LocalKV`` (``kernels/local.py``), is this rank's own shard as
+given, ``(B, S, H, D)``, read in place without packing.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["KVBuffer", "canonical_block_ids"]
+__all__ = ["KVBuffer", "ShortSplit", "canonical_block_ids", "compact_indices", "kernel_indices",
+           "split_lists"]
 
 
 def canonical_block_ids(selected: Tensor, tail: bool) -> Tensor:
@@ -67,10 +75,14 @@ class KVBuffer:
 
     k, v: ``[N, D]`` (same dtype/device). Buffer block ``j`` holds token rows
     ``[block_start[j], block_start[j] + block_len[j])``. ``block_start``/``block_len``:
-    LongTensor ``[nb]`` (device of ``k``). Invariant used by the flex backend: the first
-    ``num_aligned`` blocks are full (``block_len == block_size``) and aligned
-    (``block_start[j] == j * block_size``); any later blocks are short (tail blocks of
-    ``< block_size`` tokens) and may sit at any offset.
+    LongTensor ``[nb]`` (device of ``k``). The first ``num_aligned`` blocks are full
+    (``block_len == block_size``) and aligned (``block_start[j] == j * block_size``); any later
+    blocks are short (``0 < len < block_size``), all ``short_len`` rows long, at any offset.
+
+    ``short_len``: the length of the short blocks as a Python int, so that kernels can size
+    their scratch without reading the device (``from_payload`` derives it from the row count).
+    ``None`` (the default, for buffers built by hand) makes a fast kernel read it from
+    ``block_len`` once per call, a host synchronisation on GPU.
 
     ``N`` may exceed the rows actually used: receive buffers are fixed-capacity slots, and a
     fixed ``N`` keeps kernel shapes static (no recompilation per demand pattern).
@@ -82,6 +94,7 @@ class KVBuffer:
     block_len: Tensor
     block_size: int
     num_aligned: int
+    short_len: int | None = None
 
     def __post_init__(self) -> None:
         # Shape-only checks: they run on every call and must not sync the GPU.
@@ -93,6 +106,9 @@ class KVBuffer:
         assert self.block_size > 0
         assert 0 <= self.num_aligned <= self.num_blocks
         assert self.num_aligned * self.block_size <= self.k.shape[0]
+        assert self.short_len is None or 0 < self.short_len < self.block_size or (
+            self.short_len == 0 and self.num_short == 0
+        ), f"short_len must be in (0, block_size), got {self.short_len}"
 
     @property
     def num_blocks(self) -> int:
@@ -100,12 +116,32 @@ class KVBuffer:
         return int(self.block_start.shape[0])
 
     @property
+    def num_short(self) -> int:
+        """Short blocks in the buffer (they follow the ``num_aligned`` full ones)."""
+        return self.num_blocks - self.num_aligned
+
+    @property
     def capacity(self) -> int:
         """``N``, the number of token rows (used or not)."""
         return int(self.k.shape[0])
 
-    def validate(self) -> None:
-        """Check the value invariants (syncs with the device; for tests and debugging)."""
+    @property
+    def head_dim(self) -> int:
+        return int(self.k.shape[1])
+
+    def tail_length(self) -> int:
+        """``short_len``, read from the device when it was not given (a host sync on GPU)."""
+        if self.num_short == 0:
+            return 0
+        if self.short_len is not None:
+            return self.short_len
+        return int(self.block_len[self.num_aligned].item())
+
+    def validate(self, *, uniform_short: bool = True) -> None:
+        """Check the value invariants (syncs with the device; for tests and debugging).
+
+        ``uniform_short=False`` skips the one rule only the fast kernels need (short blocks
+        of one length): the torch reference reads any short blocks."""
         bs, na = self.block_size, self.num_aligned
         start, length = self.block_start.cpu(), self.block_len.cpu()
         expect = torch.arange(na, dtype=torch.long) * bs
@@ -113,52 +149,152 @@ class KVBuffer:
             raise ValueError("the first num_aligned blocks must be full and at j * block_size")
         if not bool(((length[na:] > 0) & (length[na:] < bs)).all()):
             raise ValueError("blocks after num_aligned must be short (0 < len < block_size)")
+        if uniform_short and self.num_short and not bool((length[na:] == self.tail_length()).all()):
+            raise ValueError("short blocks must all have the same length (short_len)")
         if not bool(((start >= 0) & (start + length <= self.capacity)).all()):
             raise ValueError("a block reaches past the buffer capacity")
 
     @classmethod
-    def from_dense(cls, k: Tensor, v: Tensor, block_size: int) -> tuple[KVBuffer, Tensor]:
-        """Pack dense ``k, v`` of shape ``(B, S, H, D)`` in the canonical order.
+    def from_payload(cls, flat: Tensor, *, rows: int, block_start: Tensor, block_len: Tensor,
+                     num_aligned: int, block_size: int, head_dim: int) -> "KVBuffer":
+        """View a flat payload buffer (``rows`` K rows, then ``rows`` V rows) as a ``KVBuffer``.
 
-        Returns:
-            ``(kv, block_id)``: ``kv`` holds every block of every ``(b, h)`` segment;
-            ``block_id`` is long ``[B*H, nK]`` with ``block_id[b*H + h, kb]`` the buffer
-            block of key block ``kb`` of ``(b, h)``, ``nK = ceil(S / block_size)``.
-            Use it to translate a ``[B, H, nQ, nK]`` block mask into buffer indices.
+        ``k`` and ``v`` are both viewed at the buffer's full capacity ``flat.numel() // (2·D)``
+        rows (rows past the payload are never addressed), so a kernel sees the same shapes on
+        every call of a geometry (no recompilation per demand pattern) and both views are
+        contiguous. No copy. ``short_len`` follows from the counts without reading the device:
+        ``rows = num_aligned · block_size + num_short · short_len``.
         """
-        if k.dim() != 4 or k.shape != v.shape:
-            raise ValueError(
-                f"k and v must be (B, S, H, D) of equal shape, got {tuple(k.shape)} and "
-                f"{tuple(v.shape)}"
-            )
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        B, S, H, D = k.shape
-        BH, bs = B * H, block_size
-        n_full, tail_len = divmod(S, bs)
-        n_k = n_full + (tail_len > 0)
-        device = k.device
+        D = head_dim
+        cap = flat.numel() // (2 * D)
+        k = flat[: cap * D].view(cap, D)
+        v = flat[rows * D: (rows + cap) * D].view(cap, D)
+        n_short = int(block_start.shape[0]) - num_aligned
+        short_rows = rows - num_aligned * block_size
+        assert n_short > 0 or short_rows == 0, "rows past the full blocks but no short block"
+        short_len = short_rows // n_short if n_short else 0
+        assert short_len * n_short == short_rows, "short blocks of different lengths"
+        return cls(k, v, block_start, block_len, block_size, num_aligned, short_len)
 
-        def pack(x: Tensor) -> Tensor:
-            # (B, S, H, D) -> (B, H, S, D): each (b, h) segment becomes contiguous, so full
-            # blocks flatten in row-major (b, h, block) order and tails in (b, h) order.
-            seg = x.permute(0, 2, 1, 3)
-            full = seg[:, :, : n_full * bs].reshape(BH * n_full * bs, D)
-            tails = seg[:, :, n_full * bs :].reshape(BH * tail_len, D)
-            return torch.cat([full, tails], dim=0)
 
-        num_aligned = BH * n_full
-        start_full = torch.arange(num_aligned, dtype=torch.long, device=device) * bs
-        start_tail = num_aligned * bs + torch.arange(
-            BH if tail_len else 0, dtype=torch.long, device=device
-        ) * tail_len
-        block_start = torch.cat([start_full, start_tail])
-        block_len = torch.cat(
-            [
-                torch.full((num_aligned,), bs, dtype=torch.long, device=device),
-                torch.full((start_tail.numel(),), tail_len, dtype=torch.long, device=device),
-            ]
-        )
-        kv = cls(pack(k), pack(v), block_start, block_len, bs, num_aligned)
-        selected = torch.ones(BH, n_k, dtype=torch.bool, device=device)
-        return kv, canonical_block_ids(selected, tail=tail_len > 0)
+def compact_indices(keep: Tensor, indices: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Move the kept index slots of each row to the front, keeping their order.
+
+    Args:
+        keep: bool ``[..., K]``, which slots of ``indices`` to keep.
+        indices: integer ``[..., K]``.
+        width: slots in the result; must be at least the number kept in any row (the
+            caller guarantees it, e.g. duplicate-free ids drawn from ``width`` blocks).
+
+    Returns:
+        ``(num int32 [...], idx int32 [..., width])``; slots past ``num`` are 0, so every
+        entry is a valid block id (flex's ``BlockMask`` indexes with all of them).
+    """
+    k = keep.shape[-1]
+    # A stable descending sort of the 0/1 flags puts kept slots first in their original
+    # order: a gather by prefix sums without a Python loop and without a host sync.
+    order = torch.argsort(keep.to(torch.int32), dim=-1, descending=True, stable=True)
+    packed = torch.gather(indices.to(torch.int32), -1, order)
+    num = keep.sum(-1, dtype=torch.int32)
+    packed = fit_width(packed, width)
+    slot = torch.arange(width, device=keep.device, dtype=torch.int32)
+    packed = torch.where(slot < num.unsqueeze(-1), packed, torch.zeros_like(packed))
+    return num, packed.contiguous()
+
+
+def fit_width(idx: Tensor, width: int) -> Tensor:
+    """``idx [..., K]`` cut or zero-padded to ``width`` slots (contiguous int32).
+
+    Cutting is safe whenever the used slots (a prefix of each row) fit in ``width``; callers
+    pass a width no smaller than any duplicate-free count (e.g. the number of blocks)."""
+    idx = idx.to(torch.int32)
+    if idx.shape[-1] >= width:
+        return idx[..., :width].contiguous()
+    return torch.nn.functional.pad(idx, (0, width - idx.shape[-1])).contiguous()
+
+
+def sorted_lists(kv_num_blocks: Tensor, kv_indices: Tensor, width: int) -> Tensor:
+    """The used ids of every list in ascending order, cut or padded to ``width`` (int32).
+
+    FlashAttention-4 masks keys past the sequence end only in the FIRST block it processes,
+    which is the LAST id of a list, so a list that may hold the short tail block (the highest
+    id) must be ascending. ``kernel_indices`` already gives ascending lists; this makes any
+    order safe (one small sort of int32 lists, no host sync)."""
+    slots = kv_indices.shape[-1]
+    used = torch.arange(slots, device=kv_indices.device) < kv_num_blocks.unsqueeze(-1)
+    big = torch.iinfo(torch.int32).max
+    keyed = torch.where(used, kv_indices.to(torch.int32), big).sort(dim=-1).values
+    return fit_width(torch.where(keyed == big, 0, keyed), width)
+
+
+@dataclass(frozen=True)
+class ShortSplit:
+    """A packed buffer's block lists split into full blocks and (at most one) short block.
+
+    ``num``/``idx``: the full (aligned) blocks of every list, int32 ``[B, H, nQ]`` and
+    ``[B, H, nQ, width]`` (kept order, unused slots 0). ``has_short``: bool ``[B, H, nQ]``,
+    the row lists a short block. ``rows``: long ``[B*H, short_len]``, the buffer rows of the
+    short block of each ``(b, h)`` (rows of block 0 where a head lists none: never read,
+    since its lists are empty). ``None`` fields when the buffer has no short block.
+    """
+
+    num: Tensor
+    idx: Tensor
+    has_short: Tensor | None
+    rows: Tensor | None
+
+
+def split_lists(kv: KVBuffer, kv_num_blocks: Tensor, kv_indices: Tensor, width: int) -> ShortSplit:
+    """Split block lists over a packed buffer into full blocks and one short slot per row.
+
+    The short block of each ``(b, h)`` is found from the lists themselves (a row may list
+    only its own segment's tail, so every row of a head names the same one): no Python loop
+    and no host synchronisation. On CPU both rules of the module docstring are asserted.
+    """
+    B, H, n_q, slots = kv_indices.shape
+    idx = kv_indices.to(torch.int32)
+    num = kv_num_blocks.to(device=idx.device, dtype=torch.int32)
+    if kv.num_short == 0:
+        return ShortSplit(num, fit_width(idx, width), None, None)
+    used = torch.arange(slots, device=idx.device) < num.unsqueeze(-1)
+    short = used & (idx >= kv.num_aligned)
+    a_num, a_idx = compact_indices(used & ~short, idx, width)
+    # One slot per row (the width fix): a row holds at most one short id, so the max over the
+    # row's slots is that id, -1 when the row lists none.
+    row_short = torch.where(short, idx, -1).amax(dim=-1)  # [B, H, nQ]
+    head_short = row_short.amax(dim=-1).reshape(B * H)  # [BH]
+    if idx.device.type == "cpu":  # on GPU these checks would cost a host sync per call
+        assert bool((short.sum(-1) <= 1).all()), "a query row lists more than one short block"
+        same = (row_short < 0) | (row_short == head_short.view(B, H, 1))
+        assert bool(same.all()), "the rows of one head list different short blocks"
+    length = kv.tail_length()
+    start = kv.block_start[head_short.clamp(min=0).long()]  # [BH]
+    rows = start.unsqueeze(-1) + torch.arange(length, device=start.device)
+    rows = rows.clamp(max=kv.capacity - 1)
+    return ShortSplit(a_num, a_idx, row_short >= 0, rows)
+
+
+def kernel_indices(mask: Tensor, block_ids: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Block lists for a kernel from a block mask over one shard's blocks.
+
+    Args:
+        mask: bool ``[B, H, nQ, n]``, the query blocks' selection over the shard's ``n`` blocks.
+        block_ids: long ``[B*H, n]``, the buffer block id of every block of the shard (``-1``
+            where the block is not in the buffer; ``canonical_block_ids``).
+        width: slots per list, fixed per geometry so compiled kernels see static shapes.
+
+    Returns:
+        ``(kv_num_blocks int32 [B, H, nQ], kv_indices int32 [B, H, nQ, width])``: ids sorted
+        ascending, unused slots 0. No host synchronisation on GPU.
+    """
+    B, H, nQ, n = mask.shape
+    ids = block_ids.view(B, H, 1, n).to(mask.device)
+    if mask.device.type == "cpu":  # on GPU this check would cost a host sync per call
+        assert not (mask & (ids < 0)).any(), "a kept block is missing from the buffer"
+    big = torch.iinfo(torch.int32).max
+    keyed = torch.where(mask, ids, torch.full_like(ids, big))
+    idx = keyed.sort(dim=-1).values[..., : min(width, n)]
+    idx = torch.where(idx == big, torch.zeros_like(idx), idx).to(torch.int32)
+    if idx.shape[-1] < width:
+        idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
+    return mask.sum(-1, dtype=torch.int32), idx.contiguous()

@@ -1,39 +1,48 @@
-"""Block-sparse attention through ``torch.compile(flex_attention)`` (GPU backend).
+"""Block-sparse attention through ``torch.compile(flex_attention)`` (portable GPU backend).
 
-All query heads read the ONE packed KV buffer directly: ``kv.k``/``kv.v`` are viewed as a
-single KV head ``(1, 1, N, D)``, the queries as ``(1, B*H, Sq, D)`` with ``enable_gqa=True``,
-and a per-head ``BlockMask`` of shape ``(1, B*H, nQ, W)`` names, for every query block, the
-buffer blocks it reads. Nothing is scattered back into a dense ``(B, H, S, D)`` layout.
+Two K/V layouts, no torch path on GPU:
 
-A ``BlockMask`` can only address aligned ``bs``-token blocks, so flex handles the first
-``kv.num_aligned`` buffer blocks; ids of short tail blocks (which may sit at any offset) go
-to the torch backend on just those entries, and the two partials are combined with the one
-LSE merge.
+- ``LocalKV`` (this rank's shard, ``(B, S, H, D)``): flex reads ``k.transpose(1, 2)`` in
+  place, one K/V head per query head, with a ``(B, H, nQ, n)`` ``BlockMask`` of block indices
+  within ``S``. A short last block is the end of each head's sequence; flex masks keys past
+  ``S`` itself.
+- ``KVBuffer`` (a packed payload, ONE buffer for all heads): the full blocks are viewed as a
+  single shared K/V head ``(1, 1, N, D)``, the queries as ``(1, B*H, Sq, D)`` with
+  ``enable_gqa=True``, and a per-head ``BlockMask`` names the buffer blocks each query block
+  reads. Short blocks (at most one per row, all ``short_len`` long: the owner's tail) run as a
+  second call over a per-head scratch ``(1, B*H, short_len, D)`` gathered with one
+  ``index_select``, one block per query block; the two partials merge by LSE.
 
-Static shapes: every tensor handed to the compiled function has a shape fixed by the
-geometry (``B*H``, ``Sq``, ``D``, the buffer capacity ``N``, ``bs``), never by the demand
-pattern: a different selection changes only tensor *contents*, so ``torch.compile`` compiles
-once per geometry (DESIGN "Design consequence for the flex kernel").
+Compilation (DESIGN "Design consequence for the flex kernel"): every tensor shape handed to
+flex is fixed by the geometry, never by the demand pattern, so new lists change only tensor
+contents. Each geometry key (the kind of call, shapes, strides, dtype, block size, index
+width) gets its OWN compiled entry function, a copy of ``_flex_entry`` with a distinct code
+object: dynamo keeps its cache per code object, so each entry holds one graph and no number
+of geometries in one process reaches the recompile limit (8 per code object by default; with
+``fullgraph=True`` going past it raises, and without fullgraph flex would silently run eagerly,
+i.e. densely, since eager flex ignores block indices).
 
 LSE base: the ``flex_attention`` frontend returns natural-log LSE (its kernel keeps log2
 statistics and the frontend multiplies by ln 2 since PyTorch 2.5, pytorch#133159), which is
-what ``torch_ref`` and the merge use, so no conversion is applied. The GPU tests check it.
+what ``torch_ref`` and the merge use. The GPU tests check it.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import types
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import torch_ref
-from .buffer import KVBuffer
+from .buffer import KVBuffer, fit_width, split_lists
+from .local import LocalKV
 from .merge import update_out_and_lse
 
-__all__ = ["FLEX_AVAILABLE", "block_sparse_attention", "flex_available"]
+__all__ = ["FLEX_AVAILABLE", "block_sparse_attention", "compiled_entries", "dense", "flex_available"]
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -48,26 +57,21 @@ try:
     # torch >= 2.9: ``return_lse`` is deprecated in favour of ``return_aux`` (same values).
     from torch.nn.attention.flex_attention import AuxRequest
 
-    # Built once and reused (a fresh one per call does not recompile in torch 2.13 either,
-    # but a constant argument keeps dynamo's guards trivially stable across versions).
-    _AUX_LSE = AuxRequest(lse=True)
+    _AUX_LSE = AuxRequest(lse=True)  # one constant object: dynamo's guards stay trivial
 except ImportError:
     AuxRequest = None  # type: ignore[assignment,misc]
     _AUX_LSE = None
-
-# Module-level cache: one compiled callable per process. ``dynamic=False`` specialises on
-# shapes, which are static per geometry (see module docstring). ``fullgraph=True`` matters for
-# correctness, not only speed: past dynamo's recompile limit (8 geometries per process by
-# default, shared with any other user of flex_attention) a non-fullgraph function silently
-# runs flex eagerly, and eager flex applies only ``mask_mod`` and ignores the block indices,
-# i.e. it would compute DENSE attention. With fullgraph it raises instead.
-_COMPILED: dict[str, Callable] = {}
 
 # Inference only: skip building the transposed (q-side) indices, which the backward pass
 # alone reads; for a packed buffer of all heads they are as large as a dense block mask.
 _FORWARD_ONLY: dict = {}
 if FLEX_AVAILABLE and "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
     _FORWARD_ONLY = {"compute_q_blocks": False}
+
+# The torch.compile backend; CPU tests set "eager" (guards and graphs do not depend on it).
+_BACKEND = "inductor"
+# One compiled entry per geometry key (see the module docstring).
+_COMPILED: dict[tuple, Callable] = {}
 
 
 def flex_available(device: torch.device | str) -> bool:
@@ -80,43 +84,72 @@ def flex_available(device: torch.device | str) -> bool:
     return FLEX_AVAILABLE and torch.device(device).type == "cuda"
 
 
-def _compiled_flex() -> Callable:
-    fn = _COMPILED.get("flex_attention")
+def compiled_entries() -> int:
+    """How many geometry keys have a compiled entry in this process (tests, diagnostics)."""
+    return len(_COMPILED)
+
+
+def _flex_entry(q, k, v, block_mask, scale, enable_gqa):
+    if _AUX_LSE is not None:
+        out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                                  enable_gqa=enable_gqa, return_aux=_AUX_LSE)
+        return out, aux.lse
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          return_lse=True)
+
+
+def _entry(key: tuple) -> Callable:
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-        _COMPILED["flex_attention"] = fn
+        # A distinct code object per key: dynamo's cache (and its recompile limit) is per code
+        # object, so this entry only ever holds the graph of its own geometry.
+        code = _flex_entry.__code__.replace(co_name=f"_flex_entry_{len(_COMPILED)}")
+        fresh = types.FunctionType(code, _flex_entry.__globals__, code.co_name)
+        fn = torch.compile(fresh, backend=_BACKEND, dynamic=False, fullgraph=True)
+        _COMPILED[key] = fn
     return fn
 
 
-def _flex_call(
-    q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Run compiled flex: q ``(1, BH, Sq, D)``, k/v ``(1, 1, N, D)`` -> out, natural-log lse.
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float,
+               enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """Compiled flex on ``(B', Hq, Sq, D)`` queries and ``(B', Hk, Skv, D)`` keys -> out, lse.
 
-    Kept separate so CPU tests can substitute a dense emulation of the same ``BlockMask``.
-    """
-    fn = _compiled_flex()
-    if _AUX_LSE is not None:
-        out, aux = fn(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=_AUX_LSE
-        )
-        return out, aux.lse
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
+    Kept separate so CPU tests can substitute a dense emulation of the same ``BlockMask``."""
+    key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), q.dtype,
+           q.device, block_mask.BLOCK_SIZE, tuple(block_mask.kv_indices.shape), enable_gqa)
+    return _entry(key)(q, k, v, block_mask, scale, enable_gqa)
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, num: Tensor, idx: Tensor, bs: int, scale: float,
+         enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """One flex call with block lists ``num [B', Hq, nQ]``, ``idx [B', Hq, nQ, W]``; rows with
+    no block get the documented empty result (out 0, lse -inf)."""
+    Sq, Skv = q.shape[2], k.shape[2]
+    block_mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=bs, seq_lengths=(Sq, Skv),
+                                          **_FORWARD_ONLY)
+    out, lse = _flex_call(q, k, v, block_mask, scale, enable_gqa)
+    # Pin the empty-row result instead of relying on the kernel's handling of rows whose loop
+    # never runs; cheap, elementwise, no sync.
+    empty = (num == 0).repeat_interleave(bs, dim=-1)[..., :Sq]
+    lse = torch.where(empty, float("-inf"), lse.float())
+    out = torch.where(empty.unsqueeze(-1), 0.0, out)
+    return out, lse
 
 
 def block_sparse_attention(
     q: Tensor,
-    kv: KVBuffer,
+    kv: KVBuffer | LocalKV,
     kv_num_blocks: Tensor,
     kv_indices: Tensor,
     *,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Block-sparse attention with flex on aligned blocks and torch on short blocks.
+    """Block-sparse attention with flex; semantics as ``torch_ref.block_sparse_attention``.
 
-    Args and semantics as ``torch_ref.block_sparse_attention``: q ``(B, H, Sq, D)``,
-    kv_num_blocks int ``[B, H, nQ]``, kv_indices int ``[B, H, nQ, K]`` (buffer block ids,
-    any order, duplicate-free), ``nQ = ceil(Sq / kv.block_size)``.
+    Args: q ``(B, H, Sq, D)``; kv a ``KVBuffer`` or ``LocalKV``; kv_num_blocks int
+    ``[B, H, nQ]``; kv_indices int ``[B, H, nQ, K]`` (any order, duplicate-free),
+    ``nQ = ceil(Sq / kv.block_size)``. A packed buffer's lists may name at most one short
+    block per row (``KVBuffer``'s rules).
 
     Returns:
         ``out`` ``(B, H, Sq, D)`` in ``q.dtype`` and ``lse`` ``(B, H, Sq)`` float32, natural
@@ -125,61 +158,54 @@ def block_sparse_attention(
     if not FLEX_AVAILABLE:
         raise RuntimeError(f"flex_attention is not available in torch {torch.__version__}")
     n_q = torch_ref.check_inputs(q, kv, kv_num_blocks, kv_indices)
-    B, H, Sq, D = q.shape
-    bs, BH, N = kv.block_size, B * H, kv.capacity
+    D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    slots = kv_indices.shape[-1]
+    num = kv_num_blocks.to(device=q.device, dtype=torch.int32).contiguous()
     idx = kv_indices.to(device=q.device)
-    used = torch.arange(slots, device=q.device) < kv_num_blocks.to(q.device).unsqueeze(-1)
-    is_aligned = idx < kv.num_aligned
+    if isinstance(kv, LocalKV):
+        out, lse = _run(q, kv.k.transpose(1, 2), kv.v.transpose(1, 2), num,
+                        fit_width(idx, kv.num_blocks), kv.block_size, scale, False)
+        return out.to(q.dtype), lse
+    return _packed(q, kv, num, idx, n_q, scale)
 
+
+def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,
+            scale: float) -> tuple[Tensor, Tensor]:
+    B, H, Sq, D = q.shape
+    BH, N, bs = B * H, kv.capacity, kv.block_size
+    qf = q.reshape(1, BH, Sq, D)
+    # The lists are padded to W = ceil(N / bs), a width fixed by the capacity alone (the
+    # width the measured version of this backend used; flex reads only the used slots).
+    split = split_lists(kv, num, idx, math.ceil(N / bs))
     out: Tensor | None = None
     lse: Tensor | None = None
     if kv.num_aligned > 0:
-        # BlockMask sizes its dense scratch mask by the index width, so every id must be
-        # below it: W = ceil(N / bs) fits any aligned id and depends only on the capacity.
-        width = math.ceil(N / bs)
-        if kv.num_blocks == kv.num_aligned:
-            # Every id is aligned: use the lists as given, cut or zero-padded to W. Cutting is
-            # safe because duplicate-free counts are <= num_aligned <= W; slots past a count
-            # are ignored by from_kv_blocks whatever they hold.
-            a_num = kv_num_blocks.to(device=q.device, dtype=torch.int32).reshape(1, BH, n_q)
-            a_idx = idx.to(torch.int32).reshape(1, BH, n_q, slots)[..., :width]
-            a_idx = torch.nn.functional.pad(a_idx, (0, width - a_idx.shape[-1])).contiguous()
-        else:
-            a_num, a_idx = torch_ref.compact_indices(
-                (used & is_aligned).reshape(1, BH, n_q, slots),
-                idx.reshape(1, BH, n_q, slots),
-                width,
-            )
-        block_mask = BlockMask.from_kv_blocks(
-            a_num, a_idx, BLOCK_SIZE=bs, seq_lengths=(Sq, N), **_FORWARD_ONLY
-        )
-        f_out, f_lse = _flex_call(
-            q.reshape(1, BH, Sq, D), kv.k.view(1, 1, N, D), kv.v.view(1, 1, N, D),
-            block_mask, scale,
-        )
-        # Pin the documented empty-row result (out 0, lse -inf) instead of relying on the
-        # kernel's handling of rows whose loop never runs; cheap, elementwise, no sync.
-        empty = (a_num == 0).reshape(B, H, n_q).repeat_interleave(bs, dim=-1)[..., :Sq]
-        lse = torch.where(empty, float("-inf"), f_lse.reshape(B, H, Sq).float())
-        out = torch.where(empty.unsqueeze(-1), 0.0, f_out.reshape(B, H, Sq, D)).to(q.dtype)
-
-    n_short = kv.num_blocks - kv.num_aligned
-    if n_short > 0:
-        # Few entries (at most one tail block per segment and peer), so the torch backend
-        # on a compacted index list of width <= n_short is cheap. Both counts are Python
-        # ints fixed by the geometry: no host sync to decide whether to run this.
-        s_num, s_idx = torch_ref.compact_indices(used & ~is_aligned, idx, min(slots, n_short))
-        s_out, s_lse = torch_ref.block_sparse_attention(q, kv, s_num, s_idx, scale=scale)
+        out, lse = _run(qf, kv.k.view(1, 1, N, D), kv.v.view(1, 1, N, D),
+                        split.num.reshape(1, BH, n_q), split.idx.reshape(1, BH, n_q, -1),
+                        bs, scale, True)
+    if split.rows is not None:
+        length = split.rows.shape[1]
+        rows = split.rows.reshape(-1)
+        k_s = kv.k.index_select(0, rows).view(1, BH, length, D)
+        v_s = kv.v.index_select(0, rows).view(1, BH, length, D)
+        s_num = split.has_short.to(torch.int32).reshape(1, BH, n_q)
+        s_idx = torch.zeros(1, BH, n_q, 1, dtype=torch.int32, device=q.device)
+        s_out, s_lse = _run(qf, k_s, v_s, s_num, s_idx, bs, scale, False)
         if out is None:
             out, lse = s_out, s_lse
         else:
-            out, lse = update_out_and_lse(out.float(), lse, s_out, s_lse)
-
+            out, lse = update_out_and_lse(out, lse, s_out, s_lse)
     if out is None or lse is None:  # an empty buffer: nothing to attend
         return (
             torch.zeros_like(q),
             torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),
         )
-    return out.to(q.dtype), lse
+    return out.reshape(B, H, Sq, D).to(q.dtype), lse.reshape(B, H, Sq)
+
+
+def dense(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Dense compiled flex on ``(B, H, S, D)`` tensors (no block mask): the benchmark's dense
+    baseline for this backend. Returns out and natural-log lse."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    key = ("dense", tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q.dtype, q.device)
+    return _entry(key)(q, k, v, None, scale, False)

@@ -1,9 +1,11 @@
 """Reference block-sparse attention in plain PyTorch (CPU and GPU), with LSE.
 
-It is the ground truth the flex backend is tested against and the fallback wherever flex
-cannot run (CPU, short tail blocks at arbitrary offsets). It never builds an ``Sq x Skv``
-score matrix: each query block gathers only the K/V rows of its selected buffer blocks, and
-query blocks are processed in chunks whose working set is bounded by ``_CHUNK_ELEMS``.
+It is the ground truth the GPU backends are tested against and the CPU path. It reads both
+K/V types (a packed ``KVBuffer`` and a ``LocalKV`` shard) and any block lists: full and short
+blocks alike take one slot of a row's list (a short block is padded to ``block_size`` rows and
+masked), so a row pays for exactly the blocks it lists. It never builds an ``Sq x Skv`` score
+matrix: each query block gathers only the K/V rows of its listed blocks, and query blocks are
+processed in chunks whose working set is bounded by ``_CHUNK_ELEMS``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import math
 import torch
 from torch import Tensor
 
-from .buffer import KVBuffer
+from .buffer import KVBuffer, compact_indices
+from .local import LocalKV
 
 __all__ = ["block_sparse_attention", "check_inputs", "compact_indices"]
 
@@ -22,17 +25,23 @@ __all__ = ["block_sparse_attention", "check_inputs", "compact_indices"]
 _CHUNK_ELEMS = 1 << 24
 
 
-def check_inputs(q: Tensor, kv: KVBuffer, kv_num_blocks: Tensor, kv_indices: Tensor) -> int:
+def check_inputs(q: Tensor, kv: KVBuffer | LocalKV, kv_num_blocks: Tensor, kv_indices: Tensor) -> int:
     """Validate the kernel arguments (shapes only, no device sync); return ``nQ``."""
     if q.dim() != 4:
         raise ValueError(f"q must be (B, H, Sq, D), got shape {tuple(q.shape)}")
+    if not isinstance(kv, (KVBuffer, LocalKV)):
+        raise ValueError(f"kv must be a KVBuffer or a LocalKV, got {type(kv).__name__}")
     B, H, Sq, D = q.shape
-    if kv.k.shape[1] != D:
-        raise ValueError(f"head dim of q ({D}) and of the KV buffer ({kv.k.shape[1]}) differ")
+    if kv.head_dim != D:
+        raise ValueError(f"head dim of q ({D}) and of the K/V ({kv.head_dim}) differ")
+    if isinstance(kv, LocalKV) and (kv.batch, kv.heads) != (B, H):
+        raise ValueError(
+            f"LocalKV has (batch, heads) = {(kv.batch, kv.heads)} but q has {(B, H)}"
+        )
     if q.device != kv.k.device:
-        raise ValueError(f"q is on {q.device} but the KV buffer is on {kv.k.device}")
+        raise ValueError(f"q is on {q.device} but the K/V is on {kv.k.device}")
     if q.dtype != kv.k.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the KV buffer dtype {kv.k.dtype}")
+        raise ValueError(f"q dtype {q.dtype} differs from the K/V dtype {kv.k.dtype}")
     n_q = math.ceil(Sq / kv.block_size)
     if tuple(kv_num_blocks.shape) != (B, H, n_q):
         raise ValueError(
@@ -46,32 +55,23 @@ def check_inputs(q: Tensor, kv: KVBuffer, kv_num_blocks: Tensor, kv_indices: Ten
     return n_q
 
 
-def compact_indices(keep: Tensor, indices: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """Move the kept index slots of each row to the front, keeping their order.
+def _block_rows(kv: KVBuffer | LocalKV, head: Tensor, ids: Tensor, used: Tensor):
+    """Where each listed block's rows lie in ``kv``'s flat ``[rows, D]`` view.
 
-    Args:
-        keep: bool ``[..., K]``, which slots of ``indices`` to keep.
-        indices: integer ``[..., K]``.
-        width: slots in the result; must be at least the number kept in any row (the
-            caller guarantees it, e.g. duplicate-free ids drawn from ``width`` blocks).
-
-    Returns:
-        ``(num int32 [...], idx int32 [..., width])``; slots past ``num`` are 0, so every
-        entry is a valid block id (flex's ``BlockMask`` indexes with all of them).
-    """
-    k = keep.shape[-1]
-    # A stable descending sort of the 0/1 flags puts kept slots first in their original
-    # order: a gather by prefix sums without a Python loop and without a host sync.
-    order = torch.argsort(keep.to(torch.int32), dim=-1, descending=True, stable=True)
-    packed = torch.gather(indices.to(torch.int32), -1, order)
-    num = keep.sum(-1, dtype=torch.int32)
-    if k >= width:
-        packed = packed[..., :width]
+    ``head``: long ``[R, 1]``, the ``b * H + h`` of each list; ``ids``: long ``[R, K]``.
+    Returns ``(first, stride, length)``: block rows are ``first + i * stride`` for
+    ``i < length`` (``length`` 0 on unused slots)."""
+    bs = kv.block_size
+    if isinstance(kv, LocalKV):
+        # (B, S, H, D) flattened to (B*S*H, D): token s of head h of batch b is row (b*S+s)*H+h.
+        S, H = kv.seq_len, kv.heads
+        first = ((head // H) * S + ids * bs) * H + head % H
+        length = (S - ids * bs).clamp(min=0, max=bs)
+        stride = H
     else:
-        packed = torch.nn.functional.pad(packed, (0, width - k))
-    slot = torch.arange(width, device=keep.device, dtype=torch.int32)
-    packed = torch.where(slot < num.unsqueeze(-1), packed, torch.zeros_like(packed))
-    return num, packed.contiguous()
+        safe = ids.clamp(min=0, max=max(kv.num_blocks - 1, 0))
+        first, length, stride = kv.block_start[safe], kv.block_len[safe], 1
+    return first, stride, torch.where(used, length, torch.zeros_like(length))
 
 
 def _attend_chunk(
@@ -97,18 +97,19 @@ def _attend_chunk(
 
 def block_sparse_attention(
     q: Tensor,
-    kv: KVBuffer,
+    kv: KVBuffer | LocalKV,
     kv_num_blocks: Tensor,
     kv_indices: Tensor,
     *,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Block-sparse attention of head-major queries against a packed KV buffer.
+    """Block-sparse attention of head-major queries against a packed buffer or a local shard.
 
     Args:
-        q: ``(B, H, Sq, D)``. Query block ``i`` is rows ``[i*bs, min((i+1)*bs, Sq))`` with
-            ``bs = kv.block_size``; ``nQ = ceil(Sq / bs)``.
-        kv: the packed K/V (full and short blocks; short ones at any offset).
+        q: ``(B, H, Sq, D)``, any strides. Query block ``i`` is rows
+            ``[i*bs, min((i+1)*bs, Sq))`` with ``bs = kv.block_size``; ``nQ = ceil(Sq / bs)``.
+        kv: a ``KVBuffer`` (ids are buffer block ids) or a ``LocalKV`` (ids are block indices
+            within the shard, the same for every head; the last block may be short).
         kv_num_blocks: int ``[B, H, nQ]``: how many slots of ``kv_indices`` are used.
         kv_indices: int ``[B, H, nQ, K]``: buffer block ids attended by each query block,
             any order, duplicate-free within the used slots; unused slots are ignored.
@@ -136,15 +137,17 @@ def block_sparse_attention(
 
     out = torch.zeros(rows, bs, D, dtype=torch.float32, device=q.device)
     lse = torch.full((rows, bs), float("-inf"), dtype=torch.float32, device=q.device)
-    if slots > 0 and kv.num_blocks > 0:
+    k_flat, v_flat = kv.k.reshape(-1, D), kv.v.reshape(-1, D)  # views (both are contiguous)
+    has_blocks = isinstance(kv, LocalKV) or kv.num_blocks > 0
+    if slots > 0 and has_blocks:
         # Token rows of every used slot: [rows, K, bs]; padding of short blocks and unused
         # slots point at row 0 and are masked out.
-        safe_idx = torch.where(used, idx, torch.zeros_like(idx))
-        start = kv.block_start[safe_idx]
-        length = torch.where(used, kv.block_len[safe_idx], torch.zeros_like(safe_idx))
+        head = torch.arange(rows, device=q.device).unsqueeze(-1) // n_q
+        first, stride, length = _block_rows(kv, head, idx, used)
         offs = torch.arange(bs, device=q.device)
         tok_ok = offs < length.unsqueeze(-1)
-        tok = torch.where(tok_ok, start.unsqueeze(-1) + offs, torch.zeros_like(start).unsqueeze(-1))
+        tok = first.unsqueeze(-1) + offs * stride
+        tok = torch.where(tok_ok, tok, torch.zeros_like(tok))
         tok, tok_ok = tok.reshape(rows, slots * bs), tok_ok.reshape(rows, slots * bs)
 
         q_pad = torch.nn.functional.pad(q.reshape(BH, Sq, D), (0, 0, 0, n_q * bs - Sq))
@@ -153,8 +156,8 @@ def block_sparse_attention(
         chunk = max(1, _CHUNK_ELEMS // per_row)
         for r0 in range(0, rows, chunk):
             r1 = min(rows, r0 + chunk)
-            k_rows = kv.k[tok[r0:r1]].float()
-            v_rows = kv.v[tok[r0:r1]].float()
+            k_rows = k_flat[tok[r0:r1]].float()
+            v_rows = v_flat[tok[r0:r1]].float()
             out[r0:r1], lse[r0:r1] = _attend_chunk(
                 q_rows[r0:r1], k_rows, v_rows, tok_ok[r0:r1], scale
             )

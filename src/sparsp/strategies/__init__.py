@@ -1,32 +1,25 @@
-"""``sp_attention``: one entry point, five strategies (DESIGN.md "Baselines").
+"""``sp_attention``: one entry point, every registered strategy (DESIGN.md "Baselines").
 
-Data path per call: validate → exchange shapes (one tiny all-gather) → masks (all-reduce of
-the key sum, all-gather of pooled keys) → demand → plan → transport → kernel → LSE merge.
+Data path per call: validate → agree shapes (cached per geometry) → one metadata all-gather
+(header + pooled summaries → the whole block mask) → plan (the strategy's payload selections)
+→ one host sync (header checks, layouts) → transport → kernel → LSE merge.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from ..config import SparspConfig
-from ..plan import exchange_shapes, local_mask
-from ..transport import transport_factory
-from . import ring, ring_relay, sparsp, ulysses
-from .base import Call, validate
+from ..plan import forget_shapes, gather_metadata, remask
+from ..transport import make_transport
+from . import ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
+from .base import Call, forget_geometries, validate
+from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
 
 log = logging.getLogger("sparsp")
-
-STRATEGIES = {
-    "ring": ring.run,
-    "ring-sparse": ring.run,
-    "ring-relay": ring_relay.run,
-    "ulysses": ulysses.run,
-    "sparsp": sparsp.run,
-}
-_DENSE = {"ring"}  # ignores thresholds: the dense baseline
-_MASK_SELF = {"ulysses"}  # computes its mask after its own exchange
 
 _transports: dict = {}
 
@@ -36,23 +29,44 @@ def get_transport(name: str, group, device: torch.device, timeout_s: float):
     key = (id(group), name, str(device))
     t = _transports.get(key)
     if t is None:
-        try:
-            from ..transport.select import make_transport
-        except ImportError:  # only the torch.distributed transport is built in
-            make_transport = None
-        if make_transport is not None:
-            t = make_transport(name, group, device=device, timeout_s=timeout_s)
-        else:
-            t = transport_factory("nccl" if name == "auto" else name)(group, timeout_s=timeout_s, device=device)
+        t = make_transport(name, group, device=device, timeout_s=timeout_s)
         _transports[key] = t
     return t
 
 
 def close_transports() -> None:
-    """Release every cached transport (shared memory, IPC handles); safe to call twice."""
+    """Release every cached transport (shared memory, IPC handles) and the per-geometry
+    caches; safe to call twice."""
+    forget_shapes()
+    forget_geometries()
     while _transports:
         _, t = _transports.popitem()
         t.close()
+
+
+def comm_bytes(masks, placement, strategy: str, *, head_dim: int, dtype_bytes: int = 2) -> dict:
+    """Bytes each rank receives per call under ``strategy`` (its registered byte rule)."""
+    return strategy_spec(strategy).comm_bytes(masks, placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+
+
+def _call(q, k, v, meta, group, spec, config, transport, global_mask) -> tuple[Call, str | None]:
+    """The call on ``meta``'s shapes (guessed until resolved), and a deferred error."""
+    shapes = meta.shapes
+    N = shapes.total_blocks
+    full_mask, error = None, None
+    if spec.sparse:
+        if global_mask is not None and tuple(global_mask.shape) != (shapes.batch, shapes.heads, N, N):
+            # raised once the shapes are confirmed (they may be a guess here)
+            error = (f"_global_mask has shape {tuple(global_mask.shape)}; the inputs need "
+                     f"{(shapes.batch, shapes.heads, N, N)} ({N} blocks)")
+            full_mask = torch.ones(shapes.batch, shapes.heads, N, N, dtype=torch.bool, device=q.device)
+        elif global_mask is not None:
+            full_mask = global_mask.to(q.device, torch.bool)
+        elif config.dense:
+            full_mask = torch.ones(shapes.batch, shapes.heads, N, N, dtype=torch.bool, device=q.device)
+        else:
+            full_mask = meta.mask
+    return Call(q, k, v, shapes, config, group, transport, full_mask=full_mask), error
 
 
 def sp_attention(
@@ -64,6 +78,7 @@ def sp_attention(
     strategy: str = "sparsp",
     config: SparspConfig = SparspConfig(),
     _global_mask: torch.Tensor | None = None,
+    _timer=None,
 ) -> torch.Tensor:
     """Sequence-parallel block-sparse attention over ``group``.
 
@@ -71,34 +86,40 @@ def sp_attention(
     sequence; the slices concatenated in rank order form the global sequence, and each slice
     is cut into ``config.block_size`` blocks from its start. Returns this rank's output slice,
     same shape and dtype as ``q``: attention over the global sequence restricted to the block
-    mask ``sparsp.masks.block_mask`` computes on the concatenated q and k (exactly so when
-    every slice but the last is a whole number of blocks). ``strategy="ring"`` is the dense
-    baseline and ignores the thresholds. ``_global_mask`` (bool [B, H, N, N], N = global
-    blocks) replaces the CDF mask — for tests.
+    mask ``sparsp.masks.split_mask`` computes on the concatenated q and k (equal to
+    ``block_mask`` when every slice but the last is a whole number of blocks).
+    ``strategy="ring"`` is the dense baseline and ignores the thresholds. ``_global_mask``
+    (bool [B, H, N, N], N = global blocks) replaces the CDF mask — for tests; ``_timer``
+    (a ``base.PhaseTimer``) times the phases — for benchmarks.
     """
-    validate(q, k, v, group, strategy, config, STRATEGIES)
-    shapes = exchange_shapes(q, group, config, strategy, k=k, v=v)
-    if _global_mask is not None and _global_mask.shape[-1] != shapes.total_blocks:
-        raise ValueError(f"_global_mask has {_global_mask.shape[-1]} blocks, the inputs {shapes.total_blocks}")
+    validate(q, k, v, group, strategy, config)
+    spec = strategy_spec(strategy)
+    computed = spec.sparse and _global_mask is None and not config.dense
     transport = get_transport(config.transport, group, q.device, config.timeout_s)
-    reserve = getattr(transport, "reserve", None)
-    if reserve is not None:  # slot windows sized for the worst case: a full shard per peer
-        reserve(shapes.capacity_rows * 2 * shapes.head_dim * q.element_size())
-    transport.fence()
-    mask = None
-    if strategy not in _DENSE and strategy not in _MASK_SELF:
-        if _global_mask is not None:
-            mask = _global_mask[:, :, shapes.blocks_of(shapes.rank)].to(q.device)
-        elif config.dense:
-            mask = torch.ones(shapes.batch, shapes.heads, shapes.num_blocks[shapes.rank], shapes.total_blocks,
-                              dtype=torch.bool, device=q.device)
-        else:
-            mask = local_mask(q, k, shapes, group, config)
-    call = Call(q, k, v, shapes, config, group, transport, mask=mask,
-                global_mask=None if _global_mask is None else _global_mask.to(q.device))
+    timer = _timer
+    mask_phase = timer.phase("mask") if timer is not None else contextlib.nullcontext()
     with torch.no_grad():
-        STRATEGIES[strategy](call)
+        mask_phase.__enter__()
+        meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
+        while True:  # once, unless the geometry changed: see plan.gather_metadata
+            call, error = _call(q, k, v, meta, group, spec, config, transport, _global_mask)
+            selections = spec.plan(call) if spec.plan is not None else {}
+            resolved = meta.resolve(selections, call.kept_counts())  # the one host sync
+            if resolved is not None:
+                break
+            meta = remask(meta, group, config, computed) or \
+                gather_metadata(q, k, v, group, config, strategy, sparse=computed)
+        mask_phase.__exit__(None, None, None)
+        call.timer = timer
+        if error is not None:
+            raise ValueError(error)
+        call.set_resolved(*resolved)
+        # slot windows sized for the worst case, a full shard per peer (collective only when growing)
+        transport.reserve(call.shapes.capacity_rows * 2 * call.shapes.head_dim * q.element_size())
+        transport.fence()
+        spec.run(call)
     return call.result()
 
 
-__all__ = ["STRATEGIES", "sp_attention", "close_transports", "get_transport"]
+__all__ = ["Call", "StrategyName", "StrategySpec", "close_transports", "comm_bytes", "get_transport",
+           "register_strategy", "sp_attention", "strategy_names", "strategy_spec"]

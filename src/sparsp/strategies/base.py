@@ -3,27 +3,35 @@
 Strategies own communication (through a ``Transport``) and call the kernel through
 ``Call.attend``; the merge is the single ``update_out_and_lse`` (STYLE.md §3–4), so a
 comparison between strategies measures only how K/V moves.
+
+A strategy has two phases (``registry.register_strategy``): ``plan(call)`` names the payload
+selections it will move (device tensors; nothing is read on the host), the call resolves them
+in its one host synchronisation (``plan.Metadata.resolve``), then ``run(call)`` moves and
+computes with ``call.layouts``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..config import SparspConfig
-from ..kernels import KVBuffer, get_kernel
-from ..kernels.merge import update_out_and_lse
-from ..plan import Layout, Shapes, kernel_indices, layout, pack
+from ..demand import remote_demand
+from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, update_out_and_lse
+from ..packing import Layout, layout, pack
+from ..plan import Shapes
+from ..transport import Transport
+from .registry import strategy_names, strategy_spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def validate(q, k, v, group, strategy: str, config: SparspConfig, strategies) -> None:
+def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
     """Every check that needs no communication; raises ``ValueError`` naming the argument."""
-    if not isinstance(strategy, str) or strategy not in strategies:
-        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(strategies)}")
+    if not isinstance(strategy, str) or strategy not in strategy_names():
+        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(strategy_names())}")
     if not isinstance(config, SparspConfig):
         raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -56,17 +64,89 @@ def validate(q, k, v, group, strategy: str, config: SparspConfig, strategies) ->
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}")
     G = dist.get_world_size(group)
-    if strategy == "ulysses" and q.shape[2] % G:
-        raise ValueError(f"ulysses needs heads divisible by the group size: H={q.shape[2]}, G={G}")
+    if strategy_spec(strategy).heads_divisible and q.shape[2] % G:
+        raise ValueError(f"{strategy} needs heads divisible by the group size: H={q.shape[2]}, G={G}")
     if isinstance(config.cdf_threshold, tuple) and len(config.cdf_threshold) != q.shape[2]:
         raise ValueError(f"config.cdf_threshold has {len(config.cdf_threshold)} values for {q.shape[2]} heads")
     if isinstance(config.sim_threshold, tuple) and len(config.sim_threshold) != q.shape[2]:
         raise ValueError(f"config.sim_threshold has {len(config.sim_threshold)} values for {q.shape[2]} heads")
 
 
+class PhaseTimer:
+    """CUDA events around the phases of one call on the compute stream (benchmarks only).
+
+    ``phase(name)`` is a context manager; ``fetch_issued``/``fetch_landed`` bracket a payload's
+    transfer as the compute stream sees it. ``summary()`` (after a synchronize) sums each phase
+    in ms. Off (``None``) in normal calls: no events, no cost.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: dict[int, torch.cuda.Event] = {}
+
+    def _event(self) -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    class _Phase:
+        def __init__(self, timer: "PhaseTimer", name: str) -> None:
+            self.timer, self.name = timer, name
+
+        def __enter__(self):
+            self.start = self.timer._event()
+
+        def __exit__(self, *exc):
+            self.timer.events.append((self.name, self.start, self.timer._event()))
+            return False
+
+    def phase(self, name: str) -> "PhaseTimer._Phase":
+        return PhaseTimer._Phase(self, name)
+
+    def fetch_issued(self, key: int) -> None:
+        self._open[key] = self._event()
+
+    def fetch_landed(self, key: int) -> None:
+        start = self._open.pop(key, None)
+        if start is not None:
+            self.events.append(("transfer", start, self._event()))
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, a, b in self.events:
+            out[name] = out.get(name, 0.0) + a.elapsed_time(b)
+        return out
+
+
+class _NoPhase:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_PHASE = _NoPhase()
+
+
+class _Geometry:
+    """What stays the same for every call of one geometry: full layouts, payload buffers."""
+
+    def __init__(self) -> None:
+        self.full: dict[int, Layout] = {}
+        self.buffers: list[torch.Tensor] = []
+
+
+_GEOMETRIES: dict[tuple, _Geometry] = {}
+
+
+def forget_geometries() -> None:
+    _GEOMETRIES.clear()
+
+
 @dataclass
 class Call:
-    """One attention call on one rank: inputs in kernel layout, accumulators, helpers."""
+    """One attention call on one rank: inputs, the call's mask, layouts, accumulators."""
 
     q: torch.Tensor  # (B, S, H, D) as given
     k: torch.Tensor
@@ -74,10 +154,9 @@ class Call:
     shapes: Shapes
     config: SparspConfig
     group: object
-    transport: object
-    mask: torch.Tensor | None = None  # bool [B, H, n_local, total_blocks], None for dense
-    global_mask: torch.Tensor | None = None  # tests: a given mask [B, H, N, N] instead of CDF
-    stats: dict = field(default_factory=dict)
+    transport: Transport
+    full_mask: torch.Tensor | None = None  # bool [B, H, N, N], all ranks' rows; None: dense
+    timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
 
     def __post_init__(self) -> None:
         self.kernel = get_kernel(self.config.kernel, self.q.device)
@@ -86,6 +165,25 @@ class Call:
         self.lse = None
         self.scale = self.q.shape[-1] ** -0.5
         self.final: torch.Tensor | None = None  # a strategy that assembles its own output
+        self.layouts: dict = {}
+        self.kept: dict[int, int] = {}  # kept (query block, key block) pairs per origin
+        self._demand: torch.Tensor | None = None
+        key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
+        self._geo = _GEOMETRIES.setdefault(key, _Geometry())
+
+    def phase(self, name: str):
+        """Time a phase when a benchmark asked for it (``PhaseTimer``); else nothing."""
+        return _NO_PHASE if self.timer is None else self.timer.phase(name)
+
+    def fetch(self, peer: int, out: torch.Tensor):
+        """``transport.fetch`` with the transfer timed for benchmarks; returns a handle whose
+        ``wait()`` also marks when the payload landed on the compute stream."""
+        handle = self.transport.fetch(peer, out)
+        if self.timer is None:
+            return handle
+        key = id(handle)
+        self.timer.fetch_issued(key)
+        return _TimedHandle(handle, self.timer, key)
 
     @property
     def rank(self) -> int:
@@ -104,33 +202,70 @@ class Call:
         """Kernel index-list width: the largest shard in blocks (static per geometry)."""
         return max(self.shapes.num_blocks)
 
-    def payload_buffer(self) -> torch.Tensor:
-        """A flat buffer that holds any rank's full shard (static shape for compiled kernels)."""
-        return torch.empty(self.shapes.capacity_rows * 2 * self.q.shape[-1], dtype=self.q.dtype,
-                           device=self.q.device)
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """This rank's rows: bool [B, H, n_local, N] (None when dense)."""
+        if self.full_mask is None:
+            return None
+        return self.full_mask[:, :, self.shapes.blocks_of(self.rank)]
+
+    @property
+    def demand(self) -> torch.Tensor:
+        """bool [G, B, H, N]: every rank's remote demand, derived from the whole mask."""
+        if self._demand is None:
+            assert self.full_mask is not None, "a dense call has no demand"
+            sh = self.shapes
+            self._demand = remote_demand(self.full_mask, sh.block_owner(self.q.device), self.world,
+                                         rows=[sh.blocks_of(p) for p in range(self.world)])
+        return self._demand
+
+    def need(self, consumer: int, owner: int) -> torch.Tensor:
+        """bool [B·H, n_owner]: the blocks of ``owner`` that ``consumer`` demands."""
+        return self.demand[consumer][..., self.shapes.blocks_of(owner)].reshape(self.bh, -1)
+
+    def kept_counts(self) -> dict:
+        """0-dim tensors: kept block pairs of my rows against each origin (for ``resolve``)."""
+        if self.full_mask is None:
+            return {}
+        return {("kept", p): self.mask[..., self.shapes.blocks_of(p)].sum() for p in range(self.world)}
+
+    def set_resolved(self, layouts: dict, values: dict) -> None:
+        self.layouts = layouts
+        self.kept = {key[1]: n for key, n in values.items() if key[0] == "kept"}
+
+    def payload_buffers(self, n: int) -> list[torch.Tensor]:
+        """``n`` flat buffers that each hold any rank's full shard (static shape for compiled
+        kernels), allocated once per geometry and reused (a fence orders the reuse)."""
+        bufs = self._geo.buffers
+        while len(bufs) < n:
+            bufs.append(torch.empty(self.shapes.capacity_rows * 2 * self.q.shape[-1],
+                                    dtype=self.q.dtype, device=self.q.device))
+        return bufs[:n]
 
     def full_layout(self, p: int) -> Layout:
-        """Every block of rank p's shard (what a dense ring carries)."""
-        n = self.shapes.num_blocks[p]
-        sel = torch.ones(self.bh, n, dtype=torch.bool, device=self.q.device)
-        return layout(sel, self.shapes.seq_lens[p], self.shapes.block_size)
-
-    def layout_of(self, selected: torch.Tensor, p: int) -> Layout:
-        """Layout of ``selected`` (bool [B, H, n_p]) blocks of rank p's shard."""
-        return layout(selected.reshape(self.bh, -1), self.shapes.seq_lens[p], self.shapes.block_size)
+        """Every block of rank p's shard (what a dense ring carries); no host sync."""
+        lay = self._geo.full.get(p)
+        if lay is None:
+            sh = self.shapes
+            n = sh.num_blocks[p]
+            sel = torch.ones(self.bh, n, dtype=torch.bool, device=self.q.device)
+            lay = layout(sel, sh.seq_lens[p], sh.block_size,
+                         counts=(self.bh * n, self.bh if sh.has_tail(p) else 0))
+            self._geo.full[p] = lay
+        return lay
 
     def pack_local(self, lay: Layout, out: torch.Tensor) -> int:
         """Pack this rank's selected K/V blocks into ``out``; returns elements written."""
-        return pack(self.k, self.v, lay, self.shapes.heads, out)
+        with self.phase("pack"):
+            return pack(self.k, self.v, lay, self.shapes.heads, out)
 
     def rows_for(self, origin: int) -> torch.Tensor:
         """This rank's mask rows against ``origin``'s blocks: bool [B, H, n_local, n_origin]
         (all True when the call is dense)."""
-        n = self.shapes.num_blocks[origin]
-        if self.mask is None:
-            B, H, S, _ = self.q_hm.shape
-            nq = self.shapes.num_blocks[self.rank]
-            return torch.ones(B, H, nq, n, dtype=torch.bool, device=self.q.device)
+        if self.full_mask is None:
+            nq, n = self.shapes.num_blocks[self.rank], self.shapes.num_blocks[origin]
+            return torch.ones(self.shapes.batch, self.shapes.heads, nq, n, dtype=torch.bool,
+                              device=self.q.device)
         return self.mask[..., self.shapes.blocks_of(origin)]
 
     def attend(self, payload: torch.Tensor, lay: Layout, origin: int) -> None:
@@ -139,25 +274,45 @@ class Call:
 
         The kernel sees the whole fixed-capacity buffer, so its shapes never change between
         calls of one geometry (no recompilation of the flex kernel)."""
+        if self.full_mask is not None and self.kept.get(origin, 1) == 0:
+            return  # no local query block reads a block of origin (known from the host copy)
         rows = self.rows_for(origin)
-        if not rows.any():
+        with self.phase("compute"):
+            kv_num, kv_idx = kernel_indices(rows, lay.block_ids, self.width)
+            buf = KVBuffer.from_payload(payload, rows=lay.num_rows, block_start=lay.block_start,
+                                        block_len=lay.block_len, num_aligned=lay.num_aligned,
+                                        block_size=lay.block_size, head_dim=self.q.shape[-1])
+            o, l = self.kernel(self.q_hm, buf, kv_num, kv_idx, scale=self.scale)
+        with self.phase("merge"):
+            self.out, self.lse = update_out_and_lse(self.out, self.lse, o, l)
+
+    def attend_local(self) -> None:
+        """The local queries over this rank's own K/V as given (``LocalKV``: per-head
+        sequences, no packing copy), merged like any payload."""
+        r = self.rank
+        if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
-        kv_num, kv_idx = kernel_indices(rows, lay, self.width)
-        buf: KVBuffer = lay.buffer(payload, self.q.shape[-1])
-        o, l = self.kernel(self.q_hm, buf, kv_num, kv_idx, scale=self.scale)
-        self.out, self.lse = update_out_and_lse(self.out, self.lse, o, l)
+        rows = self.rows_for(r)
+        with self.phase("compute"):
+            kv = LocalKV(self.k, self.v, self.shapes.block_size)
+            kv_num, kv_idx = kernel_indices(rows, kv.block_ids(), self.width)
+            o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
+        with self.phase("merge"):
+            self.out, self.lse = update_out_and_lse(self.out, self.lse, o, l)
 
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""
         if self.final is not None:
             return self.final
-        if self.out is None:  # no block selected at all (cannot happen: ≥ 1 block per row)
+        if self.out is None:  # no block selected at all: every row is empty, output zeros
             return torch.zeros_like(self.q)
         return self.out.permute(0, 2, 1, 3).to(self.q.dtype).contiguous()
 
 
-def flush(transport) -> None:
-    """Issue queued publishes now (only transports that batch sends with fetches queue any)."""
-    f = getattr(transport, "flush", None)
-    if f is not None:
-        f()
+class _TimedHandle:
+    def __init__(self, handle, timer: PhaseTimer, key: int) -> None:
+        self._handle, self._timer, self._key = handle, timer, key
+
+    def wait(self) -> None:
+        self._handle.wait()
+        self._timer.fetch_landed(self._key)

@@ -9,7 +9,8 @@ the same full shards, the sparse mask picks blocks inside each received shard.
 
 from __future__ import annotations
 
-from .base import Call, flush
+from .base import Call
+from .registry import register_strategy
 
 
 def run(call: Call) -> None:
@@ -18,10 +19,11 @@ def run(call: Call) -> None:
     nxt, prv = (r + 1) % G, (r - 1) % G
     D = call.q.shape[-1]
     cap = call.shapes.capacity_rows * 2 * D  # full capacity: static kernel shapes
+    final = call.payload_buffers(1)[0]
 
     def buffer(last: bool):
         # The next hop forwards what arrives now: receive straight into the next send buffer.
-        return call.payload_buffer() if last else t.send_buffer(nxt, cap, call.q.dtype)
+        return final if last else t.send_buffer(nxt, cap, call.q.dtype)
 
     lay = call.full_layout(r)
     cur = buffer(G == 1)
@@ -31,10 +33,23 @@ def run(call: Call) -> None:
         t.publish(nxt, cur[: lay.num_rows * 2 * D])
         incoming = call.full_layout((r - k) % G)
         nbuf = buffer(k == G - 1)
-        handle = t.fetch(prv, nbuf[: incoming.num_rows * 2 * D])
-        flush(t)
-        call.attend(cur, lay, origin)
+        handle = call.fetch(prv, nbuf[: incoming.num_rows * 2 * D])
+        if k == 1:
+            call.attend_local()  # our own shard, as given (cur holds it packed for the peer)
+        else:
+            call.attend(cur, lay, origin)
         handle.wait()
         t.release(prv)
         cur, lay = nbuf, incoming
-    call.attend(cur, lay, (r + 1) % G)
+    if G == 1:
+        call.attend_local()
+    else:
+        call.attend(cur, lay, (r + 1) % G)
+
+
+register_strategy("ring", sparse=False, placement="contiguous", byte_rule="full-shards",
+                  description="full shards, relayed G−1 hops, double-buffered; dense compute "
+                              "(thresholds ignored): the no-sparsity baseline")(run)
+register_strategy("ring-sparse", sparse=True, placement="contiguous", byte_rule="full-shards",
+                  description="full shards as ring; block-sparse compute (the paper's Diffusers "
+                              "+ SpargeAttn baseline)")(run)

@@ -1,10 +1,15 @@
-"""The transport protocol every strategy talks to (paper §6.1).
+"""The transport protocol every strategy talks to (paper §6.1), and the transport registry.
 
-A strategy never issues copies or collectives for payloads itself; it asks a ``Transport`` for
-five things, in this order, once per peer and round:
+A strategy never issues copies or collectives for payloads itself; it asks a ``Transport``,
+once per attention call and then once per peer and round:
 
-    fence()                      once per attention call; bumps the epoch (the coarse boundary)
-    buf = send_buffer(peer, n)   where the producer packs n elements for ``peer``
+    reserve(nbytes)              COLLECTIVE, same ``nbytes`` on every rank: each slot holds at
+                                 least ``nbytes`` payload bytes per peer (e.g. the worst case, a
+                                 full shard). Implies a fence when it has to grow the slots.
+    fence()                      once per attention call: every transfer of the last call is
+                                 complete and its slots are free; the epoch advances
+    buf = send_buffer(peer, n)   where the producer packs n elements for ``peer`` (may wait
+                                 until the peer released the slot it used last time)
     publish(peer, buf)           ``buf`` is packed (ordered after the pack on the current
                                  stream); the peer may now fetch it
     h = fetch(peer, out)         the consumer copies ``out.numel()`` elements published by
@@ -13,29 +18,56 @@ five things, in this order, once per peer and round:
     h.wait()                     ``out`` is valid on the current stream
     release(peer)                the consumer no longer needs the producer's slot
 
-Every transport counts the payload bytes it moves per peer (``bytes_sent``/``bytes_received``),
-so tests can hold the bytes actually moved against ``sparsp.demand``'s prediction.
+Rules a strategy follows so that every transport works:
 
-Optional method (every built-in transport has it; call it only where it exists):
+- every round that sends to ``dst`` and receives from ``src`` calls ``send_buffer``/``publish``
+  for ``dst`` and then ``fetch`` from ``src`` — also when a size is 0 (both ends derive the
+  same size, so an empty transfer moves nothing, but the call marks the end of the round:
+  the ``nccl`` transport issues the round's sends together with its receive there, which two
+  ranks need to avoid a send/send deadlock);
+- every ``fetch`` is matched by one ``release`` of the same peer, in order, once the payload
+  is no longer needed (also for 0 elements);
+- each peer's sends and fetches happen in the same order on both ends (the k-th fetch from p
+  gets p's k-th publish to us).
 
-    reserve(nbytes)              COLLECTIVE, same ``nbytes`` on every rank: make each slot hold
-                                 at least ``nbytes`` payload bytes per peer (e.g. the worst
-                                 case, a full shard). Slot transports re-export their windows
-                                 when they grow (this implies a fence); ``nccl`` has no slots
-                                 and does nothing.
+Errors: a peer that is dead or silent makes the waiting call raise ``TimeoutError`` naming
+the peer after ``timeout_s``; nothing hangs. Bad arguments raise ``ValueError``.
+
+Every transport counts the payload bytes it moves per peer (``bytes_sent``/
+``bytes_received``), so tests hold the bytes actually moved against ``sparsp.demand``.
+
+Registry: ``register_transport(name, factory, devices=..., auto=...)`` adds a transport under
+any name; ``auto`` is an ordered rule: among the registered transports whose ``auto`` rule
+accepts the group's ``Topology`` (device type, hosts, peer access), the one with the highest
+``priority`` wins (``sparsp.transport.select``).
 """
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+__all__ = [
+    "AutoRule",
+    "DoneHandle",
+    "Handle",
+    "Topology",
+    "Transport",
+    "TransportName",
+    "TransportSpec",
+    "register_transport",
+    "transport_names",
+    "transport_spec",
+]
+
 
 class TransportName(str, enum.Enum):
-    """Names accepted by ``SparspConfig.transport``."""
+    """The built-in transports (any other registered name is accepted too)."""
 
     AUTO = "auto"
     NCCL = "nccl"  # torch.distributed p2p: NCCL on GPU, gloo on CPU
@@ -48,28 +80,6 @@ class Handle(Protocol):
     def wait(self) -> None: ...
 
 
-@runtime_checkable
-class Transport(Protocol):
-    name: str
-    rank: int
-    world_size: int
-    epoch: int
-    bytes_sent: dict[int, int]
-    bytes_received: dict[int, int]
-
-    def fence(self) -> None: ...
-
-    def send_buffer(self, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
-
-    def publish(self, peer: int, buf: torch.Tensor) -> None: ...
-
-    def fetch(self, peer: int, out: torch.Tensor) -> Handle: ...
-
-    def release(self, peer: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class DoneHandle:
     """A handle for a transfer that already completed (or moved nothing)."""
 
@@ -77,12 +87,59 @@ class DoneHandle:
         return None
 
 
-class ByteCounter:
-    """Per-peer payload byte counters shared by every transport implementation."""
+class Transport(abc.ABC):
+    """Moves packed payloads between the ranks of one group; see the module docstring.
+
+    Subclasses set ``name``, ``rank``, ``world_size`` and ``epoch`` and implement the five
+    protocol steps; ``reserve`` and ``describe`` have honest defaults, and the byte counters
+    are kept here (subclasses call ``_count_send``/``_count_recv``).
+    """
+
+    name: str = "transport"
+    rank: int
+    world_size: int
+    epoch: int = 0
 
     def __init__(self) -> None:
         self.bytes_sent: dict[int, int] = defaultdict(int)
         self.bytes_received: dict[int, int] = defaultdict(int)
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def fence(self) -> None:
+        """Once per attention call (see the module docstring)."""
+
+    @abc.abstractmethod
+    def send_buffer(self, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous buffer of ``numel`` ``dtype`` elements to pack for ``peer``."""
+
+    @abc.abstractmethod
+    def publish(self, peer: int, buf: torch.Tensor) -> None:
+        """``buf`` (from ``send_buffer``) is packed; ``peer`` may fetch it."""
+
+    @abc.abstractmethod
+    def fetch(self, peer: int, out: torch.Tensor) -> Handle:
+        """Copy ``out.numel()`` elements of ``peer``'s next publish to us into ``out``."""
+
+    @abc.abstractmethod
+    def release(self, peer: int) -> None:
+        """Hand back the oldest slot fetched from ``peer``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free everything (shared memory, IPC handles); safe to call twice."""
+
+    def reserve(self, nbytes: int) -> None:
+        """Collective: slots hold at least ``nbytes`` per peer. Default: no slots, nothing to do
+        (payloads travel from the caller's own buffers, any size)."""
+        return None
+
+    def describe(self) -> str:
+        """One line for the log: what moves the bytes."""
+        return self.name
+
+    # -- byte counters --------------------------------------------------------------------
 
     def reset_counters(self) -> None:
         self.bytes_sent.clear()
@@ -99,23 +156,67 @@ class ByteCounter:
         self.bytes_received[peer] += t.numel() * t.element_size()
 
 
-_REGISTRY: dict[str, Callable[..., Transport]] = {}
+# --- registry ------------------------------------------------------------------------------------
 
 
-def register_transport(name: str):
-    """Register a transport factory ``factory(group, *, timeout_s, device) -> Transport``."""
+@dataclass(frozen=True)
+class Topology:
+    """What ``auto`` knows of a group (gathered once per group, equal on every rank)."""
+
+    device_type: str  # "cpu" or "cuda"
+    world_size: int
+    one_host: bool  # every rank on the same host (same hostname and boot)
+    same_gpus: bool  # every rank sees the same GPU list (CUDA IPC handles can be opened)
+    peer_access: bool  # every pair of the group's GPUs has peer access
+    gpus: tuple[int, ...] = ()  # the group's GPU indices
+
+
+AutoRule = Callable[[Topology], "str | None"]
+"""Returns the reason this transport suits the topology, or None when it does not."""
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    name: str
+    factory: Callable[..., Transport]
+    """``factory(group, *, timeout_s, device, **options) -> Transport``."""
+    devices: tuple[str, ...]
+    """Device types the transport moves tensors of."""
+    auto: AutoRule | None
+    """When ``auto`` may pick it (None: only by name)."""
+    priority: int
+    """Among transports whose ``auto`` rule accepts a group, the highest wins."""
+
+
+_REGISTRY: dict[str, TransportSpec] = {}
+
+
+def register_transport(name: str, *, devices: tuple[str, ...] = ("cpu", "cuda"),
+                       auto: AutoRule | None = None, priority: int = 0):
+    """Decorator registering ``factory(group, *, timeout_s, device, **options)`` as ``name``."""
+    if not isinstance(name, str) or not name or name == TransportName.AUTO.value:
+        raise ValueError(f"a transport name must be a non-empty str other than 'auto', got {name!r}")
 
     def deco(factory):
-        _REGISTRY[TransportName(name).value] = factory
+        _REGISTRY[name] = TransportSpec(name, factory, tuple(devices), auto, priority)
         return factory
 
     return deco
 
 
-def transport_factory(name: str) -> Callable[..., Transport]:
+def transport_spec(name: str) -> TransportSpec:
     try:
-        return _REGISTRY[TransportName(name).value]
-    except (KeyError, ValueError):
-        raise ValueError(
-            f"transport={name!r} is not available; registered: {sorted(_REGISTRY)}"
-        ) from None
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"transport={name!r} is not available; registered: "
+                         f"{', '.join(transport_names())}") from None
+
+
+def transport_names(*, with_auto: bool = False) -> tuple[str, ...]:
+    """Registered transport names (sorted), optionally with ``auto`` first."""
+    names = tuple(sorted(_REGISTRY))
+    return ((TransportName.AUTO.value,) + names) if with_auto else names
+
+
+def transport_factory(name: str) -> Callable[..., Transport]:
+    return transport_spec(name).factory

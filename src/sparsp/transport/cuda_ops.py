@@ -224,9 +224,7 @@ class CopyHandle:
         torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
-
-
-def _keep_alive(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+def keep_alive(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Tell the caching allocator ``t`` is in use on ``stream`` (no-op for foreign memory)."""
     try:
         t.record_stream(stream)

@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import DoneHandle, register_transport
-from .cuda_ops import CopyHandle, Worker, _keep_alive
+from .base import DoneHandle, Topology, register_transport
+from .cuda_ops import CopyHandle, Worker, keep_alive
 from .shm import HEADER_BYTES, encode_flag
 from .slots import SlotWindows
 
@@ -124,7 +124,7 @@ class HostTransport(SlotWindows):
         assert self._ops is not None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        _keep_alive(dst, self._h2d)
+        keep_alive(dst, self._h2d)
         done = torch.cuda.Event()
         chunks = self._chunks(dst.numel())
         index = self._layout.published(self.rank, slot)
@@ -165,6 +165,14 @@ class HostTransport(SlotWindows):
             self._worker.submit(signal)  # FIFO: after the fetch task that issues the copies
 
 
-@register_transport("host")
+def _auto(topo: Topology) -> str | None:
+    if topo.device_type == "cuda" and topo.one_host and topo.world_size > 1:
+        why = ("ranks see different GPU lists (CUDA_VISIBLE_DEVICES): no CUDA IPC" if not topo.same_gpus
+               else f"no peer access between some of GPUs {list(topo.gpus)}")
+        return why
+    return None
+
+
+@register_transport("host", auto=_auto, priority=10)
 def _make_host(group=None, *, timeout_s: float = 60.0, device=None, **options):
     return HostTransport(group, timeout_s=timeout_s, device=device, **options)

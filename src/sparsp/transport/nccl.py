@@ -2,9 +2,10 @@
 
 This is the baseline data path: payloads move through the communication library (on GPU,
 NCCL's copy kernels, which compete with attention for SMs: DESIGN.md "Contention").
-``publish`` only queues the send; ``fetch`` issues every queued send together with the receive
-in one ``batch_isend_irecv``, because two ranks that each issue a blocking-order NCCL send
-before their receive to the same peer would deadlock.
+``publish`` only queues the send; ``fetch`` (called once per round, also for 0 elements: the
+protocol's rule) issues every queued send together with the receive in one
+``batch_isend_irecv``, because two ranks that each issue a blocking-order NCCL send before their
+receive to the same peer would deadlock.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .base import ByteCounter, DoneHandle, register_transport
+from ..groups import global_rank
+from .base import DoneHandle, Topology, Transport, register_transport
 
 
 class _Works:
@@ -25,8 +27,12 @@ class _Works:
     NCCL coalesces the batch into one work, which is then named by every op in it.
     """
 
-    def __init__(self, works, timeout_s: float, what: str, ops: list[str]) -> None:
+    def __init__(self, works, timeout_s: float, what: str, ops: list[str], stream_wait: bool = False) -> None:
         self._works = list(works)
+        # NCCL: a wait with a timeout blocks the host until the transfer completes (one host
+        # sync per fetch); without one the current stream waits on the GPU and the host goes on.
+        # NCCL's watchdog (the process group's timeout) then bounds a dead peer instead.
+        self._stream_wait = stream_wait
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._what = what
         if len(ops) == len(self._works):
@@ -37,7 +43,7 @@ class _Works:
     def wait(self) -> None:
         for w, name in zip(self._works, self._names):
             try:
-                ok = w.wait(timeout=self._timeout)
+                ok = w.wait() if self._stream_wait else w.wait(timeout=self._timeout)
             except RuntimeError as e:  # gloo raises on timeout or on a dead peer
                 raise TimeoutError(f"{self._what}: {name}: {e}") from e
             if ok is False:
@@ -53,7 +59,7 @@ def _issue(ops: list, what: str, names: list[str]) -> list:
         raise TimeoutError(f"{what}: {', '.join(names)}: {e}") from e
 
 
-class P2PTransport(ByteCounter):
+class P2PTransport(Transport):
     """Payload exchange with ``torch.distributed`` isend/irecv on ``group``."""
 
     name = "nccl"
@@ -69,9 +75,10 @@ class P2PTransport(ByteCounter):
         self._pending: list[dist.P2POp] = []
         self._pending_names: list[str] = []  # "send to peer p" for each queued op
         self._inflight: list[_Works] = []
+        self._stream_wait = dist.get_backend(group) == "nccl"
 
     def _global(self, peer: int) -> int:
-        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+        return global_rank(self.group, peer)
 
     def fence(self) -> None:
         # Sends of the previous call must have completed before their buffers are reused.
@@ -101,29 +108,34 @@ class P2PTransport(ByteCounter):
         if not ops:
             return DoneHandle()
         what = f"rank {self.rank}: fetch from peer {peer} (epoch {self.epoch})"
-        handle = _Works(_issue(ops, what, names), self.timeout_s, what, names)
+        handle = _Works(_issue(ops, what, names), self.timeout_s, what, names, self._stream_wait)
         self._inflight.append(handle)
         return handle
 
     def flush(self) -> None:
-        """Issue queued sends that no fetch has carried yet."""
+        """Issue queued sends that no fetch has carried yet (at the fence)."""
         if self._pending:
             ops, names = self._pending, self._pending_names
             self._pending, self._pending_names = [], []
             what = f"rank {self.rank}: send (epoch {self.epoch})"
-            self._inflight.append(_Works(_issue(ops, what, names), self.timeout_s, what, names))
+            self._inflight.append(_Works(_issue(ops, what, names), self.timeout_s, what, names,
+                                         self._stream_wait))
 
     def release(self, peer: int) -> None:
-        return None
-
-    def reserve(self, nbytes: int) -> None:
-        """No slots here: payloads travel from the caller's own buffers, any size."""
         return None
 
     def close(self) -> None:
         self.fence()
 
 
-@register_transport("nccl")
+def _auto(topo: Topology) -> str | None:
+    if topo.device_type != "cuda":
+        return "CPU tensors: torch.distributed (gloo)"
+    if topo.world_size == 1:
+        return "a single rank moves nothing"
+    return "ranks on several hosts" if not topo.one_host else "no copy-engine transport applies"
+
+
+@register_transport("nccl", auto=_auto, priority=0)
 def _make_p2p(group=None, *, timeout_s: float = 60.0, device=None):
     return P2PTransport(group, timeout_s=timeout_s, device=device)

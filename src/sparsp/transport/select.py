@@ -1,18 +1,19 @@
 """Choosing a transport: ``make_transport(name, group, *, device, timeout_s)``.
 
-``name`` is one of ``TransportName``. ``auto`` decides once per group, the same way on every
-rank (the inputs are gathered, so all ranks agree):
+``name`` is a registered transport or ``auto``. ``auto`` decides once per group, the same way
+on every rank: the group's ``Topology`` (device type, one host or several, the same GPU list
+everywhere, peer access between every pair of its GPUs) is gathered once, and among the
+registered transports whose ``auto`` rule accepts it the one with the highest priority wins.
+The built-in rules (``nccl.py``, ``host.py``, ``ipc.py``):
 
-- CPU tensors → ``nccl`` (which is gloo on CPU). ``host`` runs on CPU too (the CI tests use it
-  to exercise the slot protocol), but on CPU it buys nothing over gloo, whose path is the
-  reference every other transport is checked against;
-- CUDA tensors, every rank on one host seeing the same GPUs, and every pair of the group's
-  GPUs with peer access (``torch.cuda.can_device_access_peer``) → ``ipc`` (copy engines over
-  NVLink / PCIe P2P);
-- CUDA tensors on one host without peer access somewhere → ``host`` (copy engines through
-  pinned shared host memory: what a PCIe box without P2P offers; DESIGN measured it at ≈1.4×
-  NCCL with ``NCCL_P2P_DISABLE=1`` and without NCCL's slowdown of concurrent attention);
-- ranks on several hosts → ``nccl``.
+- ``ipc`` (priority 20): CUDA tensors, one host, the same GPU list on every rank, and peer
+  access between every pair (copy engines over NVLink / PCIe P2P);
+- ``host`` (10): CUDA tensors on one host otherwise (copy engines through pinned shared host
+  memory: what a PCIe box without P2P offers; 34.3 GB/s against NCCL's 21.5 without P2P on the
+  2×H200 box, docs/transport.md). It runs on CPU too (the CI tests use it to exercise the slot
+  protocol), but on CPU it buys nothing over gloo, whose path is the reference every other
+  transport is checked against, so its rule declines CPU tensors;
+- ``nccl`` (0): everything else — CPU tensors (gloo), a single rank, ranks on several hosts.
 
 The choice is per group, not per pair of ranks: one transport object serves every peer.
 
@@ -30,26 +31,19 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import host, ipc  # noqa: F401  (register "host" and "ipc")
-from .base import Transport, TransportName, transport_factory
-from .slots import _resolve_device
+from ..groups import gather_objects, resolve_device
+from .base import Topology, Transport, TransportName, _REGISTRY, transport_names, transport_spec
 
 log = logging.getLogger("sparsp")
 _LOGGED: set[tuple[str, str]] = set()
 
 
 def _name(value: str, source: str) -> str:
-    try:
-        return TransportName(value.strip().lower()).value
-    except ValueError:
-        allowed = [n.value for n in TransportName]
-        raise ValueError(f"{source}={value!r} is not a transport; allowed: {allowed}") from None
-
-
-def _gather(obj, group) -> list:
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    name = value.strip().lower()
+    if name not in transport_names(with_auto=True):
+        raise ValueError(f"{source}={value!r} is not a transport; allowed: "
+                         f"{list(transport_names(with_auto=True))}")
+    return name
 
 
 def _boot_id() -> str:
@@ -60,27 +54,35 @@ def _boot_id() -> str:
         return ""
 
 
-def choose_auto(group=None, device=None) -> tuple[str, str]:
-    """(transport name, reason) for ``auto``; collective over ``group`` for CUDA devices."""
-    device = _resolve_device(device, group)
-    if device.type != "cuda":
-        return "nccl", "CPU tensors: torch.distributed (gloo)"
-    if dist.get_world_size(group) == 1:
-        return "nccl", "a single rank moves nothing"
+def topology(group=None, device=None) -> Topology:
+    """The group's ``Topology``; collective over ``group`` for CUDA devices."""
+    device = resolve_device(device, group)
+    world = dist.get_world_size(group)
+    if device.type != "cuda" or world == 1:
+        return Topology(device.type, world, True, True, device.type == "cuda")
     with torch.cuda.device(device):
         uuids = [str(getattr(torch.cuda.get_device_properties(i), "uuid", i))
                  for i in range(torch.cuda.device_count())]
-        infos = _gather((socket.gethostname(), _boot_id(), uuids, device.index), group)
-        if any(i[:2] != infos[0][:2] for i in infos):
-            return "nccl", "ranks on several hosts"
-        if any(i[2] != infos[0][2] for i in infos):
-            return "host", "ranks see different GPU lists (CUDA_VISIBLE_DEVICES): no CUDA IPC"
-        indices = sorted({i[3] for i in infos})
-        ok = all(torch.cuda.can_device_access_peer(a, b)
-                 for a in indices for b in indices if a != b)
-        if all(_gather(ok, group)):
-            return "ipc", f"peer access between GPUs {indices}"
-        return "host", f"no peer access between some of GPUs {indices}"
+        infos = gather_objects((socket.gethostname(), _boot_id(), uuids, device.index), group)
+        one_host = all(i[:2] == infos[0][:2] for i in infos)
+        same_gpus = all(i[2] == infos[0][2] for i in infos)
+        indices = tuple(sorted({i[3] for i in infos}))
+        ok = one_host and same_gpus and all(
+            torch.cuda.can_device_access_peer(a, b) for a in indices for b in indices if a != b)
+        peer = all(gather_objects(ok, group))
+    return Topology("cuda", world, one_host, same_gpus, peer, indices)
+
+
+def choose_auto(group=None, device=None) -> tuple[str, str]:
+    """(transport name, reason) for ``auto``; collective over ``group`` for CUDA devices."""
+    topo = topology(group, device)
+    for spec in sorted(_REGISTRY.values(), key=lambda s: -s.priority):
+        if spec.auto is None or topo.device_type not in spec.devices:
+            continue
+        reason = spec.auto(topo)
+        if reason is not None:
+            return spec.name, reason
+    raise ValueError(f"no registered transport accepts {topo}")
 
 
 def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: float = 60.0,
@@ -88,7 +90,7 @@ def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: fl
     """Build the transport ``name`` (or the ``auto`` choice) for ``group``.
 
     ``options`` go to the slot transports (``window``, ``slot_bytes``, ``chunk_bytes``,
-    ``tag``, ``stream_waits``); ``nccl`` takes none and ignores them.
+    ``tag``, ``stream_waits``, ``copy``); ``nccl`` takes none and ignores them.
     """
     chosen, reason = _name(name, "transport"), "requested"
     if chosen == TransportName.AUTO.value:
@@ -97,13 +99,12 @@ def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: fl
             chosen, reason = _name(env, "SPARSP_TRANSPORT"), "SPARSP_TRANSPORT"
         else:
             chosen, reason = choose_auto(group, device)
-    factory = transport_factory(chosen)
+    spec = transport_spec(chosen)
     if chosen == TransportName.NCCL.value:
-        transport = factory(group, timeout_s=timeout_s, device=device)
+        transport = spec.factory(group, timeout_s=timeout_s, device=device)
     else:
-        transport = factory(group, timeout_s=timeout_s, device=device, **options)
-    detail = transport.describe() if hasattr(transport, "describe") else chosen
+        transport = spec.factory(group, timeout_s=timeout_s, device=device, **options)
     if (chosen, reason) not in _LOGGED:
         _LOGGED.add((chosen, reason))
-        log.info("sparsp transport: %s (%s)", detail, reason)
+        log.info("sparsp transport: %s (%s)", transport.describe(), reason)
     return transport

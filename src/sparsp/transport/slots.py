@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import ByteCounter, DoneHandle
+from .base import DoneHandle, Transport
+from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
 from .shm import (HEADER_BYTES, PAGE, Backoff, FlagLayout, ShmSegment, agree_tag, describe_flag,
                   encode_flag, round_up, sweep_stale, wait_flag)
@@ -29,7 +30,7 @@ def _env_flag(name: str) -> bool | None:
     return None if value is None else value.strip().lower() in ("1", "true", "yes", "on")
 
 
-class SlotWindows(ByteCounter):
+class SlotWindows(Transport):
     """Protocol bookkeeping shared by ``HostTransport`` and ``IpcTransport``.
 
     Subclasses say where the slots live (``_slot_area_bytes``, ``_export_slots``) and how a
@@ -54,7 +55,7 @@ class SlotWindows(ByteCounter):
         self.timeout_s = float(timeout_s)
         self.window = int(window)
         self.chunk_bytes = int(chunk_bytes)
-        self.device = _resolve_device(device, group)
+        self.device = resolve_device(device, group)
         self.cuda = self.device.type == "cuda"
         self.epoch = 0
         self.slot_bytes = 0
@@ -434,11 +435,7 @@ class SlotWindows(ByteCounter):
         return torch.cuda.device(self.device) if self.cuda else _nullctx()
 
     def _allgather(self, obj) -> list:
-        if self.world_size == 1:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return gather_objects(obj, self.group)
 
     def _agree(self, step: str, fn: Callable[[], object]) -> list:
         """Run a setup step on every rank; a failure anywhere raises everywhere (no hang).
@@ -476,13 +473,3 @@ class _nullctx:
     def __exit__(self, *exc):
         return False
 
-
-def _resolve_device(device, group) -> torch.device:
-    if device is None:
-        device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device} is not supported; use a cpu or cuda device")
-    return device

@@ -1,0 +1,1 @@
+"""Integrations with model libraries (Diffusers). The core never imports this package."""

@@ -1,0 +1,209 @@
+"""Block-sparse attention through FlashAttention-4's CuTe-DSL forward (GPU default on sm90).
+
+Measured on H200 (DESIGN "Measured again"): 584 TFLOP/s per kept block at d128, density
+0.236, and 478 at d64, density 0.6: 0.96-1.01x cuDNN dense, against flex's 409 / 392. Install:
+the optional extra ``sparsp[fa4]`` (flash-attn-4 4.0.0b36 + nvidia-cutlass-dsl 4.8.1), or
+``../shared/tools/fa4-wheelhouse.sh`` for a machine without a registry (docs/kernels.md).
+
+FA4 takes ``(B, S, H, D)`` tensors and per-(batch, head, query block) lists of key blocks
+(``BlockSparseTensorsTorch``; we pass ours as *full* blocks, so no ``mask_mod`` runs):
+
+- ``LocalKV``: ``q.transpose(1, 2)`` (a view) against ``k, v (B, S, H, D)`` as given, one K/V
+  head per query head: no copy. FA4 masks keys past ``S`` only in the first block it
+  processes, which is the LAST id of a list, so lists that may hold the short tail block are
+  sorted ascending first (``kernel_indices`` gives them ascending anyway).
+- ``KVBuffer``: the queries as ``(1, Sq, B*H, D)`` (a view of head-major ``q``), the buffer
+  as ONE shared K/V head ``(1, N, 1, D)``, lists per ``b*h``. ``pack_gqa=False``: with
+  per-head lists FA4 must not pack query heads into one tile (it turns pack_gqa off itself
+  when the lists have a head dim != 1; we say so explicitly). Short blocks (one per row) run
+  as a second call over a per-head scratch ``(1, short_len, B*H, D)``, merged by LSE.
+
+Supported: fp16/bf16, head dim 8..128 (multiple of 8), ``block_size`` 128, sm90. On sm90
+FA4 fits its tile to the sparse block (128 x 128 here); on sm100 a 128-token query block is
+smaller than its two-stage 256-row tile and other block sizes are untested, so any other
+case runs the flex backend instead (a warning names the reason once).
+
+LSE: natural log (FA4 keeps log2 statistics and multiplies by ln 2 at the end); an empty row
+gets out 0 and lse -inf (FA4 zeroes a tile with no block). Compilation: FA4 JIT-compiles on
+the first call of a compile key (about 3 s); its key holds dtype, head dim, the query-heads-
+per-K/V-head ratio and tile options but no sequence length, so new geometries with the same
+head dim and ratio reuse the kernel (the packed path's ratio is ``B*H``). FA4 caches the
+kernels in memory (on disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from . import flex, torch_ref
+from .buffer import KVBuffer, fit_width, sorted_lists, split_lists
+from .local import LocalKV
+from .merge import update_out_and_lse
+
+__all__ = ["SUPPORTED_BLOCK_SIZES", "block_sparse_attention", "dense", "fa4_available",
+           "import_error", "unsupported_reason"]
+
+SUPPORTED_BLOCK_SIZES = (128,)
+_WARNED: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple:
+    """(flash_attn_func, BlockSparseTensorsTorch, None) or (None, None, error text)."""
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception as e:  # ImportError, or a CUDA runtime library that does not load
+        return None, None, f"{type(e).__name__}: {e}"
+    return flash_attn_func, BlockSparseTensorsTorch, None
+
+
+def import_error() -> str | None:
+    """Why ``flash_attn.cute`` does not import here (``None`` when it does)."""
+    return _load()[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def fa4_available(device: torch.device | str) -> bool:
+    """CUDA device of compute capability 9.0 or newer and ``flash_attn.cute`` importable."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9 and _load()[0] is not None
+
+
+def unsupported_reason(q: Tensor, block_size: int) -> str | None:
+    """Why this call cannot run in FA4 (it then runs flex), or ``None``."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
+    D = q.shape[-1]
+    if D % 8 or not 8 <= D <= 128:
+        return f"head dim {D} (FA4's block-sparse tiles here: 8..128, multiple of 8)"
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        return f"block_size {block_size} (FA4 block sparsity is used with {SUPPORTED_BLOCK_SIZES})"
+    major = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())[0]
+    if major != 9:
+        return f"compute capability {major}.x (FA4's 128-token block-sparse tiles fit sm90)"
+    return None
+
+
+def _fallback(reason: str, q, kv, kv_num_blocks, kv_indices, scale):
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"sparsp kernel 'fa4': {reason}; running the flex kernel instead",
+                      RuntimeWarning, stacklevel=3)
+    fn = flex.block_sparse_attention if flex.flex_available(q.device) else torch_ref.block_sparse_attention
+    return fn(q, kv, kv_num_blocks, kv_indices, scale=scale)
+
+
+def _run(q4: Tensor, k4: Tensor, v4: Tensor, num: Tensor, idx: Tensor, bs: int,
+         scale: float) -> tuple[Tensor, Tensor]:
+    """FA4 forward: ``q4 (B', Sq, Hq, D)``, ``k4, v4 (B', Sk, Hk, D)``, full-block lists
+    ``num int32 [B', Hq, nQ]``, ``idx int32 [B', Hq, nQ, W]`` with ``1 <= W <= ceil(Sk/bs)``.
+    Returns ``out (B', Sq, Hq, D)`` and natural-log ``lse (B', Hq, Sq)``."""
+    flash_attn_func, BlockSparse, _ = _load()
+    # The "mask" lists (blocks that need mask_mod) are required by the API; ours are empty.
+    # Full shape, not broadcast: a head dim of 1 there would let FA4 pack query heads.
+    no_mask = torch.zeros_like(num)
+    sparse = BlockSparse(
+        mask_block_cnt=no_mask,
+        mask_block_idx=torch.zeros(*num.shape, 1, dtype=torch.int32, device=num.device),
+        full_block_cnt=num.contiguous(),
+        full_block_idx=idx.contiguous(),
+        block_size=(bs, bs),
+    )
+    with torch.no_grad():
+        out, lse = flash_attn_func(q4, k4, v4, softmax_scale=scale, causal=False, pack_gqa=False,
+                                   block_sparse_tensors=sparse, return_lse=True)
+    return out, lse
+
+
+def block_sparse_attention(
+    q: Tensor,
+    kv: KVBuffer | LocalKV,
+    kv_num_blocks: Tensor,
+    kv_indices: Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention with FA4; semantics as ``torch_ref.block_sparse_attention``.
+
+    Args: q ``(B, H, Sq, D)`` (any strides; head-major contiguous is free for both layouts);
+    kv a ``KVBuffer`` or ``LocalKV``; kv_num_blocks int ``[B, H, nQ]``; kv_indices int
+    ``[B, H, nQ, K]`` (any order, duplicate-free), ``nQ = ceil(Sq / kv.block_size)``.
+
+    Returns:
+        ``out`` ``(B, H, Sq, D)`` in ``q.dtype`` (a transposed view of FA4's ``(B, Sq, H, D)``
+        output) and ``lse`` ``(B, H, Sq)`` float32, natural log; empty rows 0 / -inf.
+    """
+    n_q = torch_ref.check_inputs(q, kv, kv_num_blocks, kv_indices)
+    reason = _load()[2] or unsupported_reason(q, kv.block_size)
+    if reason is not None:
+        return _fallback(reason, q, kv, kv_num_blocks, kv_indices, scale)
+    B, H, Sq, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    num = kv_num_blocks.to(device=q.device, dtype=torch.int32)
+    idx = kv_indices.to(device=q.device)
+    bs = kv.block_size
+    if isinstance(kv, LocalKV):
+        width = max(1, min(idx.shape[-1], kv.num_blocks))  # FA4 allows W <= ceil(S / bs)
+        lists = sorted_lists(num, idx, width) if kv.tail_len < bs else fit_width(idx, width)
+        out, lse = _run(q.transpose(1, 2), kv.k, kv.v, num, lists, bs, scale)
+        return out.transpose(1, 2), lse
+    return _packed(q, kv, num, idx, n_q, scale)
+
+
+def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,
+            scale: float) -> tuple[Tensor, Tensor]:
+    B, H, Sq, D = q.shape
+    BH, N, bs = B * H, kv.capacity, kv.block_size
+    # (1, Sq, B*H, D): a view of head-major q (the (b, h) merge is free when q is contiguous).
+    q4 = q.reshape(BH, Sq, D).transpose(0, 1).unsqueeze(0)
+    # FA4 accepts lists narrower than the key blocks (it reads the first cnt slots only).
+    width = max(1, min(idx.shape[-1], math.ceil(N / bs)))
+    split = split_lists(kv, num, idx, width)
+    out: Tensor | None = None
+    lse: Tensor | None = None
+    if kv.num_aligned > 0:
+        o4, l4 = _run(q4, kv.k.view(1, N, 1, D), kv.v.view(1, N, 1, D),
+                      split.num.reshape(1, BH, n_q), split.idx.reshape(1, BH, n_q, width), bs, scale)
+        out, lse = o4[0].transpose(0, 1), l4[0]  # (BH, Sq, D), (BH, Sq)
+    if split.rows is not None:
+        length = split.rows.shape[1]
+        rows = split.rows.t().reshape(-1)  # token-major: (1, short_len, BH, D)
+        k_s = kv.k.index_select(0, rows).view(1, length, BH, D)
+        v_s = kv.v.index_select(0, rows).view(1, length, BH, D)
+        s_num = split.has_short.to(torch.int32).reshape(1, BH, n_q)
+        s_idx = torch.zeros(1, BH, n_q, 1, dtype=torch.int32, device=q.device)
+        o4, l4 = _run(q4, k_s, v_s, s_num, s_idx, bs, scale)
+        s_out, s_lse = o4[0].transpose(0, 1), l4[0]
+        if out is None:
+            out, lse = s_out, s_lse
+        else:
+            out, lse = update_out_and_lse(out, lse, s_out, s_lse)
+    if out is None or lse is None:  # an empty buffer: nothing to attend
+        return (
+            torch.zeros_like(q),
+            torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),
+        )
+    return out.reshape(B, H, Sq, D).to(q.dtype), lse.reshape(B, H, Sq)
+
+
+def dense(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Dense FA4 forward on ``(B, S, H, D)`` tensors: the benchmark's dense baseline.
+    Returns ``out (B, S, H, D)`` and natural-log ``lse (B, H, S)``."""
+    flash_attn_func, _, err = _load()
+    if err is not None:
+        raise RuntimeError(f"flash_attn.cute does not import: {err}")
+    with torch.no_grad():
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=False, return_lse=True)

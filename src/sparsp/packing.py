@@ -1,0 +1,114 @@
+"""The packed order of K/V blocks in a payload, derived identically on both ends (paper §5.2).
+
+A payload holds some selected blocks of ONE rank's shard: K rows, then V rows. Buffer block
+ids follow the canonical order (``sparsp.kernels.canonical_block_ids``): every full selected
+block in row-major (batch·head, block) order, then the short tail blocks, so full blocks sit at
+multiples of ``block_size``. Producer and consumer call ``layout`` on the same (exchanged or
+derived) selection and get the same offsets from prefix sums: nothing but payload bytes ever
+crosses the wire.
+
+Blocks: each rank's slice is cut into ``block_size`` tokens from its own start; only a slice's
+last block may be short (``sparsp.placement`` guarantees that for placed sequences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.buffer import canonical_block_ids
+
+__all__ = ["Layout", "halves", "layout", "pack"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The canonical packed order of some selected blocks of one rank's shard."""
+
+    block_ids: torch.Tensor  # [BH, n] buffer id of each selected block, −1 elsewhere
+    block_start: torch.Tensor  # [nb] first row of each buffer block
+    block_len: torch.Tensor  # [nb] rows of each buffer block
+    num_aligned: int  # full blocks (they come first, at j · block_size)
+    num_rows: int  # K rows (= V rows) of the payload
+    selected: torch.Tensor  # [BH, n] bool
+    seq_len: int  # tokens of the owner's shard
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_start.numel()
+
+    def token_rows(self, heads: int, source: "Layout | None" = None) -> torch.Tensor:
+        """Source row of every packed row, in packed order.
+
+        Without ``source``: rows of the owner's (B, S, H, ·) tensor flattened to (B·S·H, ·).
+        With ``source``: rows of a payload packed in ``source``'s layout — a relay forwarding a
+        subset of what it received (``source.selected`` must cover ``self.selected``).
+        """
+        bs, S = self.block_size, self.seq_len
+        # nonzero_static: the count is known on the host (layout's counts), so no host sync
+        bh, j = torch.nonzero_static(self.selected, size=self.num_blocks).unbind(1)
+        order = torch.argsort(self.block_ids[bh, j])
+        bh, j = bh[order], j[order]
+        lens = self.block_len
+        within = torch.arange(self.num_rows, device=lens.device) - torch.repeat_interleave(
+            self.block_start, lens, output_size=self.num_rows)
+        if source is not None:
+            src_ids = source.block_ids[bh, j]
+            if src_ids.device.type == "cpu":
+                assert (src_ids >= 0).all(), "forwarding a block the relay never received"
+            return torch.repeat_interleave(source.block_start[src_ids], lens,
+                                           output_size=self.num_rows) + within
+        s = torch.repeat_interleave(j * bs, lens, output_size=self.num_rows) + within
+        b = torch.repeat_interleave(bh // heads, lens, output_size=self.num_rows)
+        h = torch.repeat_interleave(bh % heads, lens, output_size=self.num_rows)
+        return (b * S + s) * heads + h
+
+
+def layout(selected: torch.Tensor, seq_len: int, block_size: int,
+           counts: tuple[int, int] | None = None) -> Layout:
+    """The packed layout of ``selected`` (bool [BH, n]) — the same on both ends.
+
+    ``counts`` = (selected blocks, selected short blocks) when the caller already knows them
+    on the host (``sparsp.plan`` copies every count of a call to the host at once); without
+    them they are read from ``selected``, a host synchronisation on GPU.
+    """
+    n = selected.shape[1]
+    tail = seq_len % block_size != 0
+    ids = canonical_block_ids(selected, tail)
+    tail_len = seq_len - (n - 1) * block_size
+    if counts is None:
+        n_sel = int(selected.sum())
+        n_short = int(selected[:, -1].sum()) if tail else 0
+    else:
+        n_sel, n_short = counts
+    n_full = n_sel - n_short
+    device = selected.device
+    pos = torch.arange(n_sel, device=device)
+    starts = torch.where(pos < n_full, pos * block_size, n_full * block_size + (pos - n_full) * tail_len)
+    lens = torch.where(pos < n_full, torch.full_like(pos, block_size), torch.full_like(pos, tail_len))
+    rows = n_full * block_size + n_short * tail_len
+    return Layout(ids, starts, lens, n_full, rows, selected, seq_len, block_size)
+
+
+def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, heads: int, out: torch.Tensor,
+         source: Layout | None = None) -> int:
+    """Gather the selected blocks into the flat ``out``: K rows, then V rows, in packed order.
+
+    ``k, v`` are the owner's (B, S, H, D) tensors, or with ``source`` the [rows, D] halves of a
+    payload packed in that layout (a relay forwarding a subset). Returns the elements written
+    (``2 · rows · D``).
+    """
+    D = k.shape[-1]
+    rows = lay.token_rows(heads, source).to(k.device)
+    n = lay.num_rows * D
+    torch.index_select(k.reshape(-1, D), 0, rows, out=out[:n].view(-1, D))
+    torch.index_select(v.reshape(-1, D), 0, rows, out=out[n: 2 * n].view(-1, D))
+    return 2 * n
+
+
+def halves(flat: torch.Tensor, lay: Layout, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V row blocks [rows, D] of a payload packed in ``lay``."""
+    n = lay.num_rows * head_dim
+    return flat[:n].view(-1, head_dim), flat[n: 2 * n].view(-1, head_dim)

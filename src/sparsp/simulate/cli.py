@@ -1,0 +1,119 @@
+"""``sparsp simulate``: arguments, the printed table, exit status 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DESCRIPTION = (
+    "Predict, on the CPU, the per-rank and per-round timing of every sequence-parallel strategy "
+    "on a fabric profile, from the exact demand of `sparsp analyze` (synthetic masks) and a cost "
+    "model: kernel time per kept block, per-call fixed costs, link bandwidth and latency, and "
+    "contention where links share a path. Prints a table; writes DIR/simulate.json and PNGs of "
+    "latency and speedup versus G. Profiles: h200x2-nvlink, h200x2-host (measured), "
+    "pcie4-8gpu-p2p/-nop2p, pcie5-8gpu-p2p/-nop2p (public specifications), or a profile .json. "
+    "Method and sources: docs/simulate.md."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..geometry import PRESETS
+    from ..strategies.registry import strategy_names
+
+    p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="sequence-parallel degrees G")
+    p.add_argument("--fabric", default="pcie4-8gpu-nop2p",
+                   help="profile name (h200x2-nvlink, h200x2-host, pcie4-8gpu-p2p, pcie4-8gpu-nop2p, "
+                        "pcie5-8gpu-p2p, pcie5-8gpu-nop2p) or a profile .json file")
+    p.add_argument("--cdf", type=float, nargs="+", default=[0.9], help="CDF thresholds")
+    p.add_argument("--strategy", nargs="+", default=None, choices=strategy_names(),
+                   help="strategies (default: all)")
+    p.add_argument("--placement", default="auto", choices=["auto", "contiguous", "periodic"],
+                   help="auto: each strategy's own (periodic for sparsp and ring-relay)")
+    p.add_argument("--transport", default=None,
+                   help="a transport of the profile (default: its copy-engine one; nccl for NCCL)")
+    p.add_argument("--text", action="store_true", help="include the model's text tokens")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="K/V element type")
+    p.add_argument("--prefetch", type=int, default=1, help="sparsp rounds fetched ahead")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
+    p.add_argument("--calibrate", type=Path, nargs="+", default=None, metavar="RESULT.json",
+                   help="bench transport (and bench kernel) results to fit the profile to")
+    p.add_argument("--validate", type=Path, nargs="*", default=None, metavar="ATTENTION.json",
+                   help="bench attention results whose 2-GPU rows to predict "
+                        "(no file: bench/results/attention-*.json)")
+    p.add_argument("--out", type=Path, default=Path("results/simulate"), help="output directory")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def _error(message) -> int:
+    """A bad argument, the way argparse reports one: one line on stderr, exit status 2."""
+    print(f"sparsp simulate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .job import SimulateConfig, simulate, write_outputs
+
+    console = Console()
+    if console.width < 110:  # the table has ten columns: do not truncate them in a pipe
+        console = Console(width=110)
+    try:
+        if args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a file; give a directory")
+        if args.calibrate is not None and len(args.calibrate) > 2:
+            raise ValueError("--calibrate takes a bench transport result and optionally a bench kernel result")
+        cfg = SimulateConfig(
+            model=args.model, ranks=tuple(args.ranks), fabric=args.fabric, cdf=tuple(args.cdf),
+            strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
+            text=args.text, dtype=args.dtype, prefetch=args.prefetch, seed=args.seed,
+            calibrate=tuple(args.calibrate or ()),
+            validate=None if args.validate is None else tuple(args.validate),
+        )
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            doc = simulate(cfg, progress)
+    except (ValueError, OSError) as e:
+        return _error(e)
+    print_tables(doc, console)
+    try:
+        paths = write_outputs(doc, args.out, plots=not args.no_plots)
+    except OSError as e:
+        return _error(f"cannot write to --out {args.out}: {e}")
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    console.print(f"done in {doc['seconds']:.1f} s")
+    return 0
+
+
+def print_tables(doc: dict, console) -> None:
+    from rich.table import Table
+
+    transports = ", ".join(dict.fromkeys(r["transport"] for r in doc["results"]))
+    table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
+                        f"on {doc['fabric']} ({transports}); simulated, {doc['masks']} masks")
+    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "exposed", "MiB/rank",
+                "bottleneck"):
+        table.add_column(col, justify="left" if col in ("strategy", "bottleneck") else "right")
+    for r in doc["results"]:
+        table.add_row(f"{r['cdf']:.2f}", str(r["ranks"]), r["strategy"], f"{r['predicted_ms']:.1f}",
+                      "" if r["speedup_vs_ring"] is None else f"{r['speedup_vs_ring']:.2f}x",
+                      f"{r['speedup_vs_one_gpu']:.2f}x", f"{r['compute_ms']:.1f}", f"{r['exposed_ms']:.1f}",
+                      f"{r['bytes_max_rank'] / 2**20:,.0f}", r["bottleneck"])
+    console.print(table)
+    for cdf, one in doc["one_gpu"].items():
+        console.print(f"one GPU, cdf {cdf}: sparse kernel {one['sparse_ms']:.1f} ms, dense {one['dense_ms']:.1f} ms")
+    for s in doc["skipped"]:
+        console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")
+    if doc.get("validation") is not None:
+        v = Table(title="validation: 2-GPU attention rows (never used for fitting)")
+        for col in ("model", "fabric", "strategy", "transport", "predicted ms", "measured ms", "error"):
+            v.add_column(col, justify="right" if "ms" in col or col == "error" else "left")
+        for r in doc["validation"]:
+            v.add_row(r["model"], r["fabric"], r["strategy"], r["transport"], f"{r['predicted_ms']:.1f}",
+                      f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f} %")
+        console.print(v)
+        for note in doc.get("validation_notes", [])[:10]:
+            console.print(f"[dim]{note}[/dim]")

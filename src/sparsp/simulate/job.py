@@ -1,0 +1,441 @@
+"""The ``sparsp simulate`` job: sweep G per strategy on a profile, calibrate, validate, write.
+
+Masks are ``sparsp analyze``'s (``workloads.synthetic_masks``, same seed) on the geometry the
+attention benchmark runs (video tokens only unless ``text``), and every strategy runs with the
+placement it registered for the benchmarks (``placement="auto"``). ``--calibrate`` fits a
+profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
+2-GPU row of ``bench attention`` results with the 2×H200 profiles and never fits on them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..analysis import DTYPE_BYTES
+from ..geometry import PRESETS, VideoGeometry, preset
+from ..placement import make_placement
+from ..strategies.registry import strategy_names, strategy_spec
+from .model import bottleneck, build_work, capacities, fair_rates, pair_flops, route, timeline
+from .profiles import KernelFigure, Profile, TransportFigure, get_profile
+
+PLACEMENTS = ("auto", "contiguous", "periodic")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimulateConfig:
+    model: str = "hunyuan-video"
+    """Preset name (``sparsp.geometry.PRESETS``)."""
+    ranks: tuple[int, ...] = (2, 4, 8)
+    """Sequence-parallel degrees G to simulate."""
+    fabric: str = "pcie4-8gpu-nop2p"
+    """A built-in profile name or a profile JSON file."""
+    cdf: tuple[float, ...] = (0.9,)
+    strategies: tuple[str, ...] = ()
+    """Empty: every registered strategy."""
+    placement: str = "auto"
+    """``auto``: each strategy's registered placement (as ``bench attention`` runs it)."""
+    transport: str | None = None
+    """A transport of the profile; None = its default (the copy-engine one)."""
+    text: bool = False
+    """Include the model's text tokens (``bench attention`` leaves them out by default)."""
+    dtype: str = "bf16"
+    prefetch: int = 1
+    seed: int = 0
+    calibrate: tuple[Path, ...] = ()
+    """``bench transport`` / ``bench kernel`` result files to fit the profile to."""
+    validate: tuple[Path, ...] | None = None
+    """``bench attention`` result files to predict; () = discover ``bench/results/attention-*.json``;
+    None = no validation."""
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown --model {self.model!r}; choose one of {', '.join(PRESETS)}")
+        if not self.ranks:
+            raise ValueError("--ranks needs at least one value")
+        for G in self.ranks:
+            if not isinstance(G, int) or isinstance(G, bool) or G < 2:
+                raise ValueError(f"--ranks must be ints >= 2, got {G!r}")
+        for c in self.cdf:
+            if not 0.0 <= c <= 1.0:
+                raise ValueError(f"--cdf values must lie in [0, 1], got {c}")
+        for s in self.strategies:
+            if s not in strategy_names():
+                raise ValueError(f"unknown --strategy {s!r}; choose from {', '.join(strategy_names())}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"--prefetch must be an int >= 1, got {self.prefetch!r}")
+
+
+def geometry(model: str, text: bool = False) -> VideoGeometry:
+    g = preset(model)
+    return g if text else replace(g, text_tokens=0)
+
+
+class MaskCache:
+    """Synthetic masks bool [heads, nB, nB] per (geometry, cdf), made once per run."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._masks: dict = {}
+
+    def get(self, geom: VideoGeometry, cdf: float) -> torch.Tensor:
+        from ..workloads import synthetic_masks
+
+        key = (geom, float(cdf))
+        if key not in self._masks:
+            self._masks[key] = synthetic_masks(geom, [float(cdf)], seed=self.seed)[float(cdf)][0]
+        return self._masks[key]
+
+
+def placement_for(strategy: str, kind: str) -> str:
+    return strategy_spec(strategy).placement if kind == "auto" else kind
+
+
+def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
+                 placement: str = "auto", transport: str | None = None, prefetch: int = 1,
+                 dtype_bytes: int = 2) -> dict:
+    """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck)."""
+    kind = placement_for(strategy, placement)
+    pl = make_placement(kind, geom, G)
+    work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes)
+    kw = dict(transport=transport, head_dim=geom.head_dim, prefetch=prefetch)
+    tl = timeline(work, profile, **kw)
+    label, savings = bottleneck(work, profile, tl, **kw)
+    r = tl.critical_rank
+    compute = tl.busy(r, "compute")
+    fixed = tl.busy(r, "fixed")
+    rounds = [{"kind": t.kind, "round": t.round, "phase": t.phase, "from": t.sender, "bytes": int(t.nbytes),
+               "start_ms": round(t.start, 4), "end_ms": round(t.end, 4)}
+              for t in sorted((t for t in tl.tasks if t.rank == r), key=lambda t: (t.start, t.end))]
+    per_rank = work.bytes_per_rank
+    return {
+        "strategy": strategy, "ranks": G, "placement": kind,
+        "transport": profile.transport(transport).name,
+        "predicted_ms": round(tl.latency_ms, 4), "bottleneck": label,
+        "savings_ms": {k: round(v, 4) for k, v in savings.items()},
+        "critical_rank": r, "compute_ms": round(compute, 4), "fixed_ms": round(fixed, 4),
+        "transfer_ms": round(tl.busy(r, "transfer"), 4),
+        "exposed_ms": round(max(0.0, tl.finish[r] - compute - fixed), 4),
+        "finish_ms": [round(f, 4) for f in tl.finish],
+        "bytes_max_rank": max(per_rank), "bytes_total": sum(per_rank), "rounds": rounds,
+    }
+
+
+def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile) -> dict:
+    """The same call on one GPU: the sparse kernel over the whole mask, and dense attention."""
+    pl = make_placement("contiguous", geom, 1)
+    kf = profile.kernel(geom.head_dim)
+    sparse = float(pair_flops(masks, pl, geom.head_dim).sum())
+    dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
+    return {"sparse_ms": round(profile.call_ms + sparse / (kf.sparse_tflops * 1e9) + profile.launch_ms, 4),
+            "dense_ms": round(dense / (kf.dense_tflops * 1e9) + profile.launch_ms, 4)}
+
+
+def simulate(cfg: SimulateConfig, progress=None) -> dict:
+    """Run the sweep (and calibration, validation) → the ``simulate.json`` document."""
+    t0 = time.perf_counter()
+    profile = get_profile(cfg.fabric)
+    calibration = None
+    if cfg.calibrate:
+        profile, calibration = calibrate(profile, cfg.calibrate)
+    if cfg.transport is not None:
+        profile.transport(cfg.transport)  # unknown transport: ValueError before any work
+    geom = geometry(cfg.model, cfg.text)
+    for G in cfg.ranks:
+        if G > profile.gpus:
+            raise ValueError(f"--ranks {G} exceeds the {profile.gpus} GPUs of profile {profile.name}")
+        if G > geom.num_blocks:
+            raise ValueError(f"--ranks {G} exceeds the {geom.num_blocks} blocks of {geom.name}")
+    strategies = cfg.strategies or strategy_names()
+    cache = MaskCache(cfg.seed)
+    dtype_bytes = DTYPE_BYTES[cfg.dtype]
+    steps = len(cfg.cdf) * len(cfg.ranks) * len(strategies)
+    task = progress.add_task("simulate", total=steps) if progress else None
+    results, skipped, single = [], [], {}
+    for cdf in cfg.cdf:
+        masks = cache.get(geom, cdf)
+        single[str(cdf)] = one_gpu(masks, geom, profile)
+        for G in cfg.ranks:
+            for s in strategies:
+                if strategy_spec(s).heads_divisible and geom.heads % G:
+                    skipped.append({"strategy": s, "ranks": G, "cdf": cdf,
+                                    "reason": f"needs heads divisible by G: H={geom.heads}"})
+                else:
+                    row = simulate_one(masks, geom, s, G, profile, placement=cfg.placement,
+                                       transport=cfg.transport, prefetch=cfg.prefetch, dtype_bytes=dtype_bytes)
+                    row["cdf"] = cdf
+                    row["density"] = round(float(masks.float().mean()), 4)
+                    results.append(row)
+                if progress is not None:
+                    progress.advance(task)
+    for row in results:
+        ring = next((x for x in results if x["strategy"] == "ring" and x["ranks"] == row["ranks"]
+                     and x["cdf"] == row["cdf"]), None)
+        row["speedup_vs_ring"] = round(ring["predicted_ms"] / row["predicted_ms"], 4) if ring else None
+        row["speedup_vs_one_gpu"] = round(single[str(row["cdf"])]["sparse_ms"] / row["predicted_ms"], 4)
+    doc = {
+        "kind": "simulate", "model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
+        "head_dim": geom.head_dim, "dtype": cfg.dtype, "masks": f"synthetic (seed {cfg.seed})",
+        "fabric": profile.name, "profile": profile.to_dict(), "ranks": list(cfg.ranks),
+        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "one_gpu": single, "results": results,
+        "skipped": skipped, "calibration": calibration,
+    }
+    if cfg.validate is not None:
+        paths = list(cfg.validate) or discover_attention()
+        doc["validation"], doc["validation_notes"] = validate(paths, cfg.calibrate, cache, progress)
+        doc["validation_sources"] = sorted({v["source"] for v in doc["validation"]})
+    doc["seconds"] = round(time.perf_counter() - t0, 2)
+    return doc
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+
+def read_result(path: Path, kinds: tuple[str, ...]) -> dict:
+    """A ``sparsp bench`` result file of one of ``kinds``; ValueError names the file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable result file: {e}") from None
+    if not isinstance(doc, dict) or doc.get("kind") not in kinds or not isinstance(doc.get("rows"), list):
+        got = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{path}: expected a sparsp bench result of kind {' or '.join(kinds)}, got {got!r}")
+    return doc
+
+
+def fit_transport(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``ms = latency + bytes / bandwidth`` to (bytes, ms) points → (latency_ms, GB/s).
+
+    Weighted least squares with weight 1/ms per squared residual: between an absolute fit
+    (large messages decide everything, the latency comes out unreliable) and a relative one
+    (the many small sizes pull the bandwidth off: 485 instead of 370 GB/s for ``ipc``)."""
+    if len(points) < 2:
+        raise ValueError(f"a transport fit needs at least 2 message sizes, got {len(points)}")
+    a11 = a12 = a22 = b1 = b2 = 0.0  # normal equations of Σ (α + γ·bytes − ms)² / ms
+    for nbytes, ms in points:
+        w = 1.0 / ms
+        a11, a12, a22 = a11 + w, a12 + w * nbytes, a22 + w * nbytes * nbytes
+        b1, b2 = b1 + w * ms, b2 + w * nbytes * ms
+    det = a11 * a22 - a12 * a12
+    alpha, gamma = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1.0, 0.0)
+    if alpha < 0 or gamma <= 0:  # no latency term fits: bandwidth only
+        alpha, gamma = 0.0, b2 / a22
+    return alpha, 1e-6 / gamma
+
+
+def exchange_gbps(profile: Profile) -> float:
+    """What the model gives two GPUs exchanging at once (the ``bench transport`` setup), GB/s
+    per direction, at efficiency 1."""
+    caps = capacities(profile, 2)
+    rates = fair_rates({0: route(profile, 0, 1, caps), 1: route(profile, 1, 0, caps)}, caps)
+    return min(rates.values())
+
+
+def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
+    """Fit ``profile`` to ``bench transport`` rows (latency and bandwidth per transport, on the
+    profile's kind of fabric) and ``bench kernel`` rows (TFLOP/s per head dim). Bandwidth
+    capacities are scaled together so the modelled two-GPU exchange reproduces the fastest
+    measured transport; the others get their measured share as efficiency."""
+    report: dict = {"files": [str(p) for p in paths], "transports": {}, "kernels": {}}
+    transport_rows, kernel_rows = [], []
+    for p in paths:
+        doc = read_result(p, ("transport", "kernel"))
+        (transport_rows if doc["kind"] == "transport" else kernel_rows).extend(doc["rows"])
+    fits = {}
+    by_name: dict[str, list] = {}
+    for r in transport_rows:
+        if r.get("fabric") == profile.bench_fabric and not r.get("under_load") and r.get("median_ms"):
+            by_name.setdefault(r["transport"], []).append((float(r["bytes"]), float(r["median_ms"])))
+    for name, pts in by_name.items():
+        latency, gbps = fit_transport(sorted(pts))
+        worst = max(abs(latency + b / (gbps * 1e6) - ms) / ms for b, ms in pts)
+        fits[name] = (latency, gbps)
+        report["transports"][name] = {"latency_ms": round(latency, 4), "gbps": round(gbps, 2),
+                                      "sizes": len(pts), "max_rel_error": round(worst, 3)}
+    if transport_rows and not fits:
+        raise ValueError(f"no transport rows for fabric {profile.bench_fabric!r} (profile {profile.name}) "
+                         f"in {', '.join(map(str, paths))}")
+    if fits:
+        ref = max(fits, key=lambda n: fits[n][1])
+        factor = fits[ref][1] / exchange_gbps(profile)
+        profile = profile.scaled(factor)
+        report["bandwidth_scale"] = round(factor, 4)
+        known = {t.name for t in profile.transports}
+        figures = [TransportFigure(name=t.name, efficiency=min(1.0, fits[t.name][1] / fits[ref][1]),
+                                   latency_ms=fits[t.name][0]) if t.name in fits else t
+                   for t in profile.transports]
+        figures += [TransportFigure(name=n, efficiency=min(1.0, g / fits[ref][1]), latency_ms=a)
+                    for n, (a, g) in fits.items() if n not in known]
+        profile = replace(profile, transports=tuple(figures))
+    if kernel_rows:
+        profile, report["kernels"] = _calibrate_kernels(profile, kernel_rows)
+    name = profile.name if profile.name.endswith("-calibrated") else f"{profile.name}-calibrated"
+    return replace(profile, name=name, sources=profile.sources + tuple(report["files"])), report
+
+
+def _calibrate_kernels(profile: Profile, rows: list[dict], sparse_kernel: str = "flex") -> tuple[Profile, dict]:
+    """Per head dim: the strategies' kernel (``flex``) → median kept-block TFLOP/s over its
+    sparse rows; the dense reference → cuDNN (``tflops_kept / vs_cudnn``) where given."""
+    figures = {k.head_dim: k for k in profile.kernels}
+    report = {}
+    for hd in sorted({int(r["head_dim"]) for r in rows if "head_dim" in r}):
+        mine = [r for r in rows if int(r.get("head_dim", -1)) == hd]
+        sparse = [float(r["tflops_kept"]) for r in mine if r.get("kernel") == sparse_kernel
+                  and r.get("tflops_kept") and float(r.get("density", 1.0)) < 1.0]
+        dense = [float(r["tflops_kept"]) / float(r["vs_cudnn"]) for r in mine
+                 if r.get("tflops_kept") and r.get("vs_cudnn")]
+        old = profile.kernel(hd)
+        fig = KernelFigure(head_dim=hd, sparse_tflops=statistics.median(sparse) if sparse else old.sparse_tflops,
+                           dense_tflops=statistics.median(dense) if dense else old.dense_tflops)
+        figures[hd] = fig
+        report[str(hd)] = {"sparse_tflops": round(fig.sparse_tflops, 1), "dense_tflops": round(fig.dense_tflops, 1),
+                           "sparse_rows": len(sparse), "dense_rows": len(dense)}
+    return replace(profile, kernels=tuple(figures[h] for h in sorted(figures))), report
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def discover_attention(root: Path = Path("bench/results")) -> list[Path]:
+    paths = sorted(Path(root).glob("attention-*.json"))
+    if not paths:
+        raise ValueError(f"--validate found no attention-*.json under {root}; name the files")
+    return paths
+
+
+def _commit(path: Path) -> str | None:
+    """The last commit that touched ``path`` (None outside git or when uncommitted)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h", "--", Path(path).name], cwd=Path(path).parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress=None) -> tuple[list, list]:
+    """Predict every 2-GPU row of ``bench attention`` result files with the 2×H200 profiles
+    (calibrated on ``calibrate_paths`` when given — never on these rows) → (rows, notes)."""
+    cache = cache or MaskCache()
+    profiles, notes = {}, []
+    for fabric in ("nvlink", "host"):
+        p = get_profile(f"h200x2-{fabric}")
+        profiles[fabric] = p
+        if calibrate_paths:
+            try:
+                profiles[fabric] = calibrate(p, calibrate_paths)[0]
+            except ValueError as e:  # e.g. the transport file covers the other fabric only
+                notes.append(f"{p.name} kept uncalibrated: {e}")
+    out = []
+    docs = [(Path(p), read_result(p, ("attention",))) for p in paths]
+    task = progress.add_task("validate", total=sum(len(d["rows"]) for _, d in docs)) if progress else None
+    for path, doc in docs:
+        commit = _commit(path)
+        for i, row in enumerate(doc["rows"]):
+            if progress is not None:
+                progress.advance(task)
+            where = f"{path.name} row {i}"
+            if int(row.get("ranks", 0)) != 2:
+                notes.append(f"{where}: {row.get('ranks')} ranks, not a 2-GPU row")
+                continue
+            try:
+                pred = _predict_row(row, profiles, cache)
+            except (KeyError, ValueError) as e:
+                notes.append(f"{where}: not predicted ({e})")
+                continue
+            measured = float(row["median_ms"])
+            entry = {"model": row["model"], "fabric": row["fabric"], "strategy": row["strategy"],
+                     "transport": row["transport"], "cdf": row["cdf"],
+                     "predicted_ms": pred["predicted_ms"], "measured_ms": measured,
+                     "error": round(pred["predicted_ms"] / measured - 1.0, 4),
+                     "predicted_compute_ms": pred["compute_ms"], "bottleneck": pred["bottleneck"],
+                     "source": str(path), "commit": commit}
+            for key in ("compute_ms", "transfer_ms", "mask_ms"):  # the newer rows' own split
+                if key in row:
+                    entry[f"measured_{key}"] = row[key]
+            out.append(entry)
+    return out, notes
+
+
+def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
+    if row["model"] not in PRESETS:
+        raise ValueError(f"unknown model {row['model']!r}")
+    profile = profiles[row["fabric"]]
+    geom = geometry(row["model"], text=False)
+    if "tokens" in row and int(row["tokens"]) != geom.num_tokens:
+        geom = geometry(row["model"], text=True)
+        if int(row["tokens"]) != geom.num_tokens:
+            raise ValueError(f"{row['tokens']} tokens match neither geometry of {row['model']}")
+    if row["strategy"] not in strategy_names():
+        raise ValueError(f"unknown strategy {row['strategy']!r}")
+    masks = cache.get(geom, float(row["cdf"]))
+    return simulate_one(masks, geom, row["strategy"], 2, profile, placement=row.get("placement", "auto"),
+                        transport=row["transport"])
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+
+def write_outputs(doc: dict, out: Path, plots: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "simulate.json"
+    path.write_text(json.dumps(doc, indent=1))
+    paths = [path]
+    if doc.get("calibration"):
+        prof = out / f"profile-{doc['fabric']}.json"
+        prof.write_text(json.dumps(doc["profile"], indent=1))
+        paths.append(prof)
+    return paths + (plot(doc, out) if plots else [])
+
+
+def plot(doc: dict, out: Path) -> list[Path]:
+    """Latency and speedup versus G per strategy (the paper's Figures 17–18, attention level)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["results"]
+    title = f"{doc['model']} on {doc['fabric']} (simulated, {doc['masks']} masks)"
+    styles = ["-", "--", ":", "-."]
+    paths = []
+    for what, ylabel, name in (
+        ("predicted_ms", "predicted ms per attention call (slowest rank)", "latency_vs_ranks.png"),
+        ("speedup_vs_ring", "speedup over the dense ring at the same G", "speedup_vs_ranks.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for ci, cdf in enumerate(doc["cdf"]):
+            for s in dict.fromkeys(r["strategy"] for r in rows):
+                pts = [(r["ranks"], r[what]) for r in rows if r["strategy"] == s and r["cdf"] == cdf
+                       and r[what] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", linestyle=styles[ci % len(styles)],
+                            label=s if len(doc["cdf"]) == 1 else f"{s}, cdf {cdf}")
+            if what == "predicted_ms":
+                one = doc["one_gpu"][str(cdf)]["sparse_ms"]
+                ax.axhline(one, color="grey", lw=0.8, linestyle=styles[ci % len(styles)])
+                ax.annotate(f"1 GPU, sparse kernel (cdf {cdf})", (min(doc["ranks"]), one), fontsize=7,
+                            color="grey", va="bottom")
+        if what == "speedup_vs_ring":
+            ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="ranks G", ylabel=ylabel, title=title, xscale="log", xticks=doc["ranks"])
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if what == "predicted_ms":
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths

@@ -1,0 +1,340 @@
+"""``sparsp simulate``: the timeline on hand-computable cases, contention, calibration,
+validation, the CLI end to end and its errors (issue 12, part 3)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sparsp.cli import main
+from sparsp.geometry import VideoGeometry
+from sparsp.placement import make_placement
+from sparsp.simulate import PROFILES, KernelFigure, Profile, TransportFigure, Work, get_profile, timeline
+from sparsp.simulate.job import (calibrate, exchange_gbps, fit_transport, geometry, MaskCache, simulate_one,
+                                 validate)
+from sparsp.simulate.model import bottleneck, build_work, capacities, fair_rates, pair_flops, route
+from sparsp.strategies.registry import strategy_names, strategy_spec
+
+TFLOPS = 100.0  # kernel rate of the hand-made profiles: 1e11 FLOPs per ms
+
+
+def _profile(**kw) -> Profile:
+    """A profile with no fixed costs, no latency and free packing: only what a test sets."""
+    base = dict(name="test", gpus=8, peer_access=True, link_gbps=10.0, hbm_gbps=1e12,
+                transports=(TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.0),),
+                kernels=(KernelFigure(head_dim=128, sparse_tflops=TFLOPS, dense_tflops=TFLOPS),),
+                launch_ms=0.0, call_ms=0.0, sync_ms=0.0)
+    base.update(kw)
+    return Profile(**base)
+
+
+def _uniform(schedule: str, G: int, compute_ms: float, transfer_bytes: int, strategy: str = "x") -> Work:
+    """Every rank: ``compute_ms`` per step, ``transfer_bytes`` per round."""
+    flops = compute_ms * TFLOPS * 1e9
+    steps = 1 if schedule == "all-to-all" else G
+    back = tuple((transfer_bytes,) * (G - 1) for _ in range(G)) if schedule == "all-to-all" else ()
+    return Work(strategy, schedule, G, tuple((flops,) * steps for _ in range(G)),
+                tuple((1,) * steps for _ in range(G)), tuple((transfer_bytes,) * (G - 1) for _ in range(G)), back)
+
+
+# --- the timeline, by hand ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("G", [2, 3, 4, 8])
+@pytest.mark.parametrize("compute_ms, transfer_ms", [(2.0, 5.0), (5.0, 2.0), (3.0, 3.0)])
+@pytest.mark.parametrize("schedule", ["relay-ring", "direct"])
+def test_overlapped_ring_is_max_per_hop_plus_drain(G, compute_ms, transfer_ms, schedule):
+    # p2p, every link 10 GB/s, no shared path: each round moves at full link rate; the local
+    # step overlaps hop 1, hop k overlaps step k−1, the last step is the drain.
+    prof = _profile()
+    work = _uniform(schedule, G, compute_ms, int(transfer_ms * 10e6))
+    tl = timeline(work, prof, head_dim=128)
+    want = compute_ms + (G - 1) * max(compute_ms, transfer_ms)
+    assert tl.latency_ms == pytest.approx(want, rel=1e-9)
+    assert tl.finish == pytest.approx([want] * G, rel=1e-9)
+    r = tl.critical_rank
+    assert tl.busy(r, "compute") == pytest.approx(G * compute_ms)
+    assert tl.busy(r, "transfer") == pytest.approx((G - 1) * transfer_ms)  # rounds never overlap here
+
+
+def test_fixed_cost_latency_and_pack_add_up():
+    prof = _profile(call_ms=1.0, sync_ms=0.25, hbm_gbps=100.0,
+                    transports=(TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.5),))
+    work = _uniform("relay-ring", 2, 1.0, 100_000_000)  # 10 ms on the link, 1 ms to pack
+    tl = timeline(work, prof, head_dim=128)
+    fixed = 1.0 + 2 * 0.25
+    assert tl.latency_ms == pytest.approx(fixed + 0.5 + 1.0 + 10.0 + 1.0)
+
+
+def test_all_to_all_does_not_overlap():
+    prof = _profile(call_ms=1.0, sync_ms=0.0)
+    G, compute_ms, nbytes = 4, 7.0, 20_000_000  # 2 ms per round
+    tl = timeline(_uniform("all-to-all", G, compute_ms, nbytes), prof, head_dim=128)
+    assert tl.latency_ms == pytest.approx(1.0 + (G - 1) * 2.0 + compute_ms + (G - 1) * 2.0)
+
+
+def test_prefetch_issues_rounds_ahead():
+    # With transfers twice as long as compute, a second round in flight from another owner
+    # overlaps on the receiver's link only if the link has room: here rx is the limit, so
+    # prefetch 2 gives the same time, and a faster receive link makes it pay.
+    G, c, t = 4, 1.0, 2.0
+    work = _uniform("direct", G, c, int(t * 10e6))
+    one = timeline(work, _profile(), head_dim=128, prefetch=1).latency_ms
+    two = timeline(work, _profile(), head_dim=128, prefetch=2).latency_ms
+    assert one == pytest.approx(c + (G - 1) * t) and two == pytest.approx(one)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        timeline(work, _profile(), head_dim=128, prefetch=0)
+
+
+# --- contention -----------------------------------------------------------------------------------
+
+
+def test_host_staged_pairs_share_host_memory():
+    # Host path: each GPU 10 GB/s each way; host memory 20 GB/s of DMA traffic = 10 GB/s of
+    # staged payload (written once, read once). One payload alone: 10 GB/s. Two pairs: 5 each.
+    prof = _profile(peer_access=False, host_gbps=20.0, sockets=1)
+    caps = capacities(prof, 4)
+    alone = fair_rates({0: route(prof, 0, 1, caps)}, caps)
+    both = fair_rates({0: route(prof, 0, 1, caps), 1: route(prof, 2, 3, caps)}, caps)
+    assert alone[0] == pytest.approx(10.0)
+    assert both[0] == pytest.approx(5.0) and both[1] == pytest.approx(5.0)
+    # the same in a timeline: a 2-rank exchange of 100 MB takes 20 ms, not 10
+    tl = timeline(_uniform("relay-ring", 2, 0.0, 100_000_000), prof, head_dim=128)
+    assert tl.latency_ms == pytest.approx(20.0)
+    # peer access: no host path, full rate for both pairs
+    p2p = _profile(peer_access=True, host_gbps=20.0)
+    assert timeline(_uniform("relay-ring", 2, 0.0, 100_000_000), p2p, head_dim=128).latency_ms == pytest.approx(10.0)
+
+
+def test_switch_uplink_and_socket_link_are_shared():
+    prof = _profile(gpus_per_switch=2, switch_uplink_gbps=10.0, sockets=2, inter_socket_gbps=6.0)
+    caps = capacities(prof, 8)
+    same_switch = fair_rates({0: route(prof, 0, 1, caps)}, caps)
+    assert same_switch[0] == pytest.approx(10.0)  # stays inside the switch
+    two_up = fair_rates({0: route(prof, 0, 2, caps), 1: route(prof, 1, 3, caps)}, caps)
+    assert two_up == pytest.approx({0: 5.0, 1: 5.0})  # both leave switch 0 through one uplink
+    cross = fair_rates({0: route(prof, 0, 4, caps), 1: route(prof, 2, 6, caps)}, caps)
+    assert cross == pytest.approx({0: 3.0, 1: 3.0})  # socket 0 → 1 link shared
+    # max-min: a flow limited elsewhere leaves the rest of a shared resource to the other
+    mixed = fair_rates({0: route(prof, 0, 4, caps), 1: route(prof, 2, 6, caps), 2: route(prof, 3, 1, caps)},
+                       caps)
+    assert mixed[0] == pytest.approx(3.0) and mixed[2] == pytest.approx(7.0)
+
+
+def test_transport_efficiency_scales_rate():
+    prof = _profile(transports=(TransportFigure(name="ipc", latency_ms=0.0),
+                                TransportFigure(name="nccl", efficiency=0.5, latency_ms=0.0)))
+    work = _uniform("relay-ring", 2, 0.0, 100_000_000)
+    assert timeline(work, prof, transport="nccl", head_dim=128).latency_ms == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="has no transport 'tcp'"):
+        timeline(work, prof, transport="tcp", head_dim=128)
+
+
+def test_bottleneck_labels():
+    prof = _profile(call_ms=5.0)
+    assert bottleneck(w := _uniform("relay-ring", 4, 10.0, 10_000_000), prof,
+                      timeline(w, prof, head_dim=128), head_dim=128)[0] == "compute"
+    prof = _profile(call_ms=0.5)
+    assert bottleneck(w := _uniform("relay-ring", 4, 1.0, 100_000_000), prof,
+                      timeline(w, prof, head_dim=128), head_dim=128)[0] == "transfer"
+    prof = _profile(call_ms=100.0)
+    label, savings = bottleneck(w := _uniform("relay-ring", 4, 1.0, 1_000_000), prof,
+                                timeline(w, prof, head_dim=128), head_dim=128)
+    assert label == "fixed" and savings["fixed"] == pytest.approx(100.0)
+
+
+# --- work from masks ------------------------------------------------------------------------------
+
+GEOM = VideoGeometry(frames=4, height=4, width=16, text_tokens=10, block_size=16, heads=4, head_dim=8)
+
+
+@pytest.mark.parametrize("G", [2, 3, 4, 8])
+@pytest.mark.parametrize("kind", ["contiguous", "periodic"])
+def test_work_bytes_and_flops_match_demand(G, kind):
+    g = torch.Generator().manual_seed(G)
+    n = GEOM.num_blocks
+    masks = torch.rand(GEOM.heads, n, n, generator=g) < 0.3
+    pl = make_placement(kind, GEOM, G)
+    L = GEOM.block_lengths().double()
+    kept = 4 * GEOM.head_dim * float((masks.double() * L[:, None] * L[None, :]).sum())
+    for s in strategy_names():
+        w = build_work(masks, pl, s, head_dim=GEOM.head_dim, dtype_bytes=2)
+        want = strategy_spec(s).comm_bytes(masks, pl, head_dim=GEOM.head_dim, dtype_bytes=2)["per_rank"]
+        assert w.bytes_per_rank == want, s
+        total = sum(sum(row) for row in w.flops)
+        dense = 4 * GEOM.head_dim * GEOM.heads * GEOM.num_tokens ** 2
+        assert total == pytest.approx(dense if not strategy_spec(s).sparse else kept), s
+    assert float(pair_flops(masks, pl, GEOM.head_dim).sum()) == pytest.approx(kept)
+
+
+# --- calibration ----------------------------------------------------------------------------------
+
+
+def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl", 0.5, 15.0))):
+    rows = []
+    for name, latency, gbps in fits:
+        for e in range(16, 30):
+            b = 1 << e
+            ms = latency + b / (gbps * 1e6)
+            rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": b / ms / 1e6,
+                         "under_load": False, "median_ms": ms})
+            rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": 1.0, "under_load": True,
+                         "median_ms": 10 * ms})  # loaded rows must be ignored
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps({"kind": "transport", "machine": "test", "rows": rows}))
+    return path
+
+
+def _kernel_file(tmp_path):
+    rows = [{"kernel": "flex", "head_dim": 128, "density": d, "ms": 1.0, "tflops_kept": 300.0, "vs_cudnn": 0.6,
+             "vs_best_dense": 0.5} for d in (0.15, 0.3)]
+    rows.append({"kernel": "cudnn", "head_dim": 128, "density": 1.0, "ms": 1.0, "tflops_kept": 500.0,
+                 "vs_cudnn": 1.0, "vs_best_dense": 1.0})
+    path = tmp_path / "kernel.json"
+    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    return path
+
+
+def test_fit_transport_recovers_latency_and_bandwidth():
+    pts = [(float(1 << e), 0.3 + (1 << e) / 25e6) for e in range(16, 30)]
+    latency, gbps = fit_transport(pts)
+    assert latency == pytest.approx(0.3, rel=1e-6) and gbps == pytest.approx(25.0, rel=1e-6)
+    with pytest.raises(ValueError, match="at least 2 message sizes"):
+        fit_transport(pts[:1])
+
+
+def test_calibrate_from_transport_and_kernel_results(tmp_path):
+    base = PROFILES["h200x2-host"]
+    prof, report = calibrate(base, [_transport_file(tmp_path), _kernel_file(tmp_path)])
+    assert prof.name == "h200x2-host-calibrated"
+    assert report["transports"]["host"]["gbps"] == pytest.approx(30.0, rel=1e-3)
+    assert prof.transport("host").latency_ms == pytest.approx(0.2, rel=1e-3)
+    assert prof.transport("nccl").efficiency == pytest.approx(0.5, rel=1e-3)
+    assert exchange_gbps(prof) == pytest.approx(30.0, rel=1e-3)  # the modelled 2-GPU exchange
+    assert prof.duplex_gbps / prof.link_gbps == pytest.approx(base.duplex_gbps / base.link_gbps)
+    assert prof.kernel(128).sparse_tflops == pytest.approx(300.0)
+    assert prof.kernel(128).dense_tflops == pytest.approx(500.0)
+    assert prof.kernel(64) == base.kernel(64)  # not measured: kept
+    # rows of the other fabric only: a clear error
+    with pytest.raises(ValueError, match="no transport rows for fabric 'nvlink'"):
+        calibrate(PROFILES["h200x2-nvlink"], [_transport_file(tmp_path)])
+    # the calibrated profile round-trips through JSON (simulate writes it; --fabric reads it)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    assert get_profile(str(path)) == prof
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+def _attention_file(tmp_path, rows):
+    path = tmp_path / "attention-ltx-video-test.json"
+    path.write_text(json.dumps({"kind": "attention", "machine": "2xH200", "rows": rows}))
+    return path
+
+
+ROW = {"model": "ltx-video", "tokens": 18432, "ranks": 2, "cdf": 0.9, "placement": "periodic", "kernel": "auto",
+       "median_ms": 10.0}
+
+
+def test_validation_rows_from_an_attention_file(tmp_path):
+    rows = [dict(ROW, fabric="host", strategy="sparsp", transport="host", compute_ms=4.0),
+            dict(ROW, fabric="nvlink", strategy="ring-sparse", transport="ipc", placement="contiguous",
+                 median_ms=8.0),
+            dict(ROW, fabric="host", strategy="sparsp", transport="nccl", ranks=4),  # not a 2-GPU row
+            dict(ROW, fabric="nvlink", strategy="sparsp", transport="tcp")]  # no such transport
+    cache = MaskCache()
+    out, notes = validate([_attention_file(tmp_path, rows)], cache=cache)
+    assert len(out) == 2 and len(notes) == 2
+    assert any("4 ranks" in n for n in notes) and any("no transport 'tcp'" in n for n in notes)
+    geom = geometry("ltx-video")
+    for v, row in zip(out, rows):
+        assert {"model", "fabric", "strategy", "predicted_ms", "measured_ms"} <= set(v)
+        want = simulate_one(cache.get(geom, 0.9), geom, row["strategy"], 2, PROFILES[f"h200x2-{row['fabric']}"],
+                            placement=row["placement"], transport=row["transport"])["predicted_ms"]
+        assert v["predicted_ms"] == want and v["measured_ms"] == row["median_ms"]
+        assert v["error"] == pytest.approx(want / row["median_ms"] - 1, abs=1e-4)
+    assert out[0]["measured_compute_ms"] == 4.0
+    with pytest.raises(ValueError, match="expected a sparsp bench result of kind attention"):
+        validate([_transport_file(tmp_path)], cache=cache)
+
+
+# --- the CLI --------------------------------------------------------------------------------------
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    attn = _attention_file(tmp_path, [dict(ROW, fabric="host", strategy="ring", transport="nccl",
+                                           placement="contiguous")])
+    out = tmp_path / "out"
+    rc = main(["simulate", "--model", "ltx-video", "--ranks", "2", "4", "--fabric", "pcie5-8gpu-nop2p",
+               "--calibrate", str(_transport_file(tmp_path)), "--validate", str(attn), "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "pcie5-8gpu-nop2p-calibrated" in printed and "validation" in printed
+    doc = json.loads((out / "simulate.json").read_text())
+    assert {(r["strategy"], r["ranks"]) for r in doc["results"]} == {(s, G) for s in strategy_names() for G in (2, 4)}
+    for r in doc["results"]:
+        assert r["bottleneck"] in ("compute", "transfer", "fixed")
+        assert r["predicted_ms"] == pytest.approx(max(r["finish_ms"]))
+        assert r["rounds"] and r["speedup_vs_ring"] > 0
+    assert [v["strategy"] for v in doc["validation"]] == ["ring"]
+    assert (out / "latency_vs_ranks.png").stat().st_size > 0 and (out / "speedup_vs_ranks.png").exists()
+    prof = get_profile(str(out / "profile-pcie5-8gpu-nop2p-calibrated.json"))
+    assert prof.transport("host").latency_ms == pytest.approx(0.2, rel=1e-3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fabric", "dgx"], "unknown fabric profile 'dgx'"),
+    (["--ranks", "16"], "--ranks 16 exceeds the 8 GPUs of profile pcie4-8gpu-nop2p"),
+    (["--ranks", "1"], "--ranks must be ints >= 2, got 1"),
+    (["--cdf", "1.5"], "--cdf values must lie in [0, 1], got 1.5"),
+    (["--transport", "tcp"], "profile pcie4-8gpu-nop2p has no transport 'tcp'"),
+    (["--prefetch", "0"], "--prefetch must be an int >= 1, got 0"),
+    (["--calibrate", "/nonexistent/transport.json"], "/nonexistent/transport.json: not a readable result file"),
+    (["--fabric", "h200x2-nvlink", "--ranks", "4"], "exceeds the 2 GPUs of profile h200x2-nvlink"),
+])
+def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    rc = main(["simulate", "--model", "ltx-video", "--no-plots", "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("sparsp simulate: error: ") and message in err, err
+
+
+def test_cli_argparse_errors_and_files(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--model", "sora"])
+    assert e.value.code == 2 and "invalid choice: 'sora'" in capsys.readouterr().err
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert main(["simulate", "--model", "ltx-video", "--out", str(afile)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"kind\": \"attention\"")
+    assert main(["simulate", "--model", "ltx-video", "--ranks", "2", "--validate", str(bad),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "not a readable result file" in capsys.readouterr().err
+
+
+# --- profiles -------------------------------------------------------------------------------------
+
+
+def test_profiles_validate_their_fields():
+    for prof in PROFILES.values():
+        assert prof.kernel(128).sparse_tflops < prof.kernel(128).dense_tflops
+    ok = PROFILES["pcie4-8gpu-nop2p"]
+    for change, message in [
+        (dict(link_gbps=0), "Profile.link_gbps must be a finite number > 0, got 0"),
+        (dict(host_gbps=float("nan")), "Profile.host_gbps must be a finite number > 0 or None"),
+        (dict(sockets=3), "Profile.sockets=3 must divide gpus=8"),
+        (dict(gpus=0), "Profile.gpus must be a positive int, got 0"),
+        (dict(peer_access=1), "Profile.peer_access must be True or False"),
+        (dict(transports=()), "Profile.transports must be a non-empty tuple"),
+        (dict(call_ms=-1.0), "Profile.call_ms must be a finite number >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            replace(ok, **change)
+    with pytest.raises(ValueError, match=r"efficiency must lie in \(0, 1\], got 1.5"):
+        TransportFigure(name="x", efficiency=1.5)
+    with pytest.raises(ValueError, match="head_dim must be a positive int"):
+        KernelFigure(head_dim=0, sparse_tflops=1.0, dense_tflops=1.0)
