@@ -397,7 +397,9 @@ def plot(path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     doc = json.loads(Path(path).read_text())
-    rows = doc["rows"]
+    rows = [r for r in doc["rows"] if "bound_ms" in r]  # rows of earlier versions lack the split
+    if not rows:
+        return Path(path).with_suffix(".png")
     fabrics = list(dict.fromkeys(r["fabric"] for r in rows))
     fig, axes = plt.subplots(1, len(fabrics), figsize=(max(8, 1.0 * len(rows) / max(1, len(fabrics)) + 4), 5),
                              squeeze=False)
