@@ -42,12 +42,16 @@ run_torchrun() {  # torchrun with one process per GPU
 }
 
 if [[ $MODE == attention || $MODE == bench || $MODE == all ]]; then
-  echo "== attention benchmark, fabric nvlink"
-  run_torchrun bench attention --model hunyuan-video --fabric nvlink --transport nccl ${ATTN_ARGS:-} \
-    2>&1 | tee "$OUT_DIR/attention_nvlink.log" || status=1
-  echo "== attention benchmark, fabric host (NCCL_P2P_DISABLE=1)"
-  NCCL_P2P_DISABLE=1 run_torchrun bench attention --model hunyuan-video --fabric host --transport nccl ${ATTN_ARGS:-} \
-    2>&1 | tee "$OUT_DIR/attention_host.log" || status=1
+  # the four presets at three thresholds, every strategy and the one-GPU rows, on each fabric
+  # (measured 2026-11-30: ~205 s per fabric for the four presets at one threshold)
+  for fabric in nvlink host; do
+    p2p=""; [[ $fabric == host ]] && p2p=1
+    for preset in ${PRESETS:-hunyuan-video wan2.1-14b ltx-video ltx-2}; do
+      echo "== attention benchmark, $preset, fabric $fabric"
+      NCCL_P2P_DISABLE=${p2p:-${NCCL_P2P_DISABLE:-0}} run_torchrun bench attention --model "$preset" --fabric "$fabric" \
+        --cdf ${CDFS:-0.85 0.9 0.95} ${ATTN_ARGS:-} 2>&1 | tee "$OUT_DIR/attention_${preset}_$fabric.log" || status=1
+    done
+  done
 fi
 
 if [[ $MODE == transport || $MODE == bench || $MODE == all ]]; then

@@ -5,6 +5,12 @@
 # presets named in $PRESETS. Results are packed into $OUT/results.tgz (one file comes back).
 #
 #   STAGE=/tmp/fa4stage PRESETS="ltx-video hunyuan-video" bash scripts/gpu_session.sh
+#
+# Other knobs: TESTS (pytest paths and args of gpu-marked tests; empty skips them; when they
+# fail the benchmarks are skipped), TEST_LIMIT (seconds),
+# KERNEL_SHAPES (bench kernel --shape), FABRICS, ATTN_ARGS (extra bench attention args),
+# ATTN_LIMIT (seconds per attention run), NPROC (GPUs per attention run, default 2),
+# LATE_TESTS (gpu-marked tests run after the benchmarks, not gating them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${STAGE:-/tmp/fa4stage}
@@ -18,13 +24,20 @@ fi
 export PYTHONPATH="$PWD/src:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages"
 python3 -c 'import flash_attn.cute; print("fa4 importable")' 2>&1 | tail -1
 run() { local name=$1; shift; echo "== $name"; timeout "${LIMIT:-240}" "$@" > "$OUT/logs/$name.log" 2>&1; echo "rc=$? $(tail -n 2 "$OUT/logs/$name.log" | tr '\n' ' ' | cut -c1-300)"; }
-[[ -n "${TESTS:-}" ]] && LIMIT=200 run kernel_tests python3 -m pytest -o addopts="" -m gpu -q -x tests/test_kernels_gpu.py $TESTS
-[[ -n "${KERNEL_SHAPES:-}" ]] && LIMIT=200 run bench_kernel python3 -m sparsp.cli bench kernel --shape $KERNEL_SHAPES
+if [[ -n "${TESTS:-}" ]]; then  # pytest paths / args; the benchmarks run only when they pass
+  LIMIT=${TEST_LIMIT:-200} run gpu_tests python3 -m pytest -o addopts="" -m gpu -q -x $TESTS
+  grep -qE "[0-9]+ passed" "$OUT/logs/gpu_tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/logs/gpu_tests.log" \
+    || { echo "gpu tests did not pass: benchmarks skipped"; PRESETS=""; KERNEL_SHAPES=""; }
+fi
+[[ -n "${KERNEL_SHAPES:-}" ]] && LIMIT=${KERNEL_LIMIT:-200} run bench_kernel python3 -m sparsp.cli bench kernel --shape $KERNEL_SHAPES
 for preset in ${PRESETS:-}; do
   for fabric in ${FABRICS:-nvlink host}; do
-    LIMIT=${ATTN_LIMIT:-200} run "attn_${preset}_${fabric}" torchrun --standalone --nproc-per-node 2 -m sparsp.cli \
+    LIMIT=${ATTN_LIMIT:-200} run "attn_${preset}_${fabric}" torchrun --standalone --nproc-per-node "${NPROC:-2}" -m sparsp.cli \
       bench attention --model "$preset" --fabric "$fabric" ${ATTN_ARGS:-}
   done
 done
-tar -czf "$OUT/results.tgz" bench/results/*-2026-*.json bench/results/*-2026-*.png -C "$OUT" logs 2>/dev/null
+[[ -n "${LATE_TESTS:-}" ]] && LIMIT=${TEST_LIMIT:-200} run late_gpu_tests python3 -m pytest -o addopts="" -m gpu -q $LATE_TESTS
+# ATTN_ARGS="... --profile $OUT/prof" leaves op tables and traces there; they travel in the archive
+tar -czf "$OUT/results.tgz" bench/results/*-2026-*.json bench/results/*-2026-*.png -C "$OUT" logs \
+  $([[ -d "$OUT/prof" ]] && echo prof) 2>/dev/null
 ls -la "$OUT"

@@ -7,11 +7,18 @@ the list of their return values. ``fn`` must be a module-level function (it is p
 name). An exception in any rank is re-raised here with that rank's traceback; a rank that dies
 without reporting (a crash, ``os._exit``) is an error too; after ``timeout`` seconds, or a
 short grace period after the first failure, every process still running is killed.
+
+For the strategy tests that run on those ranks: ``structured_inputs`` (q, k, v whose CDF masks
+are truly sparse), ``reference`` (float64 masked attention in one process), ``slice_errors``
+(every strategy on this rank's slice of a sequence: errors against the reference) and
+``placed_run`` (every strategy on a placed video sequence: errors and bytes moved against
+``sparsp.demand``).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import queue
 import socket
@@ -19,6 +26,7 @@ import sys
 import time
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 _GRACE_S = 15.0  # how long the other ranks may keep running after one has failed
@@ -105,3 +113,113 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
         missing = [r for r in range(world_size) if r not in values]
         raise TimeoutError(f"ranks {missing} did not finish within {timeout:g} s")
     return [values[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- strategy checks
+
+
+def reference(q, k, v, block_of_token, mask):
+    """float64 attention restricted to the block mask; rows with no block give zeros."""
+    B, S, H, D = q.shape
+    allowed = mask[:, :, block_of_token][:, :, :, block_of_token]  # [B, H, S, S]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(D)
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.double())
+
+
+def slice_blocks(lens, bs):
+    """Global block id of every token when each slice is cut into blocks from its start, and
+    the number of blocks."""
+    ids, base = [], 0
+    for L in lens:
+        ids.append(base + torch.arange(L) // bs)
+        base += math.ceil(L / bs)
+    return torch.cat(ids), base
+
+
+def structured_inputs(seed, B, S, H, D):
+    """q, k, v [B, S, H, D] of ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    # Structured inputs (a shared direction per head plus noise) so CDF masks are truly sparse.
+    c = torch.randn(1, 1, H, D, generator=g)
+    q = c * 2 + torch.randn(B, S, H, D, generator=g)
+    k = c * 2 + torch.randn(B, S, H, D, generator=g) + torch.linspace(-2, 2, S).view(1, S, 1, 1)
+    v = torch.randn(B, S, H, D, generator=g)
+    return q, k, v
+
+
+def slice_errors(rank: int, world: int, q, k, v, lens, want: dict, cfg,
+                 global_mask=None) -> dict[str, float]:
+    """Every strategy on this rank's slice of a sequence cut into ``lens`` (called on every rank).
+
+    ``want``: the references over the whole sequence, ``{"sparse": ..., "dense": ...}`` (dense
+    for ``ring``). Returns the max abs error per strategy; ``ulysses`` runs only when the heads
+    divide over the ranks.
+    """
+    from sparsp import sp_attention
+    from sparsp.strategies import strategy_names
+
+    a = sum(lens[:rank])
+    sl = slice(a, a + lens[rank])
+    errors = {}
+    for strategy in strategy_names():
+        if strategy == "ulysses" and q.shape[2] % world:
+            continue
+        out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
+                           strategy=strategy, config=cfg, _global_mask=global_mask)
+        assert out.shape == q[:, sl].shape and out.dtype == q.dtype
+        errors[strategy] = (out.double() - want["dense" if strategy == "ring" else "sparse"][:, sl]).abs().max().item()
+    return errors
+
+
+def placed_run(rank: int, world: int, geom, kind: str, cdf: float, seed: int, *,
+               transport: str = "nccl", after=None) -> dict[str, tuple[float, int, int]]:
+    """Every strategy on a placed video sequence of ``geom`` (called on every rank, gloo).
+
+    The outputs of all ranks are gathered and unpermuted; returns, per strategy, (max abs error
+    against ``reference`` — dense for ``ring`` —, bytes this rank received, the bytes
+    ``comm_bytes`` predicts for it). ``ulysses`` runs only when the heads divide over the ranks.
+    ``transport``: the config's transport; ``after(strategy, transport)`` runs after each
+    strategy, its counters still holding that call's bytes.
+    """
+    import torch.distributed as dist
+
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.masks import block_mask
+    from sparsp.placement import make_placement
+    from sparsp.strategies import comm_bytes, get_transport, strategy_names
+
+    pl = make_placement(kind, geom, world)
+    B, H, D, bs = 1, geom.heads, geom.head_dim, geom.block_size
+    q, k, v = structured_inputs(seed, B, geom.num_tokens, H, D)
+    mask = block_mask(q, k, cdf_threshold=cdf, block_q=bs, block_k=bs)  # original order
+    tok_block = torch.arange(geom.num_tokens) // bs
+    want = {"sparse": reference(q, k, v, tok_block, mask),
+            "dense": reference(q, k, v, tok_block, torch.ones_like(mask))}
+    qp, kp, vp = (pl.permute(x, 1) for x in (q, k, v))
+    sl = pl.token_slice(rank)
+    cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport=transport, kernel="torch", timeout_s=60.0)
+    transport = get_transport(transport, None, torch.device("cpu"), cfg.timeout_s)
+    n_max = max(pl.tokens_per_rank)
+    runs = {}
+    for strategy in strategy_names():
+        if strategy == "ulysses" and H % world:
+            continue
+        transport.fence()
+        transport.reset_counters()
+        out = sp_attention(qp[:, sl].contiguous(), kp[:, sl].contiguous(), vp[:, sl].contiguous(),
+                           strategy=strategy, config=cfg)
+        transport.fence()
+        # gather every rank's slice and undo the placement
+        padded = torch.zeros(B, n_max, H, D)
+        padded[:, : out.shape[1]] = out
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)  # gloo needs equal sizes
+        full = pl.unpermute(torch.cat([p[:, :n] for p, n in zip(parts, pl.tokens_per_rank)], dim=1), 1)
+        err = (full.double() - want["dense" if strategy == "ring" else "sparse"]).abs().max().item()
+        predicted = comm_bytes(mask[0], pl, strategy, head_dim=D, dtype_bytes=4)["per_rank"][rank]
+        runs[strategy] = (err, transport.total_received, predicted)
+        if after is not None:
+            after(strategy, transport)
+    return runs

@@ -229,7 +229,64 @@ def test_analyze_bad_files(capsys, tmp_path):
     assert code == 2 and f"64 ranks exceed the {SMALL.num_blocks} blocks" in err
     code, err = _analyze(capsys, "--trace", trace, "--out", trace)  # --out names a file
     assert code == 2 and "is a file; give a directory" in err
-    assert _analyze(capsys, "--trace", trace, "--ranks", 2, "--out", tmp_path / "o")[0] == 0
+
+
+def test_analyze_writes_bytes_per_strategy(capsys, tmp_path):
+    """The good path of the same command: analysis.json holds every (placement, strategy) row,
+    with bytes that follow from the byte rules (``sparsp.demand``), recomputed here by hand."""
+    import json
+
+    from sparsp.cli import main
+    from sparsp.strategies import strategy_names
+
+    G, head_dim, dtype_bytes = 3, SMALL.head_dim, 2  # bf16, the default --dtype
+    trace = _trace(tmp_path)
+    masks = load_trace(trace).masks[0]  # [heads, nB, nB]
+    out = tmp_path / "o"
+    assert main(["analyze", "--no-plots", "--trace", str(trace), "--ranks", str(G), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "done in" in printed  # table and paths: rich wraps them
+    doc = json.loads((out / "analysis.json").read_text())
+    assert (doc["model"], doc["ranks"], doc["dtype"], doc["masks"]) == (SMALL.name, G, "bf16", "trace:test")
+    assert (doc["tokens"], doc["blocks"], doc["heads"], doc["head_dim"], doc["layers"]) == (53, 7, 2, 8, 1)
+    density = masks.float().mean().item()
+    (stats,) = doc["mask_stats"]
+    assert stats["cdf"] == 0.9 and stats["density"] == pytest.approx(density)
+
+    names = strategy_names()
+    rows = {(r["placement"], r["strategy"]): r for r in doc["results"]}
+    assert len(rows) == len(doc["results"]) and set(rows) == {
+        (p, s) for p in ("contiguous", "periodic") for s in names}
+    lengths = SMALL.block_lengths().tolist()
+    ring_total = (G - 1) * sum(lengths) * SMALL.heads * 2 * head_dim * dtype_bytes  # every other shard
+    for (pname, strategy), r in rows.items():
+        assert r["cdf"] == 0.9 and r["density"] == pytest.approx(density)
+        assert len(r["bytes_per_rank"]) == G and all(b > 0 for b in r["bytes_per_rank"]), r
+        assert r["bytes_total"] == sum(r["bytes_per_rank"]) and r["bytes_max_rank"] == max(r["bytes_per_rank"])
+        assert r["reduction_vs_ring"] == pytest.approx(1 - r["bytes_total"] / ring_total)
+    for pname in ("contiguous", "periodic"):
+        owner = make_placement(pname, SMALL, G).owner.tolist()
+        # direct: rank r receives, per head, each remote block some query block of r keeps
+        direct = [sum(2 * lengths[kb] * head_dim * dtype_bytes
+                      for h in range(SMALL.heads) for kb in range(SMALL.num_blocks)
+                      if owner[kb] != r and any(masks[h, qb, kb] and owner[qb] == r
+                                                for qb in range(SMALL.num_blocks)))
+                  for r in range(G)]
+        b = {s: rows[(pname, s)]["bytes_total"] for s in names}
+        assert rows[(pname, "sparsp")]["bytes_per_rank"] == direct
+        assert b["ring"] == b["ring-sparse"] == ring_total  # both move full shards
+        assert b["sparsp"] <= b["ring-relay"] <= b["ring-sparse"]  # direct ⊆ relay ⊆ full shards
+        assert b["sparsp"] < b["ring"]  # 30 % dense masks: some remote block is never read
+        assert rows[(pname, "ring")]["reduction_vs_ring"] == 0.0
+
+    sweep = doc["sweep"]
+    assert sweep["cdf"] == 0.9
+    assert {(v["ranks"], v["placement"], v["strategy"]) for v in sweep["volume"]} == {
+        (g, p, s) for g in (2, 4) for p in ("contiguous", "periodic") for s in names}  # G <= 7 blocks
+    for pname, amp in sweep["amplification"].items():
+        assert [a["ranks"] for a in amp] == [2, 4]
+        assert amp[0]["relay_over_direct"] == pytest.approx(1.0)  # two ranks: relay is direct
+        assert amp[1]["relay_over_direct"] >= 1.0
 
 
 @pytest.mark.parametrize("args", [["--ranks", "1"], ["--model", "sora"]])

@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from sparsp.demand import BYTE_RULES, demand_sets, head_split, relay_amplification, remote_demand, sharing_curve
+from sparsp.geometry import VideoGeometry
+from sparsp.placement import contiguous, periodic
 from sparsp.strategies import comm_bytes, strategy_names
 
 STRATEGIES = strategy_names()
-from sparsp.geometry import VideoGeometry
-from sparsp.placement import contiguous, periodic
 
 
 def brute_force(masks, placement, strategy, head_dim, dtype_bytes):

@@ -10,8 +10,12 @@ whose moved bytes are held against ``demand.comm_bytes``.
 
 import torch
 
-from dist_utils import run_distributed
-from test_strategies import STRATEGIES, _inputs, reference, slice_blocks, split_mask
+from dist_utils import placed_run, reference, run_distributed, slice_errors, structured_inputs
+from test_strategies import slice_blocks, split_mask
+
+from sparsp.strategies import strategy_names
+
+STRATEGIES = strategy_names()
 
 WORLD = 8
 # Uneven slices; 21 and 27 end in short blocks in the middle of the sequence.
@@ -20,10 +24,10 @@ LENS = [32, 16, 48, 21, 32, 16, 40, 27]
 
 def _slices_case(rank, world, lens, H, cdf, random_mask, seed):
     """Each rank's max abs error per strategy on a sequence cut into ``lens`` slices."""
-    from sparsp import SparspConfig, sp_attention
+    from sparsp import SparspConfig
 
     B, D, bs = 1, 8, 16
-    q, k, v = _inputs(seed, B, sum(lens), H, D)
+    q, k, v = structured_inputs(seed, B, sum(lens), H, D)
     tok_block, nblocks = slice_blocks(lens, bs)
     if random_mask:
         g = torch.Generator().manual_seed(seed + 1)
@@ -33,64 +37,21 @@ def _slices_case(rank, world, lens, H, cdf, random_mask, seed):
     else:
         gm = None
         mask = split_mask(q, k, lens, bs, cdf, None)
-    want_sparse = reference(q, k, v, tok_block, mask)
-    want_dense = reference(q, k, v, tok_block, torch.ones_like(mask))
-    a = sum(lens[:rank])
-    sl = slice(a, a + lens[rank])
+    want = {"sparse": reference(q, k, v, tok_block, mask),
+            "dense": reference(q, k, v, tok_block, torch.ones_like(mask))}
     cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport="nccl", kernel="torch")
-    errors = {}
-    for strategy in STRATEGIES:
-        if strategy == "ulysses" and H % world:
-            continue
-        out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
-                           strategy=strategy, config=cfg, _global_mask=gm)
-        assert out.shape == q[:, sl].shape and out.dtype == q.dtype
-        want = want_dense if strategy == "ring" else want_sparse
-        errors[strategy] = (out.double() - want[:, sl]).abs().max().item()
-    return errors
+    return slice_errors(rank, world, q, k, v, lens, want, cfg, gm)
 
 
 def _placed_case(rank, world, kind, cdf, seed):
     """A placed video sequence: outputs unpermute to plain attention; bytes equal demand.py's."""
-    import torch.distributed as dist
-
-    from sparsp import SparspConfig, sp_attention
-    from sparsp.strategies import comm_bytes
     from sparsp.geometry import VideoGeometry
-    from sparsp.masks import block_mask
-    from sparsp.placement import make_placement
-    from sparsp.strategies import get_transport
 
     # 4 frames of 4x16 tokens + 10 text tokens = 266 tokens, 17 blocks of 16: 2-3 blocks a rank.
     geom = VideoGeometry(frames=4, height=4, width=16, text_tokens=10, block_size=16, heads=8, head_dim=8)
-    pl = make_placement(kind, geom, world)
-    B, H, D, bs = 1, geom.heads, geom.head_dim, geom.block_size
-    q, k, v = _inputs(seed, B, geom.num_tokens, H, D)
-    mask = block_mask(q, k, cdf_threshold=cdf, block_q=bs, block_k=bs)  # original order
-    tok_block = torch.arange(geom.num_tokens) // bs
-    want = {"sparse": reference(q, k, v, tok_block, mask),
-            "dense": reference(q, k, v, tok_block, torch.ones_like(mask))}
-    qp, kp, vp = (pl.permute(x, 1) for x in (q, k, v))
-    sl = pl.token_slice(rank)
-    cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport="nccl", kernel="torch")
-    transport = get_transport("nccl", None, torch.device("cpu"), cfg.timeout_s)
-    errors, moved = {}, {}
-    n_max = max(pl.tokens_per_rank)
-    for strategy in STRATEGIES:
-        transport.fence()
-        transport.reset_counters()
-        out = sp_attention(qp[:, sl].contiguous(), kp[:, sl].contiguous(), vp[:, sl].contiguous(),
-                           strategy=strategy, config=cfg)
-        transport.fence()
-        padded = torch.zeros(B, n_max, H, D)
-        padded[:, : out.shape[1]] = out
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded)  # gloo needs equal sizes
-        full = pl.unpermute(torch.cat([p[:, :n] for p, n in zip(parts, pl.tokens_per_rank)], dim=1), 1)
-        ref = want["dense" if strategy == "ring" else "sparse"]
-        errors[strategy] = (full.double() - ref).abs().max().item()
-        predicted = comm_bytes(mask[0], pl, strategy, head_dim=D, dtype_bytes=4)["per_rank"][rank]
-        moved[strategy] = (transport.total_received, predicted)
+    runs = placed_run(rank, world, geom, kind, cdf, seed)
+    errors = {strategy: err for strategy, (err, _, _) in runs.items()}
+    moved = {strategy: (got, predicted) for strategy, (_, got, predicted) in runs.items()}
     return errors, moved
 
 

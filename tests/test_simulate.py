@@ -13,7 +13,8 @@ from sparsp.placement import make_placement
 from sparsp.simulate import PROFILES, KernelFigure, Profile, TransportFigure, Work, get_profile, timeline
 from sparsp.simulate.job import (calibrate, exchange_gbps, fit_transport, geometry, MaskCache, simulate_one,
                                  validate)
-from sparsp.simulate.model import bottleneck, build_work, capacities, fair_rates, pair_flops, route
+from sparsp.simulate.model import build_work, pair_flops
+from sparsp.simulate.timeline import bottleneck, capacities, fair_rates, route
 from sparsp.strategies.registry import strategy_names, strategy_spec
 
 TFLOPS = 100.0  # kernel rate of the hand-made profiles: 1e11 FLOPs per ms
@@ -63,7 +64,7 @@ def test_fixed_cost_latency_and_pack_add_up():
                     transports=(TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.5),))
     work = _uniform("relay-ring", 2, 1.0, 100_000_000)  # 10 ms on the link, 1 ms to pack
     tl = timeline(work, prof, head_dim=128)
-    fixed = 1.0 + 2 * 0.25
+    fixed = 1.0 + 0.25  # call_ms + one collective (the metadata all-gather, on the device path)
     assert tl.latency_ms == pytest.approx(fixed + 0.5 + 1.0 + 10.0 + 1.0)
 
 
@@ -338,3 +339,181 @@ def test_profiles_validate_their_fields():
         TransportFigure(name="x", efficiency=1.5)
     with pytest.raises(ValueError, match="head_dim must be a positive int"):
         KernelFigure(head_dim=0, sparse_tflops=1.0, dense_tflops=1.0)
+
+
+# --- issue 12: fixed costs, validation filters and discovery, measured demand --------------------
+
+
+def test_fixed_cost_charges_mask_ops_and_merge_traffic():
+    from sparsp.simulate.model import MASK_OPS, mask_ops
+
+    assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
+    # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md)
+    assert mask_ops("direct", 4) == 139 + 96 * 3 and mask_ops("relay", 3) == 168 + 65 * 2 + 4 * 4
+    prof = _profile(op_ms=0.01, hbm_gbps=1.0)
+    work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300))
+    assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # 300 ops x 10 µs
+    # the device side of the mask phase overlaps the host's issue: the longer one counts
+    work = replace(work, mask_bytes=(5_000_000, 5_000_000))  # 5 ms at 1 GB/s
+    assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(5.0)
+    merged = replace(_uniform("relay-ring", 2, 0.0, 0), merge_bytes=((1_000_000, 2_000_000),) * 2)
+    assert timeline(merged, prof, head_dim=128).latency_ms == pytest.approx(3.0)
+
+
+def test_work_merge_traffic_follows_the_kernel_calls():
+    from sparsp.simulate.model import MERGE_BYTES, MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, RESULT_BYTES
+
+    # the first partial is kept (no copy), the second merged from two kernel outputs, later
+    # ones into the fp32 accumulator; only a merged result is cast back
+    assert (MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES, RESULT_BYTES) == (0, 8, 10, 6)
+    pl = make_placement("contiguous", GEOM, 3)
+    masks = torch.ones(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, dtype=torch.bool)
+    w = build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim)
+    elems = GEOM.heads * pl.tokens_per_rank[0] * GEOM.head_dim
+    assert w.merge_bytes[0] == (0, elems * 8, elems * (10 + 6))
+    local = masks & (pl.owner[:, None] == pl.owner[None, :])  # no remote block: one partial
+    w = build_work(local, pl, "sparsp", head_dim=GEOM.head_dim)
+    assert w.merge_bytes[0] == (0, 0, 0)
+
+
+def test_measure_in_call_order_equals_the_placement_order():
+    """The call's placed order (``Blocks.of_call``, what ``strategy="auto"`` measures) gives the
+    demand of the original order (``Blocks.of``, what ``simulate`` measures)."""
+    from sparsp.simulate.model import Blocks, measure
+
+    geom = VideoGeometry(frames=4, height=4, width=16, text_tokens=0, block_size=16, heads=4, head_dim=8)
+    g = torch.Generator().manual_seed(1)
+    masks = torch.rand(geom.heads, geom.num_blocks, geom.num_blocks, generator=g) < 0.3
+    for kind in ("contiguous", "periodic"):
+        pl = make_placement(kind, geom, 4)
+        order = pl.block_order
+        placed = masks[:, order][:, :, order]
+        a = measure(masks, Blocks.of(pl), relay=True)
+        b = measure(placed, Blocks.of_call(tuple(pl.tokens_per_rank), geom.block_size), relay=True)
+        assert a == b, kind
+
+
+def test_validation_skips_ablation_1gpu_and_unknown_rows_and_summarises(tmp_path):
+    from sparsp.simulate.job import validation_summary
+
+    rows = [dict(ROW, fabric="host", strategy="sparsp", transport="host", median_ms=5.0),
+            dict(ROW, fabric="host", strategy="sparsp", transport="host", ablation="+periodic"),
+            dict(ROW, fabric="host", strategy="1gpu-dense", transport="none", ranks=1),
+            dict(ROW, fabric="nvlink", strategy="zigzag", transport="nccl")]
+    out, notes = validate([_attention_file(tmp_path, rows)], cache=MaskCache())
+    assert [v["strategy"] for v in out] == ["sparsp"]
+    assert any("ablation step" in n for n in notes) and any("1 ranks" in n for n in notes)
+    assert any("'zigzag' is not a registered strategy" in n for n in notes)
+    assert {"model", "fabric", "strategy", "predicted_ms", "measured_ms", "error", "commit"} <= set(out[0])
+    s = validation_summary([{"fabric": "host", "error": 0.1}, {"fabric": "host", "error": -0.2},
+                            {"fabric": "nvlink", "error": 0.0}])
+    assert s["rows"] == 3 and s["within"] == 2 and s["host"] == {"rows": 2, "within": 1, "median_error": -0.05}
+
+
+def test_discovery_takes_the_newest_file_per_model_and_machine(tmp_path):
+    from sparsp.simulate.job import discover_attention, discover_calibration
+
+    for name in ("attention-ltx-video-2xH200-2026-11-30.json", "attention-ltx-video-2xH200-2026-12-01.json",
+                 "attention-hunyuan-video-2xH200-2026-11-30.json", "transport-all-2xH200-2026-11-30.json",
+                 "transport-all-2xH200-2026-12-02.json", "kernel-all-2xH200-2026-11-30.json"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in discover_attention(tmp_path)] == [
+        "attention-hunyuan-video-2xH200-2026-11-30.json", "attention-ltx-video-2xH200-2026-12-01.json"]
+    assert [p.name for p in discover_calibration(tmp_path)] == [
+        "transport-all-2xH200-2026-12-02.json", "kernel-all-2xH200-2026-11-30.json"]
+
+
+def test_calibration_takes_sync_cost_from_nccl(tmp_path):
+    prof, report = calibrate(PROFILES["h200x2-host"], [_transport_file(tmp_path)])
+    assert prof.sync_ms == pytest.approx(0.5, rel=1e-3) and report["sync_ms"] == pytest.approx(0.5, rel=1e-3)
+
+
+# --- recount for the current per-call code (FA4 kernel, float32 mask, one collective) ---------
+
+
+def test_mask_phase_collective_is_device_time_beside_the_host_ops():
+    # the metadata all-gather: sync_ms + its bytes at the two-GPU exchange rate, on the device
+    # path, overlapping the host's issue of the mask ops; the longer one counts
+    prof = _profile(op_ms=0.01, sync_ms=1.0)  # 10 GB/s links, the ipc figure at efficiency 1
+    work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300), gather_bytes=(2_000_000,) * 2)
+    assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # host: 300 x 10 µs
+    work = replace(work, gather_bytes=(50_000_000,) * 2)
+    assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(1.0 + 5.0)
+
+
+def test_sparsp_drain_units_charge_mask_ops():
+    from sparsp.simulate.model import MASK_CUT_OPS, MASK_UNIT_OPS, Blocks, drain_units, mask_ops, measure
+
+    geom = geometry("ltx-video")
+    masks = MaskCache().get(geom, 0.9)
+    pl = make_placement("periodic", geom, 2)
+    plain = build_work(masks, pl, "sparsp", head_dim=geom.head_dim)
+    assert plain.host_ops == (mask_ops("direct", 2),) * 2
+    # the host-staged 2×H200 box at LTX-Video size is transfer-bound: sparsp cuts both drain
+    # payloads of every rank into 4 head groups (strategies/chunks.py), 6 + 3 × 43.5 ops each
+    host = PROFILES["h200x2-host"]
+    d = measure(masks, Blocks.of(pl))
+    assert drain_units(d, host, "host", head_dim=geom.head_dim, dtype_bytes=2) == ((4, 4), (4, 4))
+    cut = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=host, transport="host")
+    assert cut.host_ops == (mask_ops("direct", 2) + round(2 * (MASK_CUT_OPS + 3 * MASK_UNIT_OPS)),) * 2
+    # NVLink: the payload lands while the local shard computes, no units
+    nv = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=PROFILES["h200x2-nvlink"],
+                    transport="ipc")
+    assert nv.host_ops == plain.host_ops
+    # the other strategies never cut
+    relay = build_work(masks, make_placement("periodic", geom, 2), "ring-relay", head_dim=geom.head_dim,
+                       profile=host, transport="host")
+    assert relay.host_ops == (mask_ops("relay", 2),) * 2
+
+
+def test_mask_ops_follow_the_code():
+    """``MASK_OPS`` and the unit ops are the op counts of the current code (``opcount``, G = 2):
+    a change to the mask phase makes this fail until the constants are recounted."""
+    from sparsp.simulate.model import MASK_CUT_OPS, MASK_UNIT_OPS, mask_ops
+    from sparsp.simulate.opcount import count
+
+    got = count(2, [("ring", 1), ("ring-sparse", 1), ("sparsp", 1), ("ring-relay", 1), ("sparsp", 4)])
+    assert [g["mask"] for g in got] == [mask_ops("dense", 2), mask_ops("sparse", 2), mask_ops("direct", 2),
+                                        mask_ops("relay", 2),
+                                        mask_ops("direct", 2) + round(2 * (MASK_CUT_OPS + 3 * MASK_UNIT_OPS))]
+
+
+def _fa4_kernel_file(tmp_path):
+    def row(kernel, hd, layout, density, tflops, shape="s"):
+        return {"shape": shape, "kernel": kernel, "head_dim": hd, "layout": layout, "density": density,
+                "tflops_kept": tflops, "vs_cudnn": tflops / 500.0, "vs_best_dense": tflops / 600.0}
+
+    rows = [row("fa4", 128, "local", 0.2, 600.0), row("fa4", 128, "packed", 0.2, 560.0),
+            row("fa4", 128, "packed", 0.6, 580.0),
+            row("fa4", 128, "dense", 1.0, 660.0),  # dense layout: not what the strategies run
+            row("fa4", 128, "local", 1.0, 650.0),  # not sparse
+            row("flex", 128, "local", 0.2, 400.0), row("cudnn", 128, "dense", 1.0, 500.0),
+            row("flex", 64, "local", 0.6, 350.0), row("flex", 64, "packed", 0.6, 330.0)]  # no fa4 at d64
+    path = tmp_path / "kernel-fa4.json"
+    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    return path
+
+
+def test_calibrate_takes_fa4_rows_of_the_strategies_layouts(tmp_path):
+    prof, report = calibrate(PROFILES["h200x2-nvlink"], [_fa4_kernel_file(tmp_path)])
+    assert prof.kernel(128).sparse_tflops == pytest.approx(580.0)  # median of 600, 560, 580
+    assert report["kernels"]["128"]["sparse_kernel"] == "fa4" and report["kernels"]["128"]["sparse_rows"] == 3
+    assert prof.kernel(64).sparse_tflops == pytest.approx(340.0)  # no fa4 rows: flex's
+    assert report["kernels"]["64"]["sparse_kernel"] == "flex"
+    assert prof.kernel(128).dense_tflops == pytest.approx(500.0)  # cuDNN
+
+
+def test_discovery_prefers_the_kernel_file_covering_more_head_dims(tmp_path):
+    from sparsp.simulate.job import discover_calibration
+
+    def kernel_file(name, dims):
+        rows = [{"kernel": "fa4", "head_dim": d, "layout": "local", "density": 0.5, "tflops_kept": 1.0}
+                for d in dims]
+        (tmp_path / name).write_text(json.dumps({"kind": "kernel", "rows": rows}))
+
+    (tmp_path / "transport-all-2xH200-2026-11-30.json").write_text("{}")
+    kernel_file("kernel-all-1xH200-2026-11-30.json", (64, 128))
+    kernel_file("kernel-all-2xH200-2026-11-30.json", (64,))
+    kernel_file("kernel-all-4xH200-2026-11-29.json", (32, 64, 128))  # older
+    assert [p.name for p in discover_calibration(tmp_path)] == [
+        "transport-all-2xH200-2026-11-30.json", "kernel-all-1xH200-2026-11-30.json"]

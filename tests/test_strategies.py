@@ -1,34 +1,12 @@
 """Distributed attention on CPU (gloo, 2–4 processes) against a single-process reference."""
 
-import math
 
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import placed_run, reference, run_distributed, slice_blocks, slice_errors
+from dist_utils import structured_inputs as _inputs
 
-from sparsp.strategies import strategy_names  # noqa: E402
-
-STRATEGIES = strategy_names()
-
-
-def reference(q, k, v, block_of_token, mask):
-    """float64 attention restricted to the block mask; rows with no block give zeros."""
-    B, S, H, D = q.shape
-    allowed = mask[:, :, block_of_token][:, :, :, block_of_token]  # [B, H, S, S]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(D)
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.double())
-
-
-def slice_blocks(lens, bs):
-    """Global block id of every token when each slice is cut into blocks from its start."""
-    ids, base = [], 0
-    for L in lens:
-        ids.append(base + torch.arange(L) // bs)
-        base += math.ceil(L / bs)
-    return torch.cat(ids), base
 
 
 def split_mask(q, k, lens, bs, cdf, sim):
@@ -38,20 +16,10 @@ def split_mask(q, k, lens, bs, cdf, sim):
     return split(q, k, lens, bs, cdf_threshold=cdf, sim_threshold=sim)
 
 
-def _inputs(seed, B, S, H, D):
-    g = torch.Generator().manual_seed(seed)
-    # Structured inputs (a shared direction per head plus noise) so CDF masks are truly sparse.
-    c = torch.randn(1, 1, H, D, generator=g)
-    q = c * 2 + torch.randn(B, S, H, D, generator=g)
-    k = c * 2 + torch.randn(B, S, H, D, generator=g) + torch.linspace(-2, 2, S).view(1, S, 1, 1)
-    v = torch.randn(B, S, H, D, generator=g)
-    return q, k, v
-
-
 def _case_worker(rank, world, lens, H, bs, cdf, sim, random_mask, seed):
     import torch.distributed as dist
 
-    from sparsp import SparspConfig, sp_attention
+    from sparsp import SparspConfig
     from sparsp.masks import block_mask
     from sparsp.strategies import get_transport
 
@@ -69,25 +37,15 @@ def _case_worker(rank, world, lens, H, bs, cdf, sim, random_mask, seed):
         if all(L % bs == 0 for L in lens[:-1]):  # the public contract: block_mask on the whole
             assert torch.equal(m, block_mask(q, k, cdf_threshold=cdf, sim_threshold=sim, block_q=bs, block_k=bs))
     mask = gm if random_mask else m
-    want_sparse = reference(q, k, v, tok_block, mask)
-    want_dense = reference(q, k, v, tok_block, torch.ones_like(mask))
+    want = {"sparse": reference(q, k, v, tok_block, mask),
+            "dense": reference(q, k, v, tok_block, torch.ones_like(mask))}
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double()).transpose(1, 2)
-    assert (sdpa - want_dense).abs().max() < 1e-10
+    assert (sdpa - want["dense"]).abs().max() < 1e-10
     if cdf >= 1.0 and sim is None and not random_mask:
         assert mask.all()
-    a = sum(lens[:rank])
-    sl = slice(a, a + lens[rank])
     cfg = SparspConfig(cdf_threshold=cdf, sim_threshold=sim, block_size=bs, transport="nccl", kernel="torch")
-    errors = {}
-    for strategy in STRATEGIES:
-        if strategy == "ulysses" and H % world:
-            continue
-        out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
-                           strategy=strategy, config=cfg, _global_mask=gm)
-        assert out.shape == q[:, sl].shape and out.dtype == q.dtype
-        want = want_dense if strategy == "ring" else want_sparse
-        errors[strategy] = (out.double() - want[:, sl]).abs().max().item()
+    errors = slice_errors(rank, world, q, k, v, lens, want, cfg, gm)
     get_transport("nccl", None, torch.device("cpu"), 60).fence()
     dist.barrier()
     bad = {s: e for s, e in errors.items() if not e <= 1e-5}
@@ -119,46 +77,11 @@ def test_dense_threshold_equals_sdpa(world, lens):
 
 def _placed_worker(rank, world, kind, strategy_cdf, seed):
     """A placed video sequence: outputs unpermute to plain attention, bytes match demand.py."""
-    import torch.distributed as dist
-
-    from sparsp import SparspConfig, sp_attention
-    from sparsp.strategies import comm_bytes
     from sparsp.geometry import VideoGeometry
-    from sparsp.masks import block_mask
-    from sparsp.placement import make_placement
-    from sparsp.strategies import get_transport
 
     geom = VideoGeometry(frames=4, height=4, width=12, text_tokens=10, block_size=16, heads=4, head_dim=8)
-    pl = make_placement(kind, geom, world)
-    B, H, D, bs = 1, geom.heads, geom.head_dim, geom.block_size
-    q, k, v = _inputs(seed, B, geom.num_tokens, H, D)
-    mask = block_mask(q, k, cdf_threshold=strategy_cdf, block_q=bs, block_k=bs)  # original order
-    tok_block = torch.arange(geom.num_tokens) // bs
-    want = reference(q, k, v, tok_block, mask)
-    qp, kp, vp = (pl.permute(x, 1) for x in (q, k, v))
-    sl = pl.token_slice(rank)
-    cfg = SparspConfig(cdf_threshold=strategy_cdf, block_size=bs, transport="nccl", kernel="torch")
-    transport = get_transport("nccl", None, torch.device("cpu"), cfg.timeout_s)
-    for strategy in STRATEGIES:
-        if strategy == "ulysses" and H % world:
-            continue
-        transport.fence()
-        transport.reset_counters()
-        out = sp_attention(qp[:, sl].contiguous(), kp[:, sl].contiguous(), vp[:, sl].contiguous(),
-                           strategy=strategy, config=cfg)
-        transport.fence()
-        # gather every rank's slice and undo the placement
-        n_max = max(pl.tokens_per_rank)
-        padded = torch.zeros(B, n_max, H, D)
-        padded[:, : out.shape[1]] = out
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded)  # gloo needs equal sizes
-        full = pl.unpermute(torch.cat([p[:, :n] for p, n in zip(parts, pl.tokens_per_rank)], dim=1), 1)
-        ref = want if strategy != "ring" else reference(q, k, v, tok_block, torch.ones_like(mask))
-        err = (full.double() - ref).abs().max().item()
+    for strategy, (err, moved, predicted) in placed_run(rank, world, geom, kind, strategy_cdf, seed).items():
         assert err <= 1e-5, f"{strategy} ({kind}): error {err}"
-        predicted = comm_bytes(mask[0], pl, strategy, head_dim=D, dtype_bytes=4)["per_rank"][rank]
-        moved = transport.total_received
         assert moved == predicted, f"{strategy} ({kind}) rank {rank}: moved {moved} B, demand.py says {predicted} B"
     return True
 
@@ -167,3 +90,45 @@ def _placed_worker(rank, world, kind, strategy_cdf, seed):
 @pytest.mark.parametrize("kind", ["contiguous", "periodic"])
 def test_placed_sequences_and_bytes(world, kind):
     run_distributed(_placed_worker, world, kind, 0.8, 3, timeout=240)
+
+
+def _cached_plan_worker(rank, world, lens, H, bs):
+    from sparsp import SparspConfig, plan, sp_attention
+    from sparsp.strategies import base
+
+    B, D = 1, 16
+    S = sum(lens)
+    a = sum(lens[:rank])
+    sl = slice(a, a + lens[rank])
+    tok_block, _ = slice_blocks(lens, bs)
+    cfg = SparspConfig(cdf_threshold=0.8, block_size=bs, transport="nccl", kernel="torch")
+    gathers = []
+    real = plan.all_gather_flat
+    plan.all_gather_flat = lambda *args, **kw: gathers.append(1) or real(*args, **kw)
+    buffers, masks = [], []
+    try:
+        for seed in (11, 12):  # the same geometry, other inputs: another mask
+            q, k, v = _inputs(seed, B, S, H, D)
+            mask = split_mask(q, k, lens, bs, 0.8, None)
+            masks.append(mask)
+            before = len(gathers)
+            out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
+                               strategy="sparsp", config=cfg)
+            err = (out.double() - reference(q, k, v, tok_block, mask)[:, sl]).abs().max().item()
+            assert err <= 1e-5, f"call with seed {seed}: error {err}"
+            buffers.append([id(b) for g in base._GEOMETRIES.values() for b in g.buffers])
+            if seed == 12:  # the shapes were known: one metadata all-gather, no re-gather
+                assert len(gathers) - before == 1, len(gathers) - before
+    finally:
+        plan.all_gather_flat = real
+    assert not torch.equal(masks[0], masks[1]), "the two calls must differ in their masks"
+    assert buffers[1] == buffers[0] and buffers[0], "the payload buffers of the geometry are reused"
+    assert len(plan._STATE) == 1 and len(next(iter(plan._STATE.values())).shapes) == 1
+    return True
+
+
+@pytest.mark.parametrize("world, lens", [(2, [48, 37]), (3, [32, 48, 41])])
+def test_second_call_reuses_the_plan_of_its_geometry(world, lens):
+    """A second call on one geometry with another mask: the cached shapes, buffers and layouts
+    serve it (one all-gather, the same payload buffers) and the output is right."""
+    assert all(run_distributed(_cached_plan_worker, world, lens, 2, 16))

@@ -1,4 +1,5 @@
-"""GPU: every strategy with NCCL and the flex kernel in bf16 on 2 GPUs (scripts/gpu_check.sh)."""
+"""GPU: every strategy on every transport, flex and the auto kernel (FA4 where installed), in
+bf16 on 2 GPUs, and the chunked pipeline forced on (scripts/gpu_check.sh)."""
 
 import os
 
@@ -41,7 +42,7 @@ def _entry(rank, world, port, fn, args):
         dist.destroy_process_group()
 
 
-def _worker(rank, world, transport, S_per_rank, tail):
+def _worker(rank, world, transport, S_per_rank, tail, kernel):
     from sparsp import SparspConfig, sp_attention
     from sparsp.masks import block_mask
 
@@ -69,7 +70,7 @@ def _worker(rank, world, transport, S_per_rank, tail):
     a = sum(lens[:rank])
     sl = slice(a, a + lens[rank])
     qb, kb, vb = (x[:, sl].to(torch.bfloat16).contiguous() for x in (q, k, v))
-    cfg = SparspConfig(cdf_threshold=0.9, block_size=bs, transport=transport, kernel="flex")
+    cfg = SparspConfig(cdf_threshold=0.9, block_size=bs, transport=transport, kernel=kernel)
     for strategy in STRATEGIES:
         out = sp_attention(qb, kb, vb, strategy=strategy, config=cfg)
         ref, base = (ref_dense, base_dense) if strategy == "ring" else (ref_sparse, base_sparse)
@@ -78,7 +79,14 @@ def _worker(rank, world, transport, S_per_rank, tail):
         assert out.dtype == torch.bfloat16 and out.shape == qb.shape
         assert err <= bound, f"{strategy}/{transport}: error {err:.4f} > bound {bound:.4f}"
         print(f"rank {rank} {strategy}/{transport}: max abs error {err:.5f} (bound {bound:.5f})")
-    dense = SparspConfig(cdf_threshold=1.0, block_size=bs, transport=transport, kernel="flex")
+    # the chunked pipeline forced on (head groups of a payload, per-chunk readiness)
+    chunked = SparspConfig(cdf_threshold=0.9, block_size=bs, transport=transport, kernel=kernel,
+                           chunks=3, drain_chunks=2)
+    out = sp_attention(qb, kb, vb, strategy="sparsp", config=chunked)
+    err = (out.float() - ref_sparse[:, sl]).abs().max().item()
+    bound = 2 * (base_sparse[:, sl] - ref_sparse[:, sl]).abs().max().item() + 1e-3
+    assert err <= bound, f"chunked sparsp/{transport}/{kernel}: error {err} > bound {bound}"
+    dense = SparspConfig(cdf_threshold=1.0, block_size=bs, transport=transport, kernel=kernel)
     out = sp_attention(qb, kb, vb, strategy="sparsp", config=dense)
     err = (out.float() - ref_dense[:, sl]).abs().max().item()
     bound = 2 * (base_dense[:, sl] - ref_dense[:, sl]).abs().max().item() + 1e-3
@@ -86,9 +94,12 @@ def _worker(rank, world, transport, S_per_rank, tail):
 
 
 @needs_two
-@pytest.mark.parametrize("transport, tail", [("nccl", 0), ("nccl", 40), ("ipc", 0), ("host", 40)])
-def test_strategies_flex_bf16(transport, tail):
-    _spawn(_worker, 2, transport, 4096, tail)
+@pytest.mark.parametrize("transport, tail, kernel", [
+    ("nccl", 0, "flex"), ("nccl", 40, "flex"), ("ipc", 0, "flex"), ("host", 40, "flex"),
+    ("nccl", 40, "auto"), ("ipc", 40, "auto"), ("host", 0, "auto"),
+])
+def test_strategies_bf16(transport, tail, kernel):
+    _spawn(_worker, 2, transport, 4096, tail, kernel)
 
 
 def _same_output_worker(rank, world, transports):

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from sparsp.transport import shm
+from sparsp.transport import flags, shm
+from sparsp.transport.flags import decode_flag, encode_flag, flag_reached
 from sparsp.transport.host import HostTransport
-from sparsp.transport.shm import (ShmSegment, decode_flag, encode_flag, flag_reached,
-                                  sweep_stale)
+from sparsp.transport.shm import ShmSegment, sweep_stale
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16)
 _KEEP: list = []  # segments a rank holds until its interpreter exits
@@ -79,23 +79,23 @@ def _exchange(t, rank: int, world: int, numel: int, dtype, epoch: int) -> None:
 def test_flag_encoding_and_epochs():
     rng = random.Random(0)
     for _ in range(2000):
-        e, u, c = rng.randrange(1 << 20), rng.randrange(shm.MAX_USES), rng.randrange(1, 1 << 14)
+        e, u, c = rng.randrange(1 << 20), rng.randrange(flags.MAX_USES), rng.randrange(1, 1 << 14)
         v = encode_flag(e, u, c)
         assert decode_flag(v) == (e % 256, u, c)
         assert flag_reached(v, v)
         # same epoch: reached exactly when (use, count) is at least the expected one
-        u2, c2 = rng.randrange(shm.MAX_USES), rng.randrange(1, 1 << 14)
+        u2, c2 = rng.randrange(flags.MAX_USES), rng.randrange(1, 1 << 14)
         assert flag_reached(encode_flag(e, u2, c2), v) == ((u2, c2) >= (u, c))
         # a flag from any of the 127 previous calls is never taken for this call's
         for back in (1, 2, rng.randrange(1, 128)):
-            stale = encode_flag(e - back, rng.randrange(shm.MAX_USES), rng.randrange(1 << 14))
+            stale = encode_flag(e - back, rng.randrange(flags.MAX_USES), rng.randrange(1 << 14))
             assert not flag_reached(stale, v), (e, back)
         # the value a fence resets to means "nothing published in this epoch yet"
         assert not flag_reached(encode_flag(e, 0, 0), encode_flag(e, 0, 1))
     with pytest.raises(ValueError):
-        encode_flag(0, shm.MAX_USES, 1)
+        encode_flag(0, flags.MAX_USES, 1)
     with pytest.raises(ValueError):
-        encode_flag(0, 0, shm.MAX_COUNT + 1)
+        encode_flag(0, 0, flags.MAX_COUNT + 1)
 
 
 def test_segment_lifecycle_and_stale_cleanup():

@@ -34,6 +34,16 @@ class SparspConfig:
     into every peer's output. Costs one pass over the inputs and, on GPU, one host sync (the
     counts ride on the shape all-gather the call makes anyway). Turn it off in production once
     the inputs are trusted."""
+    chunks: int | None = None
+    """Steady-state chunks (paper §7.1): the remote payloads of rounds 1..G−2 travel as this
+    many messages, one per head group, each computed as soon as it landed. None: automatic
+    (``strategies/chunks.py``: unchunked); 1: off. Clamped to the number of heads."""
+    drain_chunks: int | None = None
+    """Drain chunks: the same for the last remote payload (round G−1, whose transfer no later
+    compute hides; with G = 2 the only one). None: automatic (chunked only where the pair is
+    transfer-bound and the payload large enough, ``strategies/chunks.py``); 1: off. Clamped
+    to the number of heads. Both counts apply to the ``sparsp`` strategy only and must be the
+    same on every rank (sender and consumer derive each message from them)."""
 
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
@@ -53,6 +63,11 @@ class SparspConfig:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if not _is_int(self.prefetch) or self.prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {self.prefetch!r}")
+        for name in ("chunks", "drain_chunks"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be None (automatic) or an int >= 1 (1 = off), "
+                                 f"got {value!r}")
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite must be True or False, got {self.check_finite!r}")
 

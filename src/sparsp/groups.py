@@ -8,11 +8,13 @@ nothing here knows about attention.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_flat", "gather_objects", "global_rank", "resolve_device", "wait"]
+__all__ = ["all_gather_flat", "gather_objects", "global_rank", "resolve_device", "stream_ordered",
+           "to_host", "wait"]
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; the GPU
 # machine's torch 2.11 has only the old name.
@@ -32,6 +34,40 @@ def wait(work, timeout_s: float, what: str) -> None:
         raise TimeoutError(f"{what}: {e}") from e
     if ok is False:
         raise TimeoutError(f"{what}: no answer from a peer within {timeout_s} s")
+
+
+def stream_ordered(group) -> bool:
+    """True when a collective of ``group`` can be waited for on the device stream (NCCL): the
+    host then does not block on it, and the call's next host read (``to_host``) carries the
+    timeout instead."""
+    return "nccl" in str(dist.get_backend(group))
+
+
+def to_host(t: torch.Tensor, timeout_s: float, what: str) -> torch.Tensor:
+    """``t`` copied to the host. On CUDA the copy goes to pinned memory behind an event that
+    is polled, so a peer that never answers a collective the stream waits on becomes a
+    ``TimeoutError`` naming ``what`` instead of a hang (the one host synchronisation of a
+    call carries the timeout of the collectives before it)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    with torch.profiler.record_function("sparsp.host_read"):  # benchmarks count these
+        return _polled_copy(t, timeout_s, what)
+
+
+def _polled_copy(t: torch.Tensor, timeout_s: float, what: str) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    start = time.monotonic()
+    while not done.query():
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise TimeoutError(f"{what}: no answer from a peer within {timeout_s} s")
+        # yield only for the first milliseconds (the usual wait: the device is finishing the
+        # call's mask), then sleep so that a long wait does not burn a core
+        time.sleep(0 if waited < 5e-3 else 5e-4)
+    return host
 
 
 def global_rank(group, rank: int) -> int:

@@ -166,8 +166,8 @@ def _check_block(name: str, value) -> None:
 _THRESHOLDS: dict[tuple, torch.Tensor] = {}
 
 
-def _per_head(value: Threshold, heads: int, name: str, device) -> torch.Tensor:
-    """float64 [heads] on ``device``. Checked on the host (the values are host numbers or a
+def _per_head(value: Threshold, heads: int, name: str, device, dtype=torch.float64) -> torch.Tensor:
+    """``dtype`` [heads] on ``device``. Checked on the host (the values are host numbers or a
     CPU tensor from ``SparspConfig``) and cached per value and device: no host sync per call."""
     src = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
     if src.device.type != "cpu":  # a caller's device tensor: checked where it lives
@@ -178,7 +178,7 @@ def _per_head(value: Threshold, heads: int, name: str, device) -> torch.Tensor:
                              f"got shape {tuple(t.shape)}")
         if torch.isnan(t).any() or (t < 0).any() or (t > 1).any():
             raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
-        return t
+        return t.to(dtype)
     values = tuple(float(x) for x in src.double().reshape(-1).tolist())
     if src.dim() == 0:
         values = values * heads
@@ -187,10 +187,10 @@ def _per_head(value: Threshold, heads: int, name: str, device) -> torch.Tensor:
                          f"got shape {tuple(src.shape)}")
     if not all(0.0 <= x <= 1.0 for x in values):  # NaN fails too
         raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
-    key = (values, str(device))
+    key = (values, str(device), dtype)
     t = _THRESHOLDS.get(key)
     if t is None:
-        t = torch.tensor(values, dtype=torch.float64).to(device)
+        t = torch.tensor(values, dtype=torch.float64).to(device, dtype)
         _THRESHOLDS[key] = t
     return t
 
@@ -206,7 +206,7 @@ def select_blocks(
     """Bool mask [B, H, nQ, nK] of the K blocks each pooled Q block keeps."""
     B, H, _, D = pq.mean.shape
     device = pq.mean.device
-    cdf = _per_head(cdf_threshold, H, "cdf_threshold", device)
+    cdf = _per_head(cdf_threshold, H, "cdf_threshold", device, torch.float32)
     scale = D**-0.5 if scale is None else scale
     scores = torch.einsum("bhqd,bhkd->bhqk", pq.mean, pk.mean) * scale
     if sim_threshold is not None:
@@ -214,7 +214,12 @@ def select_blocks(
         k_similar = pk.sim.double() > sim  # [B, H, nK]
         q_similar = pq.sim.double() > sim
         scores = scores.masked_fill(~k_similar[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores.double(), dim=-1).nan_to_num_(0.0)  # a row of all −inf → 0
+    # float32 throughout: a float64 softmax and sort cost ~2x on the GPU (radix passes), and
+    # every rank runs this same arithmetic on the same gathered summaries, so the mask is the
+    # same bits everywhere (``split_mask`` runs it too)
+    probs = torch.softmax(scores.float(), dim=-1)
+    if sim_threshold is not None:
+        probs.nan_to_num_(0.0)  # a row of all −inf (no similar K block) → 0
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)
     keep_sorted = ordered.cumsum(dim=-1) <= cdf[None, :, None, None]
     keep_sorted[..., 0] = True  # at least one block per row

@@ -19,7 +19,7 @@ import torch
 
 from .kernels.buffer import canonical_block_ids
 
-__all__ = ["Layout", "halves", "layout", "pack"]
+__all__ = ["Layout", "Pending", "halves", "layout", "pack", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Layout:
     selected: torch.Tensor  # [BH, n] bool
     seq_len: int  # tokens of the owner's shard
     block_size: int
+    rows: torch.Tensor | None = None  # token rows in packed order, when ``prepare`` made them
 
     @property
     def num_blocks(self) -> int:
@@ -46,6 +47,8 @@ class Layout:
         With ``source``: rows of a payload packed in ``source``'s layout — a relay forwarding a
         subset of what it received (``source.selected`` must cover ``self.selected``).
         """
+        if source is None and self.rows is not None:
+            return self.rows
         bs, S = self.block_size, self.seq_len
         # nonzero_static: the count is known on the host (layout's counts), so no host sync
         bh, j = torch.nonzero_static(self.selected, size=self.num_blocks).unbind(1)
@@ -66,30 +69,92 @@ class Layout:
         return (b * S + s) * heads + h
 
 
+_ARANGE: dict[tuple, torch.Tensor] = {}
+
+
+def _arange(n: int, device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, cached (capacity-sized index vectors of a geometry)."""
+    key = (n, str(device))
+    t = _ARANGE.get(key)
+    if t is None:
+        t = torch.arange(n, device=device)
+        _ARANGE[key] = t
+    return t
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A layout before its counts reach the host (``prepare``): everything that does not depend
+    on them, made at the selection's capacity (every block selected) on the device, so that
+    the call's host synchronisation is followed by slicing only. ``num_selected`` and
+    ``num_short`` are the 0-dim device counts the caller copies to the host."""
+
+    ids: torch.Tensor
+    starts: torch.Tensor  # [BH·n] capacity
+    lens: torch.Tensor
+    rows: torch.Tensor | None  # [BH·n·block_size] capacity token rows (producer side)
+    num_selected: torch.Tensor
+    num_short: torch.Tensor
+    selected: torch.Tensor
+    seq_len: int
+    block_size: int
+
+    def finish(self, n_sel: int, n_short: int) -> Layout:
+        """The ``Layout`` for the host counts (views of the capacity tensors: no kernel)."""
+        n_full = n_sel - n_short
+        tail_len = self.seq_len - (self.selected.shape[1] - 1) * self.block_size
+        num_rows = n_full * self.block_size + n_short * tail_len
+        rows = None if self.rows is None else self.rows[:num_rows]
+        return Layout(self.ids, self.starts[:n_sel], self.lens[:n_sel], n_full, num_rows,
+                      self.selected, self.seq_len, self.block_size, rows)
+
+
+def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int | None = None) -> Pending:
+    """Everything of ``layout`` that needs no host count; with ``heads`` also the token rows
+    the producer packs (``Layout.token_rows``), made from the inverse of the block ids."""
+    BH, n = selected.shape
+    tail = seq_len % block_size != 0
+    device = selected.device
+    ids = canonical_block_ids(selected, tail)
+    tail_len = seq_len - (n - 1) * block_size
+    n_sel = selected.sum()
+    n_short = selected[:, -1].sum() if tail else torch.zeros((), dtype=torch.long, device=device)
+    n_full = n_sel - n_short
+    cap = BH * n
+    pos = _arange(cap, device)
+    full = pos < n_full
+    starts = torch.where(full, pos * block_size, n_full * block_size + (pos - n_full) * tail_len)
+    lens = torch.where(full, block_size, tail_len)
+    rows = None
+    if heads is not None:
+        # inverse of the ids: the flat (bh, j) of every buffer block (slot ``cap`` takes the
+        # blocks that are not selected)
+        inv = torch.zeros(cap + 1, dtype=torch.long, device=device)
+        inv.scatter_(0, torch.where(selected, ids, cap).reshape(-1), pos)
+        r = _arange(cap * block_size, device)
+        in_full = r < n_full * block_size
+        rr = r - n_full * block_size
+        blk = torch.where(in_full, r // block_size, n_full + rr // tail_len).clamp_(max=cap)
+        off = torch.where(in_full, r % block_size, rr % tail_len)
+        src = inv[blk]
+        bh, j = src // n, src % n
+        rows = ((bh // heads) * seq_len + j * block_size + off) * heads + bh % heads
+    return Pending(ids, starts, lens, rows, n_sel, n_short, selected, seq_len, block_size)
+
+
 def layout(selected: torch.Tensor, seq_len: int, block_size: int,
-           counts: tuple[int, int] | None = None) -> Layout:
+           counts: tuple[int, int] | None = None, *, heads: int | None = None) -> Layout:
     """The packed layout of ``selected`` (bool [BH, n]) — the same on both ends.
 
     ``counts`` = (selected blocks, selected short blocks) when the caller already knows them
     on the host (``sparsp.plan`` copies every count of a call to the host at once); without
-    them they are read from ``selected``, a host synchronisation on GPU.
+    them they are read from ``selected``, a host synchronisation on GPU. ``heads``: also make
+    the producer's token rows (``prepare``).
     """
-    n = selected.shape[1]
-    tail = seq_len % block_size != 0
-    ids = canonical_block_ids(selected, tail)
-    tail_len = seq_len - (n - 1) * block_size
+    pending = prepare(selected, seq_len, block_size, heads=heads)
     if counts is None:
-        n_sel = int(selected.sum())
-        n_short = int(selected[:, -1].sum()) if tail else 0
-    else:
-        n_sel, n_short = counts
-    n_full = n_sel - n_short
-    device = selected.device
-    pos = torch.arange(n_sel, device=device)
-    starts = torch.where(pos < n_full, pos * block_size, n_full * block_size + (pos - n_full) * tail_len)
-    lens = torch.where(pos < n_full, torch.full_like(pos, block_size), torch.full_like(pos, tail_len))
-    rows = n_full * block_size + n_short * tail_len
-    return Layout(ids, starts, lens, n_full, rows, selected, seq_len, block_size)
+        counts = (int(pending.num_selected), int(pending.num_short))
+    return pending.finish(*counts)
 
 
 def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, heads: int, out: torch.Tensor,

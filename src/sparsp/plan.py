@@ -2,8 +2,8 @@
 payload moves, with one collective and one host synchronisation per call.
 
 1. ``gather_metadata``: ONE all-gather of a float32 vector per rank — a header (the rank's
-   local shape, dtype, block size, strategy, its count of NaN/Inf values in q, k, v, and the
-   size of its summaries, bit-cast) followed, for sparse strategies, by the pooled query and
+   local shape, dtype, block size, strategy, a non-finite flag per q, k, v from sums it has
+   anyway, and the size of its summaries, bit-cast) followed, for sparse strategies, by the pooled query and
    key summaries and the key sum (``sparsp.masks.summarize``), padded to the group's
    capacity so that the collective's size never depends on other ranks' shapes. From it
    every rank derives the WHOLE block mask locally (``masks.select_blocks`` on the
@@ -18,6 +18,11 @@ payload moves, with one collective and one host synchronisation per call.
    whose offsets both ends derive from prefix sums. When the guessed shapes were wrong (the
    geometry changed) or a summary outgrew the capacity, it says so and the call redoes the
    mask (``remask``) or the gather: only the first call of a geometry pays for that.
+
+On NCCL the all-gather is waited for on the stream, not on the host: the host goes on
+queueing the mask while the device gathers, and ``resolve``'s host read polls an event with the
+call's timeout, so a peer that never answers is still a ``TimeoutError`` naming the metadata
+all-gather. Exact NaN/Inf counts (for the error message) are gathered only when a flag is set.
 
 Why the host sync is inherent: copy engines take their sizes from the host (a
 ``cudaMemcpyAsync`` length is a host argument), and the errors above must be raised on the
@@ -35,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from .config import SparspConfig
-from .groups import all_gather_flat, wait
+from .groups import all_gather_flat, stream_ordered, to_host, wait
 from .masks import PooledBlocks, key_sum, select_blocks, summarize
-from .packing import Layout, layout
+from .packing import Layout, prepare
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _HEADER = ("sequence length", "batch", "heads", "head dim", "dtype", "block_size", "strategy")
@@ -107,9 +112,11 @@ class Shapes:
         return t
 
 
-def _header(q: torch.Tensor, config: SparspConfig, strategy: str,
-            k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-    """int64 [_HEADER_SLOTS] on q's device: local shape, codes, NaN/Inf counts (no host sync)."""
+def _header(q: torch.Tensor, config: SparspConfig, strategy: str, probe: torch.Tensor | None) -> torch.Tensor:
+    """int64 [_HEADER_SLOTS] on q's device: local shape, codes, and a non-finite flag per q, k,
+    v (no host sync). ``probe`` float32 [3]: sums that are NaN/Inf iff a value of q, k, v is
+    (a sum of finite values overflows only near the float32 limit, ~3e38; the exact count of
+    ``count_nonfinite`` then finds none and the check passes)."""
     B, S, H, D = q.shape
     fields = (S, B, H, D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, config.block_size,
               strategy_code(strategy))
@@ -117,28 +124,54 @@ def _header(q: torch.Tensor, config: SparspConfig, strategy: str,
     if mine is None:  # made once: a pageable host-to-device copy would sync the stream
         mine = torch.tensor(fields, dtype=torch.long).to(q.device)
         _CONSTANTS[(fields, str(q.device))] = mine
-    # Counted on the device; the one host copy of the call reads them.
-    bad = [(~torch.isfinite(t)).sum().reshape(1) if config.check_finite and t is not None
-           else torch.zeros(1, dtype=torch.long, device=q.device) for t in (q, k, v)]
-    return torch.cat([mine, *bad]).clamp(max=2**31 - 1)  # travels as int32
+    if probe is None:
+        bad = torch.zeros(3, dtype=torch.long, device=q.device)
+    else:
+        bad = (~torch.isfinite(probe)).long()
+    return torch.cat([mine, bad])
 
 
-def _check_table(table: torch.Tensor, world: int) -> None:
-    """Raise the same ``ValueError`` on every rank for a bad header table [G, _HEADER_SLOTS]."""
+def _finite_probe(q, k, v, pooled_q: torch.Tensor | None, key_sums: torch.Tensor | None) -> torch.Tensor:
+    """float32 [3]: one sum per tensor, NaN/Inf iff it holds a NaN/Inf; the pooled summaries
+    serve for q and k when the call computed them (no extra pass over the inputs)."""
+    sums = [pooled_q.sum() if pooled_q is not None else q.sum(dtype=torch.float32),
+            key_sums.sum() if key_sums is not None else k.sum(dtype=torch.float32),
+            v.sum(dtype=torch.float32)]
+    return torch.stack(sums)
+
+
+def count_nonfinite(q, k, v, group, timeout_s: float) -> torch.Tensor:
+    """Exact NaN/Inf counts of every rank's q, k, v: long [G, 3] on the host. A collective: only
+    the error path calls it, on every rank at once (every rank read the same flags)."""
+    mine = torch.stack([(~torch.isfinite(t)).sum() for t in (q, k, v)]).to(torch.float64)
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * 3, dtype=mine.dtype, device=mine.device)
+    wait(all_gather_flat(everyone, mine, group), timeout_s, "non-finite count all-gather")
+    return everyone.view(world, 3).cpu().long()
+
+
+def _check_table(table: torch.Tensor, world: int, counts=None) -> None:
+    """Raise the same ``ValueError`` on every rank for a bad header table [G, _HEADER_SLOTS].
+    ``counts()`` gives the exact NaN/Inf counts [G, 3] when a rank flagged any (a collective
+    that every rank enters, since every rank reads the same flags)."""
+    rows = table.tolist()  # plain Python from here: a few dozen small tensor ops cost more
     for col in range(1, len(_HEADER)):
-        if (table[:, col] != table[0, col]).any():
-            values = table[:, col].tolist()
+        values = [r[col] for r in rows]
+        if any(x != values[0] for x in values):
             if _HEADER[col] == "strategy":
                 values = [_CODES.get(v, v) for v in values]
             raise ValueError(f"ranks disagree on {_HEADER[col]}: {values} (rank order)")
-    if (table[:, 0] < 1).any():
-        raise ValueError(f"every rank needs at least one token; sequence lengths {table[:, 0].tolist()}")
-    nonfinite = table[:, len(_HEADER):]
-    if nonfinite.any():
+    if any(r[0] < 1 for r in rows):
+        raise ValueError(f"every rank needs at least one token; sequence lengths {[r[0] for r in rows]}")
+    nonfinite = [r[len(_HEADER):_HEADER_SLOTS] for r in rows]
+    if any(any(f) for f in nonfinite):
+        if counts is not None:
+            nonfinite = counts().tolist()
         found = [f"rank {r}: {name} has {int(n)} NaN/Inf value{'s' if n > 1 else ''}"
-                 for r in range(world) for name, n in zip("qkv", nonfinite[r].tolist()) if n]
-        raise ValueError("non-finite inputs (" + "; ".join(found) + "); sp_attention needs finite q, k, v "
-                         "(SparspConfig(check_finite=False) skips this check)")
+                 for r in range(world) for name, n in zip("qkv", nonfinite[r]) if n]
+        if found:  # (a float32 overflow of a probe sum with no NaN/Inf value is no error)
+            raise ValueError("non-finite inputs (" + "; ".join(found) + "); sp_attention needs finite "
+                             "q, k, v (SparspConfig(check_finite=False) skips this check)")
 
 
 class _GroupState:
@@ -169,6 +202,8 @@ class Metadata:
     rows: torch.Tensor  # float32 [G, header + capacity]: what each rank sent
     mask: torch.Tensor | None
     capacity: int
+    counts: object = None  # () -> exact NaN/Inf counts [G, 3] (the error path's collective)
+    timeout_s: float = 300.0
 
     def resolve(self, selections: dict, extra: dict | None = None):
         """The call's one host synchronisation: header checks, then layouts and counts.
@@ -181,28 +216,29 @@ class Metadata:
         """
         sh = self.shapes
         keys = list(selections)
-        counts = []
+        counts, pending = [], {}
         for key in keys:
             sel, p = selections[key]
-            counts.append(sel.sum().reshape(1))
-            counts.append(sel[:, -1].sum().reshape(1) if sh.has_tail(p)
-                          else torch.zeros(1, dtype=torch.long, device=sel.device))
+            # everything of the layout that needs no count is queued now, before the sync
+            # (a payload this rank packs also gets its token rows)
+            pend = prepare(sel, sh.seq_lens[p], sh.block_size, heads=sh.heads if p == sh.rank else None)
+            pending[key] = pend
+            counts += [pend.num_selected, pend.num_short]
         extra = extra or {}
-        parts = [self.table.reshape(-1)] + [c.long() for c in counts] + \
-            [extra[k].long().reshape(1) for k in extra]
-        host = torch.cat([t.to(self.table.device) for t in parts]).cpu()
+        counts += [extra[k].long() for k in extra]
+        parts = [self.table.reshape(-1)] + ([torch.stack(counts)] if counts else [])
+        host = to_host(torch.cat(parts), self.timeout_s, "geometry check (metadata all-gather)")
         n_head = self.table.numel()
         table = host[:n_head].view(sh.world_size, -1)
         self._host_table = table
-        _check_table(table[:, :_HEADER_SLOTS], sh.world_size)
-        if int(table[:, _HEADER_SLOTS].max()) > self.capacity or \
-                tuple(table[:, 0].tolist()) != sh.seq_lens:
+        _check_table(table[:, :_HEADER_SLOTS], sh.world_size, self.counts)
+        rows = table.tolist()
+        if max(r[_HEADER_SLOTS] for r in rows) > self.capacity or tuple(r[0] for r in rows) != sh.seq_lens:
             return None
         rest = host[n_head:].tolist()
         layouts = {}
         for i, key in enumerate(keys):
-            sel, p = selections[key]
-            layouts[key] = layout(sel, sh.seq_lens[p], sh.block_size, counts=(rest[2 * i], rest[2 * i + 1]))
+            layouts[key] = pending[key].finish(rest[2 * i], rest[2 * i + 1])
         return layouts, dict(zip(extra, rest[2 * len(keys):]))
 
     def true_shapes(self) -> Shapes:
@@ -238,6 +274,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     state = _STATE.setdefault((id(group), str(q.device)), _GroupState())
     center = None
     data = torch.zeros(0, dtype=torch.float32, device=q.device)
+    pooled_q = key_sums = None
     if sparse:
         if config.sim_threshold is not None:
             # similarity of smoothed keys needs the global key mean before pooling: one all-reduce
@@ -247,23 +284,31 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         pq, pk, ks = summarize(q, k, bs, center=center, similarity=config.sim_threshold is not None)
         data = torch.cat([pq.mean.reshape(-1), pq.sim.reshape(-1), pk.mean.reshape(-1),
                           pk.sim.reshape(-1), ks.reshape(-1)])
+        pooled_q, key_sums = pq.mean, ks
+    probe = _finite_probe(q, k, v, pooled_q, key_sums) if config.check_finite else None
     size = torch.full((1,), data.numel(), dtype=torch.long, device=q.device)
-    header = torch.cat([_header(q, config, strategy, k, v), size]).to(torch.int32)
+    header = torch.cat([_header(q, config, strategy, probe), size]).clamp(max=2**31 - 1).to(torch.int32)
     local_key = (tuple(q.shape), q.dtype, bs, strategy)
     guess = state.shapes.get(local_key)
+    counts = lambda: count_nonfinite(q, k, v, group, config.timeout_s)  # noqa: E731
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
         body = torch.zeros(cap, dtype=torch.float32, device=q.device)
         body[: min(cap, data.numel())] = data[:cap]
         mine = torch.cat([header.view(torch.float32), body])
         everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        wait(all_gather_flat(everyone, mine, group), config.timeout_s,
-             "geometry check (metadata all-gather)")
+        work = all_gather_flat(everyone, mine, group)
+        if stream_ordered(group):
+            # NCCL: the stream waits, the host goes on queueing the mask; the call's one host
+            # read (``resolve``, ``to_host``) carries the timeout
+            work.wait()
+        else:
+            wait(work, config.timeout_s, "geometry check (metadata all-gather)")
         rows = everyone.view(world, -1)
         table = rows[:, : _HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
         if guess is None:  # first call of this local geometry: read the headers now
-            host = table.cpu()
-            _check_table(host[:, :_HEADER_SLOTS], world)
+            host = to_host(table, config.timeout_s, "geometry check (metadata all-gather)")
+            _check_table(host[:, :_HEADER_SLOTS], world, counts)
             guess = Shapes(rank, world, B, H, D, bs, tuple(host[:, 0].tolist()))
             need = int(host[:, _HEADER_SLOTS].max())
             if need > cap:
@@ -271,7 +316,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                 continue  # the summaries did not fit: gather again at the group's new capacity
         break
     state.shapes[local_key] = guess
-    meta = Metadata(guess, table, rows, None, cap)
+    meta = Metadata(guess, table, rows, None, cap, counts, config.timeout_s)
     if sparse:
         meta.mask = _mask(meta, guess, config, center)
     return meta
@@ -285,7 +330,7 @@ def remask(meta: Metadata, group, config: SparspConfig, sparse: bool) -> Metadat
         _STATE[(id(group), str(meta.rows.device))].capacity = meta.needed
         return None
     shapes = meta.true_shapes()
-    out = Metadata(shapes, meta.table, meta.rows, None, meta.capacity)
+    out = Metadata(shapes, meta.table, meta.rows, None, meta.capacity, meta.counts, meta.timeout_s)
     if sparse:
         out.mask = _mask(out, shapes, config, None)
     return out

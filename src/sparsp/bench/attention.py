@@ -15,8 +15,9 @@ same kernel. Per row:
   (LSE merges), ``transfer_ms`` (each fetch from issue to landed, summed; overlaps compute),
   ``exposed_comm_ms`` = call − mask − pack − compute − merge (the compute stream waiting);
 * ``host_syncs`` and ``collectives`` of one call, counted by ``torch.profiler``
-  (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaEventSynchronize`` calls; c10d
-  collectives other than send/recv);
+  (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaEventSynchronize`` calls, and
+  event polls that waited — ``groups.to_host`` — counted once per read; ``c10d::`` collective
+  ops other than the transports' send/recv);
 * the bound: C = the slowest rank's kept-block FLOPs (real tokens) / ``dense_tflops`` (the
   fastest dense kernel measured in this run at this head dim), T = ``bytes_max_rank`` /
   ``link_gbps`` (the best 256 MiB bandwidth any transport reached on the fabric, from this
@@ -27,7 +28,8 @@ One-GPU rows over the whole sequence (rank 0): ``1gpu-dense`` (the fastest dense
 user without sparsp runs) and ``1gpu-sparse`` (the strategies' kernel and mask on one GPU).
 ``--ablation`` adds rows that switch on one thing at a time from ``ring-sparse`` on contiguous
 placement over NCCL: periodic placement, direct routing (``ring-relay`` → ``sparsp``), the
-copy-engine transport (``ipc`` / ``host``); each names it in ``ablation``.
+copy-engine transport (``ipc`` / ``host``), then the chunked drain (the last peer's payload in
+4 head groups; chunking is off in the rows before it); each names it in ``ablation``.
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -58,13 +60,18 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS)
     p.add_argument("--text", action="store_true", help="include the model's text tokens (default: video only)")
     p.add_argument("--cdf", type=float, nargs="+", default=[0.9])
-    p.add_argument("--strategy", nargs="+", default=list(strategy_names()), choices=strategy_names())
+    p.add_argument("--strategy", nargs="+", default=[*strategy_names(), "auto"], choices=[*strategy_names(), "auto"],
+                   help="strategies to run (auto: chosen per call by the cost model, strategies/auto.py)")
     p.add_argument("--fabric", default="nvlink", choices=FABRICS,
                    help="nvlink: peer copies allowed; host: NCCL_P2P_DISABLE=1, host-staged transports")
     p.add_argument("--kernel", default="auto", choices=kernel_names(with_auto=True))
     p.add_argument("--no-copy-engine", action="store_true",
                    help="skip the extra sparsp row on the fabric's copy-engine transport (ipc / host)")
     p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="SparspConfig.chunks of every row (default: automatic; 1 = off)")
+    p.add_argument("--drain-chunks", type=int, default=None,
+                   help="SparspConfig.drain_chunks of every row (default: automatic; 1 = off)")
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
@@ -73,6 +80,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="write, per row and rank, torch.profiler tables of one call (ops by device "
+                        "and by host time) and a gzipped Chrome trace into DIR")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
@@ -135,7 +145,7 @@ def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
         from ..kernels import fa4  # optional backend (flash-attn-4)
 
         if fa4.fa4_available(q.device):
-            ms = _time_local(lambda: fa4.dense_attention(q, k, v))
+            ms = _time_local(lambda: fa4.dense(q, k, v))
             if flops / ms / 1e9 > best:
                 best, name = flops / ms / 1e9, "fa4"
     except (ImportError, AttributeError, RuntimeError):
@@ -157,23 +167,45 @@ def _time_local(fn, iters: int = 10) -> float:
     return median(times)
 
 
-def count_syncs_and_collectives(fn) -> tuple[int, int]:
-    """(host syncs, collectives) of one call, from the profiler's CPU events."""
-    from torch.profiler import ProfilerActivity, profile
+def count_syncs_and_collectives(fn, profile_to: Path | None = None) -> tuple[int, int]:
+    """(host syncs, collectives) of one call, from the profiler's host-side events inside the
+    call (the closing synchronize of the measurement is outside it); with ``profile_to`` (a
+    path stem) also the op tables and a gzipped Chrome trace of that call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        with record_function("bench.call"):
+            fn()
         torch.cuda.synchronize()
-    syncs = colls = 0
-    for e in prof.events():
-        name = e.name
-        if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
-            syncs += 1
-        elif (name.startswith("c10d::") or name.startswith("nccl:")) and not any(
-                w in name for w in ("send", "recv", "coalesced", "barrier")):
-            colls += 1
-    # the fn's own closing synchronize is not part of the call
-    return max(0, syncs - 1), colls
+    if profile_to is not None:
+        _write_profile(prof, Path(profile_to))
+    events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    call = next(e for e in events if e.name == "bench.call")
+    inside = [e for e in events if call.time_range.start <= e.time_range.start <= call.time_range.end]
+    syncs = sum(e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                           "sparsp.host_read") for e in inside)
+    # one op per collective issued (the profiler also lists each under its NCCL annotation,
+    # on the host and on the device: those are not counted again); the transports'
+    # send/recv are payload, not metadata
+    colls = sum(e.name.startswith("c10d::") and not any(w in e.name for w in ("send", "recv", "coalesced", "barrier"))
+                for e in inside)
+    return syncs, colls
+
+
+def _write_profile(prof, stem: Path) -> None:
+    import gzip
+    import tempfile
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    avg = prof.key_averages()
+    tables = [f"== by self device time\n{avg.table(sort_by='self_device_time_total', row_limit=40)}",
+              f"== by self host time\n{avg.table(sort_by='self_cpu_time_total', row_limit=40)}"]
+    stem.parent.joinpath(stem.name + ".txt").write_text("\n\n".join(tables))
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(stem.parent / (stem.name + ".json.gz"), "wb") as dst:
+            dst.write(src.read())
 
 
 def _max(x: float, device) -> float:
@@ -189,6 +221,9 @@ def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | No
     ce = COPY_ENGINE[args.fabric]
     rows = []
     for s in args.strategy:
+        if s == "auto":  # on sparsp's placement, over NCCL and the fabric's copy engine
+            rows += [("auto", "periodic", t, None) for t in ("nccl",) + (() if args.no_copy_engine else (ce,))]
+            continue
         spec = strategy_spec(s)
         if spec.heads_divisible and heads % world:
             continue
@@ -200,8 +235,17 @@ def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | No
                  ("ring-sparse", "periodic", "nccl", "+periodic placement"),
                  ("ring-relay", "periodic", "nccl", "+periodic, relay routing"),
                  ("sparsp", "periodic", "nccl", "+periodic, direct routing"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport")]
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport"),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain")]
     return rows
+
+
+def ablation_config(ablation: str | None) -> dict:
+    """``SparspConfig`` fields of an ablation row: chunking stays off until its own step (the
+    last, which cuts the drain payload into 4 head groups); other rows use the defaults."""
+    if ablation is None:
+        return {}
+    return {"chunks": 1, "drain_chunks": 4 if "chunked drain" in ablation else 1}
 
 
 def main(args) -> int:
@@ -244,8 +288,9 @@ def main(args) -> int:
             if dense is None:
                 dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
                                      v if world == 1 else torch.cat([v] * world, 1), args.kernel)
+            chunking = {"chunks": args.chunks, "drain_chunks": args.drain_chunks} | ablation_config(ablation)
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
-                               kernel=args.kernel, timeout_s=300.0)
+                               kernel=args.kernel, timeout_s=300.0, **chunking)
             t = get_transport(transport, None, device, cfg.timeout_s)
             call = lambda: sp_attention(q, k, v, strategy=strategy, config=cfg)  # noqa: E731
             call()
@@ -258,8 +303,11 @@ def main(args) -> int:
             dist.all_reduce(moved)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             times = time_ms(call, warmup=args.warmup, iters=args.iters, device=device)
-            split, mask_density, flops = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
-            syncs, colls = count_syncs_and_collectives(call)
+            split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
+            stem = None if args.profile is None else args.profile / (
+                f"{geom.name}-{args.fabric}-{strategy}-{t.name}-{kind}-cdf{cdf}"
+                + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "") + f"-r{rank}")
+            syncs, colls = count_syncs_and_collectives(call, stem)
             c_ms = _max(flops, device) / (dense[0] * 1e9)
             t_ms = int(most.item()) / (gbps * 1e6)
             med = median(times)
@@ -275,7 +323,8 @@ def main(args) -> int:
                    "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
                    "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
                    "bound_ms": round(max(c_ms, t_ms), 3),
-                   "efficiency": round(max(c_ms, t_ms) / med, 3), "ablation": ablation}
+                   "efficiency": round(max(c_ms, t_ms) / med, 3), "ablation": ablation,
+                   "auto_choice": chosen if strategy == "auto" else None}
             rows.append(row)
             if console:
                 console.print(f"{strategy:12s} {kind:10s} {t.name:5s} cdf {cdf}: {med:.2f} ms "
@@ -326,6 +375,10 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
                                                     ("mask", "pack", "compute", "merge")))
     split = {key: _max(value, device) for key, value in split.items()}
     transport.fence()
+    if strategy == "auto":
+        from ..strategies import auto
+
+        strategy = auto.last_decision().strategy
     meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=strategy_spec(strategy).sparse)
     sh = meta.shapes
     mask = None if meta.mask is None else meta.mask[:, :, sh.blocks_of(sh.rank)]
@@ -334,7 +387,7 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     if mask is None:
         d[0] = d[1]
     dist.all_reduce(d)
-    return split, round(float(d[0] / d[1]), 4), kept_flops(mask, sh)
+    return split, round(float(d[0] / d[1]), 4), kept_flops(mask, sh), strategy
 
 
 def _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, group, dense, gbps) -> list[dict]:
@@ -355,7 +408,8 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, group, dense, gbp
                              dense))
         cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl",
                            kernel=args.kernel, timeout_s=300.0)
-        call = lambda: sp_attention(q, k, v, group=group, strategy="ring-sparse", config=cfg)  # noqa: E731
+        # sparsp on a group of one: the whole sequence, the strategies' kernel and mask, no packing
+        call = lambda: sp_attention(q, k, v, group=group, strategy="sparsp", config=cfg)  # noqa: E731
         times = []
         for _ in range(args.warmup):
             call()
@@ -368,7 +422,7 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, group, dense, gbp
             times.append(start.elapsed_time(end))
         from ..plan import gather_metadata
 
-        meta = gather_metadata(q, k, v, group, cfg, "ring-sparse", sparse=True)
+        meta = gather_metadata(q, k, v, group, cfg, "sparsp", sparse=True)
         kept = kept_flops(meta.mask, meta.shapes)
         rows.append(_one_row(geom, args, cdf, "1gpu-sparse", args.kernel, median(times),
                              kept / (dense[0] * 1e9), float(meta.mask.float().mean()), gbps, dense))
@@ -421,8 +475,6 @@ def plot(path: Path) -> Path:
         ax.set(ylabel="ms per attention call", title=f"{rows[0]['model']}, {fab}")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"attention time split, {doc['machine']}")
-    fig.tight_layout()
-    out = Path(path).with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    from .common import save_figure
+
+    return save_figure(fig, path)

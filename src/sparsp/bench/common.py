@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: process group setup, CUDA-event timing, result files."""
+"""Shared benchmark plumbing: process group setup, CUDA-event timing, result files, plots."""
 
 from __future__ import annotations
 
@@ -97,3 +97,14 @@ def write_result(kind: str, model: str, rows: list[dict], out_dir: Path, extra: 
         doc.update(extra)
     path.write_text(json.dumps(doc, indent=1))
     return path
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """Lay ``fig`` out, write it as the PNG next to the result file ``path``, close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out

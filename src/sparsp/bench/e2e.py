@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import init_distributed, median, time_ms, write_result
+from .common import init_distributed, median, save_figure, time_ms, write_result
 
 FABRICS = ("nvlink", "host")
 ONE_GPU = ("1gpu-dense", "1gpu-sparse")
@@ -289,6 +289,7 @@ def main(args) -> int:
             r["density"] = densities.get(r["cdf"])
     if rank != 0:
         dist.barrier()
+        _shutdown()
         return 0
     path = write_result("e2e", args.model, rows, args.out)
     table = Table(title=f"e2e {args.model}, {world} ranks, {args.fabric}, weights={args.weights}")
@@ -304,7 +305,16 @@ def main(args) -> int:
     outputs = [path] if args.no_plot else [path, plot(path)]
     console.print("wrote " + ", ".join(map(str, outputs)))
     dist.barrier()
+    _shutdown()
     return 0
+
+
+def _shutdown() -> None:
+    """Release sparsp's transports (IPC handles, shared memory) and the process group."""
+    from ..strategies import close_transports
+
+    close_transports()
+    dist.destroy_process_group()
 
 
 def plot(path: Path) -> Path:
@@ -331,8 +341,4 @@ def plot(path: Path) -> Path:
     models = sorted({r["model"] for r in rows})
     ax.set_title(f"e2e step time: {', '.join(models)} ({doc['machine']})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path).with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

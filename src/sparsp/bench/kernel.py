@@ -340,6 +340,8 @@ def plot(path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .common import save_figure
+
     doc = json.loads(Path(path).read_text())
     rows = doc["rows"]
     shapes = list(dict.fromkeys((r["shape"], r["head_dim"]) for r in rows))
@@ -360,11 +362,7 @@ def plot(path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     fig.suptitle(f"sparsp bench kernel, {doc['machine']}, {doc['date']}")
-    fig.tight_layout()
-    out = Path(path).with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=110)
 
 
 def _color(kernel: str) -> str:

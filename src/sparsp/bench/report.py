@@ -1,4 +1,5 @@
-"""Print a short table of benchmark result files: ``python -m sparsp.bench.report FILE...``."""
+"""Print a short table of benchmark result files: ``python -m sparsp.bench.report FILE...``;
+``--plot OUT.png`` also draws the attention files' summary (``summary_plot``)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,82 @@ def summarize(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY = ("1gpu-dense", "1gpu-sparse", "ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
+
+
+def best_rows(rows: list[dict], cdf: float = 0.9) -> dict[tuple[str, str], dict]:
+    """``(fabric, strategy) → row`` of the fastest transport of each strategy at ``cdf``
+    (ablation and ``auto`` rows left out)."""
+    best: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        if r.get("ablation") or r["strategy"] not in SUMMARY or abs(r["cdf"] - cdf) > 1e-9:
+            continue
+        key = (r["fabric"], r["strategy"])
+        if key not in best or r["median_ms"] < best[key]["median_ms"]:
+            best[key] = r
+    return best
+
+
+def summary_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
+    """Speedup over ``1gpu-dense`` of every strategy (its fastest transport) per preset, one
+    panel per fabric, the bound's speedup marked: the README's attention figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    docs = [d for d in docs if d["kind"] == "attention"]
+    fabrics = sorted({r["fabric"] for d in docs for r in d["rows"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(fabrics), figsize=(6 * len(fabrics), 4.5), squeeze=False)
+    width = 0.8 / len(SUMMARY)
+    for ax, fab in zip(axes[0], fabrics):
+        names = []
+        for i, d in enumerate(docs):
+            best = best_rows(d["rows"], cdf)
+            dense = best.get((fab, "1gpu-dense"))
+            if dense is None:
+                continue
+            names.append(d["rows"][0]["model"])
+            x = len(names) - 1
+            for j, strategy in enumerate(SUMMARY):
+                r = best.get((fab, strategy))
+                if r is not None:
+                    ax.bar(x + (j - len(SUMMARY) / 2 + 0.5) * width, dense["median_ms"] / r["median_ms"], width,
+                           color=f"C{j}", label=strategy if x == 0 else None)
+            sp = best.get((fab, "sparsp"))
+            if sp is not None:
+                ax.scatter([x], [dense["median_ms"] / sp["bound_ms"]], marker="v", color="k",
+                           label="sparsp bound" if x == 0 else None, zorder=3)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set(ylabel="speedup over one GPU (cuDNN/FA4 dense)", title=f"fabric {fab}, cdf {cdf}")
+        ax.legend(fontsize=7, ncol=2)
+    machine = docs[0]["machine"] if docs else ""
+    fig.suptitle(f"one attention layer, {machine}")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    paths = argv if argv is not None else sys.argv[1:]
-    if not paths:
-        print("usage: python -m sparsp.bench.report RESULT.json ...", file=sys.stderr)
+    args = list(argv if argv is not None else sys.argv[1:])
+    plot_to = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        if i + 1 >= len(args):
+            print("--plot needs an output path", file=sys.stderr)
+            return 2
+        plot_to = args[i + 1]
+        del args[i: i + 2]
+    if not args:
+        print("usage: python -m sparsp.bench.report [--plot OUT.png] RESULT.json ...", file=sys.stderr)
         return 2
-    print(summarize(paths))
+    print(summarize(args))
+    if plot_to:
+        print(f"wrote {summary_plot(args, Path(plot_to))}")
     return 0
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import init_distributed, median, result_path, write_result
+from .common import init_distributed, median, result_path, save_figure, write_result
 
 FABRICS = ("nvlink", "host")
 DEFAULT_TRANSPORTS = {"nvlink": ("nccl", "ipc"), "host": ("nccl", "host")}
@@ -352,11 +352,7 @@ def plot(path: Path) -> Path:
            title=f"transport bandwidth, 2 ranks exchanging, {doc['machine']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path).with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m sparsp.bench.transport ...

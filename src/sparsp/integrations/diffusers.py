@@ -55,10 +55,16 @@ _ATTR = "_sparsp_runtime"
 
 
 def _strategy_spec(strategy: str):
-    """The registered facts of ``strategy`` (``ValueError`` naming the registered ones)."""
+    """The registered facts of ``strategy`` (``ValueError`` naming the registered ones);
+    ``"auto"`` (chosen per call, ``strategies/auto.py``) places like ``sparsp`` and never needs
+    heads divisible by the group (it picks ``ulysses`` only where they are)."""
     from .. import strategies  # noqa: F401 - importing the package registers every strategy
     from ..strategies.registry import strategy_spec
 
+    if strategy == "auto":
+        from dataclasses import replace
+
+        return replace(strategy_spec("sparsp"), heads_divisible=False)
     return strategy_spec(strategy)
 
 

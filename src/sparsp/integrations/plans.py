@@ -107,41 +107,53 @@ def _ltx2_patch(cfg):
     return (cfg.patch_size_t, cfg.patch_size, cfg.patch_size)
 
 
-PLANS: Mapping[str, SplitPlan] = MappingProxyType({
-    "HunyuanVideoTransformer3DModel": SplitPlan(
+def _rope_split(dim: int) -> Mapping:
+    """Cut both outputs of the ``rope`` module (cos, sin) along ``dim``."""
+    return _frozen({"rope": _frozen({0: Split(dim), 1: Split(dim)})})
+
+
+# Every model ends in ``proj_out``, whose (B, S, C) output is gathered along the tokens.
+_GATHER_PROJ_OUT = _frozen({"proj_out": 1})
+
+
+def _by_model(*plans: SplitPlan) -> Mapping[str, SplitPlan]:
+    return MappingProxyType({plan.model: plan for plan in plans})
+
+
+PLANS: Mapping[str, SplitPlan] = _by_model(
+    SplitPlan(
         model="HunyuanVideoTransformer3DModel",
         grid=Grid("latent", _hunyuan_patch),
         # Cut after patchify: x_embedder's output is (B, S, C); RoPE (cos, sin) are (S, D).
-        outputs=_frozen({"x_embedder": _frozen({None: Split(1)}),
-                         "rope": _frozen({0: Split(0), 1: Split(0)})}),
-        gather=_frozen({"proj_out": 1}),
+        outputs=_frozen({"x_embedder": _frozen({None: Split(1)}), **_rope_split(0)}),
+        gather=_GATHER_PROJ_OUT,
         self_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
         processor="hunyuan",
         text=JointText(stream="context_embedder", mask="encoder_attention_mask"),
         # token_replace (I2V) modulates the first frame's tokens by position in the local slice.
         unsupported_config=_frozen({"image_condition_type": ("token_replace",)}),
     ),
-    "WanTransformer3DModel": SplitPlan(
+    SplitPlan(
         model="WanTransformer3DModel",
         grid=Grid("latent", _wan_patch),
         # Wan 2.2 TI2V passes one timestep per token (B, S): cut it like the tokens.
         entry=_frozen({"timestep": Split(1, when_full=True)}),
         inputs=_frozen({"blocks.0": _frozen({"hidden_states": Split(1)})}),
-        outputs=_frozen({"rope": _frozen({0: Split(1), 1: Split(1)})}),  # (1, S, 1, D) each
-        gather=_frozen({"proj_out": 1}),
+        outputs=_rope_split(1),  # (1, S, 1, D) each
+        gather=_GATHER_PROJ_OUT,
         self_attention=("blocks.*.attn1",),
         processor="wan",
     ),
-    "LTXVideoTransformer3DModel": SplitPlan(
+    SplitPlan(
         model="LTXVideoTransformer3DModel",
         grid=Grid("kwargs", _ltx_patch),
         entry=_frozen({"hidden_states": Split(1), "timestep": Split(1, when_full=True)}),
-        outputs=_frozen({"rope": _frozen({0: Split(1), 1: Split(1)})}),  # (B, S, D) each
-        gather=_frozen({"proj_out": 1}),
+        outputs=_rope_split(1),  # (B, S, D) each
+        gather=_GATHER_PROJ_OUT,
         self_attention=("transformer_blocks.*.attn1",),
         processor="ltx",
     ),
-    "LTX2VideoTransformer3DModel": SplitPlan(
+    SplitPlan(
         model="LTX2VideoTransformer3DModel",
         grid=Grid("kwargs", _ltx2_patch),
         entry=_frozen({"hidden_states": Split(1), "timestep": Split(1, when_full=True),
@@ -150,7 +162,7 @@ PLANS: Mapping[str, SplitPlan] = MappingProxyType({
         # interleaved (B, S, D) and split (B, H, S, D/2) layouts both come out local.
         inputs=_frozen({"rope": _frozen({"coords": Split(2)}),
                         "cross_attn_rope": _frozen({"coords": Split(2)})}),
-        gather=_frozen({"proj_out": 1}),
+        gather=_GATHER_PROJ_OUT,
         self_attention=("transformer_blocks.*.attn1",),
         processor="ltx",
         video_kv_attention=("transformer_blocks.*.video_to_audio_attn",),
@@ -159,7 +171,7 @@ PLANS: Mapping[str, SplitPlan] = MappingProxyType({
         must_be_none=_frozen({"video_self_attention_mask":
                               "an arbitrary token-by-token mask cannot be block-sparse sequence parallel"}),
     ),
-})
+)
 
 
 def plan_for(transformer) -> SplitPlan:

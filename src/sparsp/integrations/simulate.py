@@ -49,6 +49,9 @@ def simulated_sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     nblocks = [-(-n // bs) for n in lens]
     from ..strategies.registry import strategy_spec  # the package import registers every strategy
 
+    if strategy == "auto":
+        raise ValueError("strategy='auto' picks a strategy per call from the group's own demand; "
+                         "the single-process sparse processor needs a fixed one (e.g. 'sparsp')")
     if not strategy_spec(strategy).sparse or config.dense:
         mask = torch.ones(B, H, sum(nblocks), sum(nblocks), dtype=torch.bool, device=q.device)
     else:

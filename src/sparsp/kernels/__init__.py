@@ -30,7 +30,7 @@ from torch import Tensor
 from . import fa4, flex, torch_ref
 from .buffer import KVBuffer, canonical_block_ids, kernel_indices
 from .local import LocalKV
-from .merge import merge_partials, update_out_and_lse
+from .merge import merge_pair, merge_partials, update_out_and_lse
 
 __all__ = [
     "KVBuffer",
@@ -42,6 +42,8 @@ __all__ = [
     "get_kernel",
     "kernel_indices",
     "kernel_names",
+    "merge_pair",
+    "reads_token_major",
     "merge_partials",
     "register_kernel",
     "update_out_and_lse",
@@ -144,6 +146,15 @@ def get_kernel(name: KernelName | str, device: torch.device | str) -> KernelFn:
             + (f": flash_attn.cute does not import ({why}); pip install 'sparsp[fa4]'" if why else "")
         )
     return entry.fn
+
+
+def reads_token_major(kernel: KernelFn, q: Tensor, block_size: int) -> bool:
+    """True when ``kernel`` reads queries given as a (B, H, S, D) view of token-major
+    (B, S, H, D) memory at full speed, so the caller need not copy them head-major: FA4 on a
+    call it runs itself (not its flex fallback) with one batch (its packed path folds (b, h)
+    into one dim, a view only when B = 1)."""
+    return (kernel is fa4.block_sparse_attention and q.shape[0] == 1 and fa4.import_error() is None
+            and fa4.unsupported_reason(q, block_size) is None)
 
 
 def block_sparse_attention(

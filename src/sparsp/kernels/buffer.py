@@ -190,16 +190,13 @@ def compact_indices(keep: Tensor, indices: Tensor, width: int) -> tuple[Tensor, 
         ``(num int32 [...], idx int32 [..., width])``; slots past ``num`` are 0, so every
         entry is a valid block id (flex's ``BlockMask`` indexes with all of them).
     """
-    k = keep.shape[-1]
-    # A stable descending sort of the 0/1 flags puts kept slots first in their original
-    # order: a gather by prefix sums without a Python loop and without a host sync.
-    order = torch.argsort(keep.to(torch.int32), dim=-1, descending=True, stable=True)
-    packed = torch.gather(indices.to(torch.int32), -1, order)
-    num = keep.sum(-1, dtype=torch.int32)
-    packed = fit_width(packed, width)
-    slot = torch.arange(width, device=keep.device, dtype=torch.int32)
-    packed = torch.where(slot < num.unsqueeze(-1), packed, torch.zeros_like(packed))
-    return num, packed.contiguous()
+    # Prefix sums give every kept slot its place; a scatter writes it there (the others go to
+    # a spare slot past ``width`` that is cut off). No sort, no Python loop, no host sync.
+    pos = keep.cumsum(-1) - 1
+    target = torch.where(keep, pos, width)
+    packed = torch.zeros(*keep.shape[:-1], width + 1, dtype=torch.int32, device=keep.device)
+    packed.scatter_(-1, target, indices.to(torch.int32).expand(keep.shape))
+    return keep.sum(-1, dtype=torch.int32), packed[..., :width].contiguous()
 
 
 def fit_width(idx: Tensor, width: int) -> Tensor:
@@ -289,12 +286,12 @@ def kernel_indices(mask: Tensor, block_ids: Tensor, width: int) -> tuple[Tensor,
     """
     B, H, nQ, n = mask.shape
     ids = block_ids.view(B, H, 1, n).to(mask.device)
-    if mask.device.type == "cpu":  # on GPU this check would cost a host sync per call
+    if mask.device.type == "cpu":  # on GPU these checks would cost a host sync per call
         assert not (mask & (ids < 0)).any(), "a kept block is missing from the buffer"
-    big = torch.iinfo(torch.int32).max
-    keyed = torch.where(mask, ids, torch.full_like(ids, big))
-    idx = keyed.sort(dim=-1).values[..., : min(width, n)]
-    idx = torch.where(idx == big, torch.zeros_like(idx), idx).to(torch.int32)
-    if idx.shape[-1] < width:
-        idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
-    return mask.sum(-1, dtype=torch.int32), idx.contiguous()
+        kept = torch.where(mask, ids, -1)
+        running = kept.cummax(-1).values
+        assert bool(((kept < 0) | (kept >= running)).all()), "buffer ids must ascend along a shard"
+    # Buffer ids ascend with the block index inside every (b, h) (canonical order: full blocks
+    # row-major, the short tail block — the last index — after all of them; LocalKV: the index
+    # itself), so compacting the kept blocks in index order lists them ascending.
+    return compact_indices(mask, ids, width)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["merge_partials", "update_out_and_lse"]
+__all__ = ["merge_pair", "merge_partials", "update_out_and_lse"]
 
 
 def update_out_and_lse(
@@ -74,3 +74,46 @@ def merge_partials(parts: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tens
     if out is None or lse is None:
         raise ValueError("merge_partials needs at least one (out, lse) partial, got none")
     return out, lse
+
+
+def _pair(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    # ``update_out_and_lse``'s arithmetic, written so that a compiler fuses it into one pass
+    lse, block_lse = lse.float(), block_lse.float()
+    m = torch.maximum(lse, block_lse)
+    m = torch.where(torch.isneginf(m), 0.0, m)
+    w_a = torch.exp(lse - m)
+    w_b = torch.exp(block_lse - m)
+    total = w_a + w_b
+    inv = 1.0 / torch.where(total > 0, total, 1.0)
+    new_out = out.float() * (w_a * inv).unsqueeze(-1) + block_out.float() * (w_b * inv).unsqueeze(-1)
+    return new_out, m + torch.log(total)
+
+
+_FUSED: dict[str, object] = {}
+
+
+def merge_pair(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """``update_out_and_lse`` for two given partials (any float dtypes, any strides) → fp32.
+
+    On CUDA one fused kernel (``torch.compile``, dynamic shapes: one graph for every geometry)
+    reads both partials once and writes the fp32 result once — the eager form makes ~6 passes
+    over the (B, H, S, D) tensors, 3.5 ms per call at HunyuanVideo's shard size on an H200.
+    Elsewhere, or where compiling fails (no Triton), the eager arithmetic (same result up to
+    float rounding order)."""
+    if out.device.type != "cuda":
+        return _pair(out, lse, block_out, block_lse)
+    fn = _FUSED.get("pair")
+    if fn is None:
+        fn = torch.compile(_pair, dynamic=True, fullgraph=True)
+        _FUSED["pair"] = fn
+    if fn is _pair:
+        return _pair(out, lse, block_out, block_lse)
+    try:
+        return fn(out, lse, block_out, block_lse)
+    except Exception as e:  # noqa: BLE001  (a compiler that cannot run here: eager from now on)
+        import warnings
+
+        warnings.warn(f"sparsp: the fused LSE merge does not compile here ({type(e).__name__}: {e}); "
+                      "merging eagerly", RuntimeWarning, stacklevel=2)
+        _FUSED["pair"] = _pair
+        return _pair(out, lse, block_out, block_lse)

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="K/V element type")
     p.add_argument("--prefetch", type=int, default=1, help="sparsp rounds fetched ahead")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
-    p.add_argument("--calibrate", type=Path, nargs="+", default=None, metavar="RESULT.json",
-                   help="bench transport (and bench kernel) results to fit the profile to")
+    p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
+                   help="bench transport (and bench kernel) results to fit the profile to "
+                        "(no file: the newest transport-*.json and kernel-*.json in bench/results)")
     p.add_argument("--validate", type=Path, nargs="*", default=None, metavar="ATTENTION.json",
                    help="bench attention results whose 2-GPU rows to predict "
                         "(no file: bench/results/attention-*.json)")
@@ -66,6 +67,10 @@ def main(args) -> int:
             raise ValueError(f"--out {args.out} is a file; give a directory")
         if args.calibrate is not None and len(args.calibrate) > 2:
             raise ValueError("--calibrate takes a bench transport result and optionally a bench kernel result")
+        if args.calibrate == []:
+            from .job import discover_calibration
+
+            args.calibrate = discover_calibration()
         cfg = SimulateConfig(
             model=args.model, ranks=tuple(args.ranks), fabric=args.fabric, cdf=tuple(args.cdf),
             strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
@@ -104,7 +109,8 @@ def print_tables(doc: dict, console) -> None:
                       f"{r['bytes_max_rank'] / 2**20:,.0f}", r["bottleneck"])
     console.print(table)
     for cdf, one in doc["one_gpu"].items():
-        console.print(f"one GPU, cdf {cdf}: sparse kernel {one['sparse_ms']:.1f} ms, dense {one['dense_ms']:.1f} ms")
+        console.print(f"one GPU, cdf {cdf}: sparsp (a group of one) {one['sparse_ms']:.1f} ms, "
+                      f"dense kernel {one['dense_ms']:.1f} ms")
     for s in doc["skipped"]:
         console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")
     if doc.get("validation") is not None:
@@ -115,5 +121,13 @@ def print_tables(doc: dict, console) -> None:
             v.add_row(r["model"], r["fabric"], r["strategy"], r["transport"], f"{r['predicted_ms']:.1f}",
                       f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f} %")
         console.print(v)
+        summary = doc.get("validation_summary") or {}
+        if summary.get("rows"):
+            per = "; ".join(f"{f} {summary[f]['within']}/{summary[f]['rows']}" for f in summary
+                            if isinstance(summary[f], dict))
+            console.print(f"within {100 * summary['tolerance']:.0f} %: {summary['within']} of "
+                          f"{summary['rows']} rows ({per}); median error {100 * summary['median_error']:+.1f} %")
+        for src, commit in (doc.get("validation_sources") or {}).items():
+            console.print(f"source {src} (commit {commit or 'uncommitted'})")
         for note in doc.get("validation_notes", [])[:10]:
             console.print(f"[dim]{note}[/dim]")

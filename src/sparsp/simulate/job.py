@@ -22,7 +22,8 @@ from ..analysis import DTYPE_BYTES
 from ..geometry import PRESETS, VideoGeometry, preset
 from ..placement import make_placement
 from ..strategies.registry import strategy_names, strategy_spec
-from .model import bottleneck, build_work, capacities, fair_rates, pair_flops, route, timeline
+from .model import build_work, pair_flops
+from .timeline import bottleneck, exchange_gbps, timeline
 from .profiles import KernelFigure, Profile, TransportFigure, get_profile
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
@@ -103,11 +104,16 @@ def placement_for(strategy: str, kind: str) -> str:
 
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
                  placement: str = "auto", transport: str | None = None, prefetch: int = 1,
-                 dtype_bytes: int = 2) -> dict:
-    """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck)."""
+                 dtype_bytes: int = 2, chunking: Profile | None = None) -> dict:
+    """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
+
+    ``chunking``: the profile ``sparsp`` decides its drain units from (``strategies/chunks.py``
+    reads ``$SPARSP_PROFILE``, else the built-in 2×H200 profile of the path); default
+    ``profile``, the machine's own."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
-    work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes)
+    work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
+                      profile=chunking or profile, transport=transport)
     kw = dict(transport=transport, head_dim=geom.head_dim, prefetch=prefetch)
     tl = timeline(work, profile, **kw)
     label, savings = bottleneck(work, profile, tl, **kw)
@@ -132,12 +138,14 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
 
 
 def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile) -> dict:
-    """The same call on one GPU: the sparse kernel over the whole mask, and dense attention."""
+    """The same call on one GPU: ``sparsp`` on a group of one (what ``bench attention``'s
+    ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload),
+    and dense attention (kernel time only)."""
     pl = make_placement("contiguous", geom, 1)
     kf = profile.kernel(geom.head_dim)
-    sparse = float(pair_flops(masks, pl, geom.head_dim).sum())
+    sparse = timeline(build_work(masks, pl, "sparsp", head_dim=geom.head_dim), profile, head_dim=geom.head_dim)
     dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
-    return {"sparse_ms": round(profile.call_ms + sparse / (kf.sparse_tflops * 1e9) + profile.launch_ms, 4),
+    return {"sparse_ms": round(sparse.latency_ms, 4),
             "dense_ms": round(dense / (kf.dense_tflops * 1e9) + profile.launch_ms, 4)}
 
 
@@ -193,7 +201,8 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     if cfg.validate is not None:
         paths = list(cfg.validate) or discover_attention()
         doc["validation"], doc["validation_notes"] = validate(paths, cfg.calibrate, cache, progress)
-        doc["validation_sources"] = sorted({v["source"] for v in doc["validation"]})
+        doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
+        doc["validation_summary"] = validation_summary(doc["validation"])
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     return doc
 
@@ -233,14 +242,6 @@ def fit_transport(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, 1e-6 / gamma
 
 
-def exchange_gbps(profile: Profile) -> float:
-    """What the model gives two GPUs exchanging at once (the ``bench transport`` setup), GB/s
-    per direction, at efficiency 1."""
-    caps = capacities(profile, 2)
-    rates = fair_rates({0: route(profile, 0, 1, caps), 1: route(profile, 1, 0, caps)}, caps)
-    return min(rates.values())
-
-
 def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
     """Fit ``profile`` to ``bench transport`` rows (latency and bandwidth per transport, on the
     profile's kind of fabric) and ``bench kernel`` rows (TFLOP/s per head dim). Bandwidth
@@ -277,40 +278,101 @@ def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
         figures += [TransportFigure(name=n, efficiency=min(1.0, g / fits[ref][1]), latency_ms=a)
                     for n, (a, g) in fits.items() if n not in known]
         profile = replace(profile, transports=tuple(figures))
+        if "nccl" in fits:  # the call's small collectives (metadata all-gather, fence) ride on NCCL
+            profile = replace(profile, sync_ms=fits["nccl"][0])
+            report["sync_ms"] = round(fits["nccl"][0], 4)
     if kernel_rows:
         profile, report["kernels"] = _calibrate_kernels(profile, kernel_rows)
     name = profile.name if profile.name.endswith("-calibrated") else f"{profile.name}-calibrated"
     return replace(profile, name=name, sources=profile.sources + tuple(report["files"])), report
 
 
-def _calibrate_kernels(profile: Profile, rows: list[dict], sparse_kernel: str = "flex") -> tuple[Profile, dict]:
-    """Per head dim: the strategies' kernel (``flex``) → median kept-block TFLOP/s over its
-    sparse rows; the dense reference → cuDNN (``tflops_kept / vs_cudnn``) where given."""
+SPARSE_KERNELS = ("fa4", "flex")
+"""The block-sparse kernels ``kernel="auto"`` runs, in its order of preference (``fa4`` on sm90
+GPUs with the ``sparsp[fa4]`` extra, else ``flex``): calibration takes the first one a
+``bench kernel`` file has rows of, per head dim."""
+STRATEGY_LAYOUTS = ("local", "packed")
+"""``bench kernel`` layouts the strategies run: the local shard as given (``LocalKV``) and a
+received payload (``KVBuffer``); rows without a ``layout`` (older files) count as both."""
+
+
+def _calibrate_kernels(profile: Profile, rows: list[dict]) -> tuple[Profile, dict]:
+    """Per head dim: the strategies' kernel (the first of ``SPARSE_KERNELS`` with rows there)
+    → median kept-block TFLOP/s over its sparse rows (density < 1) in the strategies' layouts
+    (``STRATEGY_LAYOUTS``); the dense reference → cuDNN (``tflops_kept / vs_cudnn``) where
+    given. Head dims without rows keep the profile's figures."""
     figures = {k.head_dim: k for k in profile.kernels}
     report = {}
     for hd in sorted({int(r["head_dim"]) for r in rows if "head_dim" in r}):
         mine = [r for r in rows if int(r.get("head_dim", -1)) == hd]
-        sparse = [float(r["tflops_kept"]) for r in mine if r.get("kernel") == sparse_kernel
-                  and r.get("tflops_kept") and float(r.get("density", 1.0)) < 1.0]
+        sparse, used = [], None
+        for kernel in SPARSE_KERNELS:
+            sparse = [float(r["tflops_kept"]) for r in mine if r.get("kernel") == kernel
+                      and r.get("tflops_kept") and float(r.get("density", 1.0)) < 1.0
+                      and r.get("layout", "local") in STRATEGY_LAYOUTS]
+            if sparse:
+                used = kernel
+                break
         dense = [float(r["tflops_kept"]) / float(r["vs_cudnn"]) for r in mine
                  if r.get("tflops_kept") and r.get("vs_cudnn")]
         old = profile.kernel(hd)
         fig = KernelFigure(head_dim=hd, sparse_tflops=statistics.median(sparse) if sparse else old.sparse_tflops,
                            dense_tflops=statistics.median(dense) if dense else old.dense_tflops)
         figures[hd] = fig
-        report[str(hd)] = {"sparse_tflops": round(fig.sparse_tflops, 1), "dense_tflops": round(fig.dense_tflops, 1),
-                           "sparse_rows": len(sparse), "dense_rows": len(dense)}
+        report[str(hd)] = {"sparse_kernel": used, "sparse_tflops": round(fig.sparse_tflops, 1),
+                           "dense_tflops": round(fig.dense_tflops, 1), "sparse_rows": len(sparse),
+                           "dense_rows": len(dense)}
     return replace(profile, kernels=tuple(figures[h] for h in sorted(figures))), report
 
 
 # --- validation --------------------------------------------------------------------------------
 
 
+def newest(kind: str, root: Path = Path("bench/results"), *, per_subject: bool = False) -> list[Path]:
+    """The newest ``<kind>-<subject>-<machine>-<date>.json`` under ``root`` (ISO dates sort as
+    text): one per (subject, machine) with ``per_subject``, else one per machine."""
+    found: dict[tuple, Path] = {}
+    for path in sorted(Path(root).glob(f"{kind}-*.json")):
+        parts = path.stem.split("-")
+        if len(parts) < 6:  # kind, subject…, machine, YYYY, MM, DD
+            continue
+        machine, date = parts[-4], "-".join(parts[-3:])
+        key = ("-".join(parts[1:-4]), machine) if per_subject else (machine,)
+        if key not in found or date >= "-".join(found[key].stem.split("-")[-3:]):
+            found[key] = path
+    return sorted(found.values())
+
+
 def discover_attention(root: Path = Path("bench/results")) -> list[Path]:
-    paths = sorted(Path(root).glob("attention-*.json"))
+    """The newest ``bench attention`` result per model and machine under ``root``."""
+    paths = newest("attention", root, per_subject=True)
     if not paths:
         raise ValueError(f"--validate found no attention-*.json under {root}; name the files")
     return paths
+
+
+def discover_calibration(root: Path = Path("bench/results")) -> list[Path]:
+    """The newest ``bench transport`` result under ``root``, and the ``bench kernel`` result of
+    the newest date that covers the most head dims (a one-GPU run over every preset shape
+    rather than a run of one shape), ties to the later name."""
+    transports = newest("transport", root)[-1:]
+    kernels = newest("kernel", root)
+    if kernels:
+        date = max("-".join(p.stem.split("-")[-3:]) for p in kernels)
+        kernels = [max((p for p in kernels if p.stem.endswith(date)), key=lambda p: (_head_dims(p), p.name))]
+    paths = transports + kernels
+    if not paths:
+        raise ValueError(f"--calibrate found no transport-*.json under {root}; name the files")
+    return paths
+
+
+def _head_dims(path: Path) -> int:
+    """How many head dims a ``bench kernel`` file has rows of (0 if unreadable)."""
+    try:
+        rows = json.loads(Path(path).read_text()).get("rows", [])
+        return len({r.get("head_dim") for r in rows if isinstance(r, dict)})
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _commit(path: Path) -> str | None:
@@ -348,6 +410,12 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
             if int(row.get("ranks", 0)) != 2:
                 notes.append(f"{where}: {row.get('ranks')} ranks, not a 2-GPU row")
                 continue
+            if row.get("ablation"):
+                notes.append(f"{where}: ablation step {row['ablation']!r}, not a strategy row")
+                continue
+            if row.get("strategy") not in strategy_names():
+                notes.append(f"{where}: {row.get('strategy')!r} is not a registered strategy")
+                continue
             try:
                 pred = _predict_row(row, profiles, cache)
             except (KeyError, ValueError) as e:
@@ -360,11 +428,28 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
                      "error": round(pred["predicted_ms"] / measured - 1.0, 4),
                      "predicted_compute_ms": pred["compute_ms"], "bottleneck": pred["bottleneck"],
                      "source": str(path), "commit": commit}
-            for key in ("compute_ms", "transfer_ms", "mask_ms"):  # the newer rows' own split
+            for key in SPLIT_KEYS:  # the newer rows' own split
                 if key in row:
                     entry[f"measured_{key}"] = row[key]
+            entry["predicted_fixed_ms"] = pred["fixed_ms"]
             out.append(entry)
     return out, notes
+
+
+SPLIT_KEYS = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "transfer_ms", "exposed_comm_ms")
+TOLERANCE = 0.15
+
+
+def validation_summary(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
+    """How many rows the model predicts within ``tolerance``, per fabric and in all."""
+    def count(rs):
+        return {"rows": len(rs), "within": sum(abs(r["error"]) <= tolerance for r in rs),
+                "median_error": round(statistics.median(r["error"] for r in rs), 4) if rs else None}
+
+    out = {"tolerance": tolerance, **count(rows)}
+    for fabric in sorted({r["fabric"] for r in rows}):
+        out[fabric] = count([r for r in rows if r["fabric"] == fabric])
+    return out
 
 
 def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
@@ -379,8 +464,10 @@ def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     if row["strategy"] not in strategy_names():
         raise ValueError(f"unknown strategy {row['strategy']!r}")
     masks = cache.get(geom, float(row["cdf"]))
+    # the benchmark's sparsp chose its chunks with the built-in profile of its fabric
+    # (``chunks.fabric``: no $SPARSP_PROFILE), not with the calibrated one
     return simulate_one(masks, geom, row["strategy"], 2, profile, placement=row.get("placement", "auto"),
-                        transport=row["transport"])
+                        transport=row["transport"], chunking=get_profile(f"h200x2-{row['fabric']}"))
 
 
 # --- outputs -----------------------------------------------------------------------------------
@@ -424,7 +511,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
             if what == "predicted_ms":
                 one = doc["one_gpu"][str(cdf)]["sparse_ms"]
                 ax.axhline(one, color="grey", lw=0.8, linestyle=styles[ci % len(styles)])
-                ax.annotate(f"1 GPU, sparse kernel (cdf {cdf})", (min(doc["ranks"]), one), fontsize=7,
+                ax.annotate(f"1 GPU, sparsp (cdf {cdf})", (min(doc["ranks"]), one), fontsize=7,
                             color="grey", va="bottom")
         if what == "speedup_vs_ring":
             ax.axhline(1.0, color="grey", lw=0.8)

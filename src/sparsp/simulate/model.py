@@ -1,50 +1,87 @@
-"""The cost model: what each rank does per round (``Work``), and a timeline on a profile.
+"""The cost model's work: what each rank does per round (``Work``).
 
-``build_work`` turns one layer's block masks and a placement into per-rank, per-round work —
-kept-block FLOPs per compute step and bytes per round — with the exact rules of
-``sparsp.demand`` (the bytes of every strategy sum to ``demand.comm_bytes`` per rank).
-``timeline`` then schedules that work on a ``Profile`` as the strategies issue it
-(``sparsp/strategies/*.py``):
-
-* byte rules ``full-shards`` and ``relay`` (``ring``, ``ring-sparse``, ``ring-relay``): local
-  shard first; hop k (from r−1) lands in the buffer freed by step k−2 (double buffering) once
-  the sender holds the shard; step k computes it. A dense strategy (``ring``) runs the same
-  kernel on every block (thresholds ignored).
-* ``direct`` (``sparsp``): round k fetches D[r, ·, r−k] directly from its owner; fetches run
-  ``prefetch`` rounds ahead; the local shard is computed while round 1 is in flight (§5, §6.3).
-* ``all-to-all`` (``ulysses``): Q, K, V of my heads in, the kernel over the whole sequence
-  (one call per (query slice, key slice)), the output back; each all-to-all is G−1 sequential
-  rounds; nothing overlaps.
+``measure`` reduces block masks (a layer's, in a placement's original order, or one call's,
+in its placed order: ``Blocks``) to exact integers per pair of ranks and per head, with one
+host transfer (``Demand``); ``work`` turns a ``Demand`` into per-rank, per-round work — kept-block
+FLOPs per compute step, merge traffic, bytes per round, the mask phase's ops and bytes — with
+the exact rules of ``sparsp.demand`` (the bytes of every strategy sum to ``demand.comm_bytes``
+per rank); ``build_work`` is both for a placement. ``sparsp simulate`` and
+``strategy="auto"`` (``strategies/auto.py``) share them; ``simulate.timeline`` schedules the
+work on a machine profile.
 
 Which schedule a strategy follows comes from its registration (``sparsp.strategies.registry``:
 ``byte_rule``, ``sparse``), so a newly registered strategy with a known byte rule is simulated
 without changes here.
 
-Transfers are fluid flows: every flow in flight shares each resource on its path (links,
-duplex caps, host memory, switch uplinks, the sockets' interconnect) max-min fairly, and rates
-are recomputed whenever a flow starts or ends. A message first pays the transport's latency
-and the sender's pack (bytes / device memory bandwidth), then its bytes flow.
+Every rank first pays a fixed phase: ``call_ms`` plus the mask phase up to the call's one host
+sync, the longer of the host issuing its counted ops and the device's path (the metadata
+all-gather, the input passes, the mask selection). The constants below are counted from the
+code of the strategies and ``sparsp.plan`` (docs/simulate.md says how; ``opcount`` recounts
+the ops); nothing here is fitted to ``bench attention`` rows.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import demand
 from ..placement import Placement
 from ..strategies.registry import strategy_names, strategy_spec
-from .profiles import Profile, TransportFigure
+from .profiles import Profile
 
-# Small collectives every call makes (plan.py): the metadata all-gather (pooled summaries, from
-# which every rank derives the whole mask and every demand) and the fence; the one host sync
-# is part of ``Profile.call_ms``.
-SYNCS_PER_CALL = 2
-# Passes over a float32 score per (head, q block, k block) to select a mask: scores, softmax,
-# sort, cumulative sum (device-memory bound).
-_MASK_BYTES_PER_SCORE = 16
+# Collectives on every call's device path (plan.py): ONE, the metadata all-gather (header +
+# pooled summaries, from which every rank derives the whole mask and every demand). On NCCL
+# the stream waits for it while the host goes on issuing the mask (``groups.stream_ordered``),
+# so its latency (``Profile.sync_ms``) and its bytes are device time of the mask phase, not
+# host time. The transport's fence is no collective: NCCL waits for the previous call's sends,
+# the slot transports meet at a shared-memory barrier.
+SYNCS_PER_CALL = 1
+# Device-memory traffic per (batch·head, q block, k block) score to select the whole mask,
+# counted op by op from ``masks.select_blocks`` (float32 throughout; a ``TorchDispatchMode``
+# summing every op's tensor inputs and outputs gives the same figures except the sort's inner
+# passes): scores written by the matmul (4), scaled (8), softmax (8), the stable descending
+# sort — rows of ≤ 4096 blocks take ATen's small-sort path: values copied (8), indices filled
+# (8), keys and int64 indices sorted in place (24) —, cumulative sum (8), threshold (5), |= (2),
+# zeros (1), scatter (8-byte index + value + write: 10) = 86; plus the demand (``remote_demand``
+# reads the mask once, 1) and the kept counts of ``Call.kept_counts`` (≤ 1): 88 bytes.
+_MASK_BYTES_PER_SCORE = 88
+# Full reads of the inputs before the call's host sync (``plan.gather_metadata``): a sparse call
+# pools q and k (block sums) and sums v for the non-finite flag (the pooled sums serve for q and
+# k); a dense one sums q, k and v for the flag. Three passes over a (B, S, H, D) input either way.
+INPUT_PASSES = 3
+# Eager PyTorch ops the mask phase issues on the host before its one host sync (header, the
+# metadata all-gather, pooling, mask selection, the strategy's plan, layouts prepared before
+# the sync, the host read), which the GPU mostly waits for: counted with
+# ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
+# call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
+# G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind.
+MASK_OPS = {"dense": (43, 0, 0), "sparse": (130, 13, 0), "direct": (139, 96, 0),
+            "relay": (168, 65, 4)}
+# (A dense call issues 2 ops more, 45, once a sparse call has grown the group's summary
+# capacity.) The same count for ``sparsp`` on a group of one (the one-GPU reference of
+# ``bench attention``'s ``1gpu-sparse`` row: a plan without peers): 129.
+ONE_RANK_MASK_OPS = {"direct": 129}
+# ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
+# automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
+# selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
+# payloads (sent, received) cut into u = 2, 4, 12 units: 99, 273, 969 ops more than unchunked
+# = 12 + 87·(u − 1), i.e. per payload 6 once it is cut and 43.5 per unit more.
+MASK_CUT_OPS, MASK_UNIT_OPS = 6, 43.5
+# Merge traffic per output element (``Call.merge``, ``kernels.merge.merge_pair``): the first
+# partial is kept as the kernel returned it (0); a later one is merged in one fused pass that
+# reads both partials and writes fp32 — the second reads two kernel outputs (2 + 2 + 4 = 8),
+# every further one the fp32 accumulator (4 + 2 + 4 = 10); a merged result is cast back to the
+# input dtype (``Call.result``: 4 + 2 = 6); a single partial (FA4's token-major output) needs no
+# copy at all.
+MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES, RESULT_BYTES = 0, 8, 10, 6
+# ``ulysses`` merges eagerly (``update_out_and_lse`` per query slice over the G key slices):
+# the first partial converted and cloned (2 + 4 + 4 + 4 = 14), every further one converted
+# (6), both sides weighted (8 + 8) and added (12) = 34; per element of its output once: the
+# slice copied into the fp32 output (8), cast to the input dtype (6), the pieces for the peers
+# made contiguous (4 · (G−1)/G) and the received pieces concatenated (4).
+ULYSSES_FIRST_BYTES, ULYSSES_MERGE_BYTES, ULYSSES_RESULT_BYTES = 14, 34, 18
 SCHEDULES = {"full-shards": "relay-ring", "relay": "relay-ring", "direct": "direct", "all-to-all": "all-to-all"}
 
 
@@ -65,7 +102,7 @@ class Work:
     local shard, step k the shard of round k; ``ulysses``: one step). ``launches[r][i]``: kernel
     calls in that step. ``recv[r][k-1]``: bytes rank r receives in round k (phase 1 for
     ``ulysses``), ``back[r][k-1]``: bytes of ``ulysses``'s output all-to-all (empty otherwise).
-    ``mask_bytes[r]``: device bytes read to pool r's mask inputs.
+    ``mask_bytes[r]``: device bytes of r's mask phase (input passes, the mask selection).
     """
 
     strategy: str
@@ -76,6 +113,12 @@ class Work:
     recv: tuple[tuple[int, ...], ...]
     back: tuple[tuple[int, ...], ...] = ()
     mask_bytes: tuple[int, ...] = ()
+    host_ops: tuple[int, ...] = ()
+    """Per rank: eager ops issued before the call's host sync (``MASK_OPS``, ``MASK_UNIT_OPS``)."""
+    merge_bytes: tuple[tuple[int, ...], ...] = ()
+    """Per rank and compute step: device traffic of merging that step's partial result."""
+    gather_bytes: tuple[int, ...] = ()
+    """Per rank: bytes it receives in the metadata all-gather (header + padded summaries)."""
 
     def sender(self, r: int, k: int) -> int:
         """Who sends rank r its round-k payload: the ring neighbour, or the owner (r−k)."""
@@ -91,352 +134,272 @@ class Work:
         return [sum(self.recv[r]) + (sum(self.back[r]) if self.back else 0) for r in range(self.ranks)]
 
 
-def pair_flops(masks: torch.Tensor, placement: Placement, head_dim: int, dense: bool = False) -> torch.Tensor:
-    """Float64 [G, G]: kept-block FLOPs of rank r's queries against origin p's keys, all heads
-    (4 · q_len · k_len · head_dim per kept (head, q block, k block): QKᵀ and PV)."""
-    L = placement.geometry.block_lengths().double()
-    heads = masks.sum(dim=0, dtype=torch.float64) if not dense else torch.full_like(
-        L[:, None] * L[None, :], float(masks.shape[0]))
-    onehot = torch.nn.functional.one_hot(placement.owner, placement.ranks).double()
-    return 4.0 * head_dim * onehot.T @ (heads * L[:, None] * L[None, :]) @ onehot
+# --- demand: what a mask asks of each rank, in exact integers ----------------------------------
 
 
-def build_work(masks: torch.Tensor, placement: Placement, strategy: str, *, head_dim: int,
-               dtype_bytes: int = 2) -> Work:
-    """Per-rank, per-round work of ``strategy`` for masks bool [heads, nB, nB] (original order)."""
-    if strategy not in strategy_names():
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(strategy_names())}")
-    spec = strategy_spec(strategy)
-    schedule = schedule_of(strategy)
-    G, H = placement.ranks, masks.shape[0]
+@dataclass(frozen=True)
+class Blocks:
+    """Where the blocks of a mask live: the rank and real token count of every block, in the
+    mask's own order — a placement's original order (``of``) or a call's placed order, where
+    each rank's slice is cut into blocks from its start (``of_call``)."""
+
+    owner: torch.Tensor  # long [nB]
+    lengths: torch.Tensor  # long [nB]
+    ranks: int
+    tokens: tuple[int, ...]  # tokens per rank
+    block_size: int  # the longest block
+    short: torch.Tensor  # long: blocks shorter than the longest (tail blocks), few
+    rows: tuple[slice, ...] | None = None  # each rank's blocks as a slice (placed order: no host sync)
+
+    @staticmethod
+    def of(placement: Placement) -> "Blocks":
+        L = placement.geometry.block_lengths()
+        short = torch.nonzero(L != L.max()).flatten()
+        return Blocks(placement.owner, L, placement.ranks, tuple(placement.tokens_per_rank),
+                      int(L.max()), short)
+
+    @staticmethod
+    def of_call(seq_lens: tuple[int, ...], block_size: int, device=None) -> "Blocks":
+        """Rank p's ``seq_lens[p]`` tokens cut into blocks of ``block_size`` from its start."""
+        lengths, owner, rows, short, start = [], [], [], [], 0
+        for p, n_tok in enumerate(seq_lens):
+            n = -(-n_tok // block_size)
+            lens = [block_size] * n
+            lens[-1] = n_tok - (n - 1) * block_size
+            if lens[-1] != block_size:
+                short.append(start + n - 1)
+            lengths += lens
+            owner += [p] * n
+            rows.append(slice(start, start + n))
+            start += n
+        return Blocks(torch.tensor(owner, device=device), torch.tensor(lengths, device=device),
+                      len(seq_lens), tuple(seq_lens), block_size, torch.tensor(short, dtype=torch.long, device=device),
+                      tuple(rows))
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one call's masks ask of each rank, as exact host integers (tokens, not bytes).
+
+    ``pairs[r][p]``: kept (query token, key token) pairs of r's queries against p's keys, over
+    every head; ``direct[r][p]``: K/V tokens·heads rank r demands of peer p (``D[r,·,p]``, §4.1);
+    ``head_pairs[h]``: kept pairs of head h over the whole sequence, summed over the batch;
+    ``relay[r][k-1]``: tokens·heads hop k into r carries in a relay ring (only when measured).
+    """
+
+    ranks: int
+    batch: int
+    heads: int  # per batch element
+    blocks: int
+    tokens: tuple[int, ...]
+    pairs: tuple[tuple[int, ...], ...]
+    direct: tuple[tuple[int, ...], ...]
+    head_pairs: tuple[int, ...]
+    relay: tuple[tuple[int, ...], ...] | None = None
+    block_size: int = 0  # the longest block (0: unknown, the blocks split evenly over the ranks)
+
+    def rounded(self, digits: int = 2) -> "Demand":
+        """Every figure to ``digits`` significant digits (a cache key for ``strategy="auto"``,
+        whose choice must not hinge on a few blocks)."""
+        def r(x: int) -> int:
+            return int(float(f"{x:.{digits - 1}e}")) if x else 0
+
+        def rows(t):
+            return None if t is None else tuple(tuple(r(x) for x in row) for row in t)
+
+        return replace(self, pairs=rows(self.pairs), direct=rows(self.direct),
+                       head_pairs=tuple(r(x) for x in self.head_pairs), relay=rows(self.relay))
+
+
+def _pair_tokens(masks: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Float64 [G, G] (exact integers): kept (query token, key token) pairs, all heads."""
+    L = blocks.lengths.to(masks.device)
+    weight = masks.sum(dim=0) * (L[:, None] * L[None, :])  # int64 [nB, nB]
+    onehot = torch.nn.functional.one_hot(blocks.owner.to(masks.device), blocks.ranks).double()
+    return onehot.T @ weight.double() @ onehot
+
+
+def measure(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool = False) -> Demand:
+    """The ``Demand`` of masks bool [batch·heads, nB, nB] (batch-major) on any device, with one
+    host transfer; ``relay`` adds the relay ring's per-hop demand (G² more reductions)."""
     masks = masks.bool()
-    owner = placement.owner
-    tokens = placement.tokens_per_rank
-    bb = demand.block_bytes(placement, head_dim=head_dim, dtype_bytes=dtype_bytes)  # per head
-    n = placement.geometry.num_blocks
-    # Pooling the local q and k, then selecting the whole mask on every rank (plan.py).
-    mask_bytes = tuple(2 * t * H * head_dim * dtype_bytes + H * n * n * _MASK_BYTES_PER_SCORE
-                       if spec.sparse else 0 for t in tokens)
-    if schedule == "all-to-all":
-        return _all_to_all_work(strategy, masks, placement, head_dim, dtype_bytes, mask_bytes)
-    dense = not spec.sparse
-    F = pair_flops(masks, placement, head_dim, dense=dense)
-    flops = tuple(tuple(float(F[r, (r - k) % G]) for k in range(G)) for r in range(G))
-    launches = tuple(tuple(1 if (dense or f > 0) else 0 for f in row) for row in flops)
-    if spec.byte_rule == "full-shards":
-        shard = torch.zeros(G, dtype=torch.long).index_add_(0, owner, bb) * H
-        recv = tuple(tuple(int(shard[(r - k) % G]) for k in range(1, G)) for r in range(G))
-    elif spec.byte_rule == "direct":
-        need = demand.demand_sets(masks, placement)
-        per_origin = torch.stack([(need[:, :, owner == p].long() * bb[owner == p]).sum(dim=(1, 2))
-                                  for p in range(G)], dim=1)  # [r, p]
-        recv = tuple(tuple(int(per_origin[r, (r - k) % G]) for k in range(1, G)) for r in range(G))
-    else:  # ring-relay: hop k into r carries origin p = r−k's blocks any of r, r+1, …, p−1 needs
-        need = demand.demand_sets(masks, placement)
-        recv_l = [[0] * (G - 1) for _ in range(G)]
+    G, BH, nB = blocks.ranks, masks.shape[0], masks.shape[-1]
+    if BH % batch:
+        raise ValueError(f"{BH} mask rows do not split into a batch of {batch}")
+    device = masks.device
+    L = blocks.lengths.to(device)
+    owner = blocks.owner.to(device)
+    onehot = torch.nn.functional.one_hot(owner, G).double()
+    pairs = _pair_tokens(masks, blocks)
+    need = demand.remote_demand(masks, owner, G, rows=None if blocks.rows is None else list(blocks.rows))
+    direct = (need.sum(dim=1) * L).double() @ onehot  # [r, p] token-heads
+    # kept pairs per head without a [BH, nB, nB] integer temporary: every block has the
+    # longest length but the few short ones, corrected column by column
+    full = blocks.block_size
+    inner = masks.sum(dim=-1) * full  # [BH, nB]: Σ_k M·L_k if every key block were full
+    if blocks.short.numel():
+        idx = blocks.short.to(device)
+        inner = inner + (masks[..., idx].long() * (L[idx] - full)).sum(dim=-1)
+    head_pairs = (inner * L).sum(dim=-1).view(batch, BH // batch).sum(dim=0).double()
+    parts = [pairs.flatten(), direct.flatten(), head_pairs]
+    if relay:
+        hops = torch.zeros(G, max(G - 1, 1), dtype=torch.float64, device=device)
         for p in range(G):
             mine = (owner == p)[None, :]
             downstream = torch.zeros_like(need[0])
             for k in range(G - 1, 0, -1):  # from the far end of the ring back to p+1
                 r = (p + k) % G
                 downstream |= need[r] & mine
-                recv_l[r][k - 1] = int((downstream.long() * bb).sum())
-        recv = tuple(tuple(row) for row in recv_l)
-    return Work(strategy, schedule, G, flops, launches, recv, (), mask_bytes)
+                hops[r, k - 1] = (downstream.long() * L).sum()
+        parts.append(hops[:, : G - 1].flatten())
+    host = [round(x) for x in torch.cat(parts).cpu().tolist()]  # the one host transfer
+    pairs_h, direct_h = host[: G * G], host[G * G: 2 * G * G]
+    heads_h = host[2 * G * G: 2 * G * G + BH // batch]
+    relay_h = host[2 * G * G + BH // batch:]
+    grid = lambda xs, w: tuple(tuple(xs[i * w:(i + 1) * w]) for i in range(G))  # noqa: E731
+    return Demand(G, batch, BH // batch, nB, tuple(blocks.tokens), grid(pairs_h, G), grid(direct_h, G),
+                  tuple(heads_h), grid(relay_h, G - 1) if relay else None, blocks.block_size)
 
 
-def _all_to_all_work(strategy, masks, placement: Placement, head_dim: int, dtype_bytes: int,
-                     mask_bytes) -> Work:
-    G, H = placement.ranks, masks.shape[0]
-    tokens = placement.tokens_per_rank
-    split = demand.head_split(H, G)
-    first = [sum(split[:r]) for r in range(G)]
-    L = placement.geometry.block_lengths().double()
-    per_head = 4.0 * head_dim * (masks.double() * (L[:, None] * L[None, :])).sum(dim=(1, 2))  # [H]
-    row = head_dim * dtype_bytes
-    flops, launches, recv, back = [], [], [], []
-    for r in range(G):
-        flops.append((float(per_head[first[r]:first[r] + split[r]].sum()),))
-        launches.append((G * G,))  # one kernel call per (query slice, key slice)
-        recv.append(tuple(3 * tokens[(r - k) % G] * split[r] * row for k in range(1, G)))
-        back.append(tuple(tokens[r] * split[(r - k) % G] * row for k in range(1, G)))
-    return Work(strategy, "all-to-all", G, tuple(flops), tuple(launches), tuple(recv), tuple(back),
-                tuple(mask_bytes))
+def mask_bytes(d: Demand, *, head_dim: int, dtype_bytes: int, sparse: bool = True) -> tuple[int, ...]:
+    """Device bytes of each rank's mask phase (plan.py): ``INPUT_PASSES`` reads of its q, k, v
+    and, for a sparse call, the selection of the whole mask (``_MASK_BYTES_PER_SCORE``)."""
+    BH = d.batch * d.heads
+    scores = BH * d.blocks * d.blocks * _MASK_BYTES_PER_SCORE if sparse else 0
+    return tuple(INPUT_PASSES * t * BH * head_dim * dtype_bytes + scores for t in d.tokens)
+
+
+def gather_bytes(d: Demand, *, head_dim: int, sparse: bool) -> tuple[int, ...]:
+    """Bytes each rank receives in the metadata all-gather: G−1 rows of float32, each a header
+    (11 slots) and, for a sparse call, the summaries padded to the largest rank's
+    (``plan._summary_size``: pooled q and k means and similarities, the key sum)."""
+    BH = d.batch * d.heads
+    n = max(-(-t // d.block_size) for t in d.tokens) if d.block_size else -(-d.blocks // d.ranks)
+    row = 11 + (2 * BH * n * (head_dim + 1) + BH * head_dim if sparse else 0)
+    return tuple((d.ranks - 1) * 4 * row for _ in d.tokens)
+
+
+def pair_flops(masks: torch.Tensor, placement: Placement, head_dim: int, dense: bool = False) -> torch.Tensor:
+    """Float64 [G, G]: kept-block FLOPs of rank r's queries against origin p's keys, all heads
+    (4 · q_len · k_len · head_dim per kept (head, q block, k block): QKᵀ and PV)."""
+    if dense:
+        masks = torch.ones_like(masks, dtype=torch.bool)
+    return 4.0 * head_dim * _pair_tokens(masks.bool(), Blocks.of(placement))
+
+
+def build_work(masks: torch.Tensor, placement: Placement, strategy: str, *, head_dim: int,
+               dtype_bytes: int = 2, profile: Profile | None = None, transport: str | None = None) -> Work:
+    """Per-rank, per-round work of ``strategy`` for masks bool [heads, nB, nB] (original order);
+    ``profile``/``transport``: see ``work``."""
+    if strategy not in strategy_names():
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(strategy_names())}")
+    schedule_of(strategy)  # a byte rule the model does not know: ValueError before any work
+    d = measure(masks, Blocks.of(placement), relay=strategy_spec(strategy).byte_rule == "relay")
+    return work(strategy, d, head_dim=head_dim, dtype_bytes=dtype_bytes, profile=profile, transport=transport)
+
+
+def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profile: Profile | None = None,
+         transport: str | None = None) -> Work:
+    """Per-rank, per-round work of ``strategy`` for a measured ``Demand``.
+
+    Hardware-independent but for one decision the ``direct`` schedule (``sparsp``) makes from
+    the machine's profile: into how many head-group units it cuts its drain payloads before
+    the host sync (``chunk_ops``), which costs mask-phase ops. Given ``profile`` (and the
+    call's ``transport`` on it), they are charged; without, none."""
+    spec = strategy_spec(strategy)
+    schedule = schedule_of(strategy)
+    G, BH = d.ranks, d.batch * d.heads
+    tokens = d.tokens
+    kv = 2 * head_dim * dtype_bytes  # K+V bytes per token and head
+    masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes, sparse=spec.sparse)
+    gathered = gather_bytes(d, head_dim=head_dim, sparse=spec.sparse)
+    ops = (mask_ops(spec.byte_rule if spec.sparse else "dense", G),) * G
+    if schedule == "direct" and profile is not None:
+        extra = chunk_ops(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        ops = tuple(n + x for n, x in zip(ops, extra))
+    if schedule == "all-to-all":
+        split = demand.head_split(d.heads, G)
+        first = [sum(split[:r]) for r in range(G)]
+        row = head_dim * dtype_bytes * d.batch
+        flops = tuple((4.0 * head_dim * sum(d.head_pairs[first[r]:first[r] + split[r]]),) for r in range(G))
+        recv = tuple(tuple(3 * tokens[(r - k) % G] * split[r] * row for k in range(1, G)) for r in range(G))
+        back = tuple(tuple(tokens[r] * split[(r - k) % G] * row for k in range(1, G)) for r in range(G))
+        # one eager merge chain per query slice over G key slices, on this rank's heads for
+        # every token; then the output's copies and casts (``ULYSSES_*``)
+        per = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
+        merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per),) for r in range(G))
+        return Work(strategy, schedule, G, flops, tuple((G * G,) for _ in range(G)), recv, back, masking,
+                    ops, merge, gathered)
+    dense = not spec.sparse
+    flops = tuple(tuple(4.0 * head_dim * (BH * tokens[r] * tokens[(r - k) % G] if dense
+                                          else d.pairs[r][(r - k) % G]) for k in range(G))
+                  for r in range(G))
+    launches = tuple(tuple(1 if (dense or f > 0) else 0 for f in row) for row in flops)
+    merge = tuple(_merge_steps(launches[r], BH * tokens[r] * head_dim) for r in range(G))
+    if spec.byte_rule == "full-shards":
+        recv = tuple(tuple(tokens[(r - k) % G] * BH * kv for k in range(1, G)) for r in range(G))
+    elif spec.byte_rule == "direct":
+        recv = tuple(tuple(d.direct[r][(r - k) % G] * kv for k in range(1, G)) for r in range(G))
+    else:  # ring-relay: hop k into r carries origin r−k's blocks any of r, r+1, …, r−k−1 needs
+        if d.relay is None:
+            raise ValueError(f"{strategy}: the demand was measured without relay=True")
+        recv = tuple(tuple(x * kv for x in d.relay[r]) for r in range(G))
+    return Work(strategy, schedule, G, flops, launches, recv, (), masking, ops, merge, gathered)
+
+
+def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
+                dtype_bytes: int) -> tuple[tuple[int, int], ...]:
+    """Per rank: into how many head-group units ``sparsp`` cuts its two drain payloads (round
+    G−1: the one it sends, the one it receives) before the host sync, by its own rule
+    (``strategies/chunks.unit_count``, automatic chunking) on the fabric of ``profile``.
+    One unit each when the demand does not know its block size."""
+    from ..strategies import chunks
+
+    G, bs = d.ranks, d.block_size
+    if G < 2 or not bs:
+        return ((1, 1),) * G
+    fab = chunks.profile_fabric(profile, profile.transport(transport).name, head_dim)
+
+    def units(owner: int, consumer: int) -> int:
+        cost = chunks.pair_cost(fab, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=bs,
+                                consumer_blocks=-(-d.tokens[consumer] // bs))
+        return chunks.unit_count(None, drain=True, heads=d.heads, cost=cost,
+                                 max_rows=d.batch * d.heads * d.tokens[owner])
+
+    k = G - 1
+    return tuple((units(r, (r + k) % G), units((r - k) % G, r)) for r in range(G))
+
+
+def chunk_ops(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
+              dtype_bytes: int) -> tuple[int, ...]:
+    """Per rank: the mask-phase ops its drain units add (``MASK_CUT_OPS``, ``MASK_UNIT_OPS``)."""
+    def ops(u: int) -> float:
+        return 0.0 if u <= 1 else MASK_CUT_OPS + MASK_UNIT_OPS * (u - 1)
+
+    return tuple(round(ops(a) + ops(b))
+                 for a, b in drain_units(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes))
+
+
+def mask_ops(kind: str, ranks: int) -> int:
+    """Eager ops of the mask phase (``MASK_OPS``) for a strategy of ``kind`` (``dense``, or the
+    byte rule of a sparse strategy) on ``ranks`` ranks."""
+    if ranks == 1 and kind in ONE_RANK_MASK_OPS:
+        return ONE_RANK_MASK_OPS[kind]
+    a, b, c = MASK_OPS.get(kind, MASK_OPS["sparse"])
+    return a + b * (ranks - 1) + c * (ranks - 1) ** 2
+
+
+def _merge_steps(launches: tuple[int, ...], elements: int) -> tuple[int, ...]:
+    """Merge traffic of each compute step of one rank whose output has ``elements`` values
+    (``MERGE_*``: the first partial kept, later ones merged in one fused pass)."""
+    out, merged = [], 0
+    for n in launches:
+        out.append(0 if n == 0 else elements * (MERGE_FIRST_BYTES if merged == 0 else
+                                                MERGE_SECOND_BYTES if merged == 1 else MERGE_BYTES))
+        merged += n > 0
+    if out and merged > 1:
+        out[-1] += elements * RESULT_BYTES
+    return tuple(out)
 
 
 # --- contention: routes and max-min fair rates ---------------------------------------------------
-
-
-def capacities(profile: Profile, ranks: int) -> dict[str, float]:
-    """Every shared resource of a ``ranks``-GPU job on ``profile`` → capacity in GB/s."""
-    caps: dict[str, float] = {}
-    for g in range(ranks):
-        caps[f"tx{g}"] = caps[f"rx{g}"] = profile.link_gbps
-        if profile.duplex_gbps is not None:
-            caps[f"duplex{g}"] = profile.duplex_gbps
-    sockets = sorted({profile.socket_of(g) for g in range(ranks)})
-    if profile.host_gbps is not None and not profile.peer_access:
-        for s in sockets:
-            caps[f"host{s}"] = profile.host_gbps
-    if profile.inter_socket_gbps is not None:
-        for a in sockets:
-            for b in sockets:
-                if a != b:
-                    caps[f"socket{a}->{b}"] = profile.inter_socket_gbps
-    if profile.switch_uplink_gbps is not None and profile.gpus_per_switch > 1:
-        for sw in sorted({profile.switch_of(g) for g in range(ranks)}):
-            caps[f"up{sw}"] = caps[f"down{sw}"] = profile.switch_uplink_gbps
-    return caps
-
-
-def route(profile: Profile, src: int, dst: int, caps: dict[str, float]) -> tuple[tuple[str, float], ...]:
-    """Resources a src→dst payload uses and the capacity it takes per payload byte.
-
-    Host-staged payloads are written into host memory on the sender's socket and read from it
-    by the receiver's H2D copy (2 bytes of host traffic per payload byte; the read crosses the
-    sockets' link if the receiver sits on the other socket). Peer copies cross a switch uplink
-    only between switches, and the sockets' link only between sockets."""
-    hops: list[tuple[str, float]] = [(f"tx{src}", 1.0), (f"rx{dst}", 1.0), (f"duplex{src}", 1.0),
-                                     (f"duplex{dst}", 1.0)]
-    s_src, s_dst = profile.socket_of(src), profile.socket_of(dst)
-    sw_src, sw_dst = profile.switch_of(src), profile.switch_of(dst)
-    if not profile.peer_access or sw_src != sw_dst:
-        hops += [(f"up{sw_src}", 1.0), (f"down{sw_dst}", 1.0)]
-    if not profile.peer_access:
-        hops.append((f"host{s_src}", 2.0))
-    if s_src != s_dst:
-        hops.append((f"socket{s_src}->{s_dst}", 1.0))
-    return tuple(h for h in hops if h[0] in caps)
-
-
-def fair_rates(flows: dict[int, tuple[tuple[str, float], ...]], caps: dict[str, float]) -> dict[int, float]:
-    """Max-min fair rates (GB/s) by progressive filling: raise every unfrozen flow's rate
-    together until a resource saturates, freeze the flows through it, repeat."""
-    rate = {f: 0.0 for f in flows}
-    used = {res: 0.0 for res in caps}
-    users: dict[str, list[tuple[int, float]]] = {}
-    for f, path in flows.items():
-        for res, w in path:
-            users.setdefault(res, []).append((f, w))
-    active = {f for f, path in flows.items() if path}
-    for f in set(flows) - active:  # nothing on its path limits it: not a real case, but finite
-        rate[f] = math.inf
-    while active:
-        step, tight = math.inf, []
-        for res, us in users.items():
-            load = sum(w for f, w in us if f in active)
-            if load > 0:
-                d = (caps[res] - used[res]) / load
-                if d < step - 1e-12:
-                    step, tight = d, [res]
-                elif abs(d - step) <= 1e-12:
-                    tight.append(res)
-        step = max(step, 0.0)
-        for f in active:
-            rate[f] += step
-        for res, us in users.items():
-            used[res] += step * sum(w for f, w in us if f in active)
-        frozen = {f for res in tight for f, _ in users[res]}
-        active -= frozen
-    return rate
-
-
-# --- the timeline ------------------------------------------------------------------------------
-
-
-@dataclass
-class Task:
-    """One thing a rank does: ``fixed`` (per-call cost), ``compute`` (a kernel step) or
-    ``transfer`` (an incoming payload of round ``round``)."""
-
-    kind: str
-    rank: int
-    round: int
-    after: list[int]
-    duration: float = 0.0  # ms; for a transfer: latency + pack before its bytes flow
-    nbytes: float = 0.0
-    path: tuple[tuple[str, float], ...] = ()
-    sender: int | None = None
-    phase: int = 1  # ulysses: 1 = inputs in, 2 = outputs back
-    start: float = math.nan
-    end: float = math.nan
-
-
-@dataclass
-class Timeline:
-    """A simulated call: every task with its start and end, per rank."""
-
-    work: Work
-    tasks: list[Task]
-    finish: list[float] = field(default_factory=list)
-
-    @property
-    def latency_ms(self) -> float:
-        """The call's latency: the slowest rank's finish."""
-        return max(self.finish)
-
-    @property
-    def critical_rank(self) -> int:
-        return max(range(len(self.finish)), key=lambda r: self.finish[r])
-
-    def of(self, rank: int, kind: str) -> list[Task]:
-        return [t for t in self.tasks if t.rank == rank and t.kind == kind]
-
-    def busy(self, rank: int, kind: str) -> float:
-        """Time rank spends in ``kind`` (transfers: the union of in-flight intervals)."""
-        spans = sorted((t.start, t.end) for t in self.of(rank, kind) if t.end > t.start)
-        total, cur_a, cur_b = 0.0, None, None
-        for a, b in spans:
-            if cur_b is None or a > cur_b:
-                total += 0.0 if cur_b is None else cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        return total + (0.0 if cur_b is None else cur_b - cur_a)
-
-
-def _ms(nbytes: float, gbps: float) -> float:
-    return nbytes / (gbps * 1e6)
-
-
-def timeline(work: Work, profile: Profile, *, transport: str | None = None, head_dim: int = 128,
-             prefetch: int = 1, skip: frozenset = frozenset()) -> Timeline:
-    """Schedule ``work`` on ``profile``. ``skip`` ⊆ {"compute", "transfer", "fixed"} makes those
-    costs zero (what-if runs that name the bottleneck)."""
-    G = work.ranks
-    if G > profile.gpus:
-        raise ValueError(f"{G} ranks exceed the {profile.gpus} GPUs of profile {profile.name}")
-    if not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
-    tf: TransportFigure = profile.transport(transport)
-    kf = profile.kernel(head_dim)
-    caps = capacities(profile, G)
-    tasks: list[Task] = []
-
-    def add(task: Task) -> int:
-        tasks.append(task)
-        return len(tasks) - 1
-
-    def compute_ms(r: int, i: int) -> float:
-        if "compute" in skip:
-            return 0.0
-        return work.flops[r][i] / (kf.sparse_tflops * 1e9) + work.launches[r][i] * profile.launch_ms
-
-    def transfer(r: int, k: int, nbytes: int, after: list[int], phase: int = 1) -> int:
-        s = work.sender(r, k)
-        if nbytes == 0 or "transfer" in skip:  # nothing to send: no message at all
-            return add(Task("transfer", r, k, after, sender=s, phase=phase))
-        path = tuple((res, w / tf.efficiency) for res, w in route(profile, s, r, caps))
-        pre = tf.latency_ms + _ms(nbytes, profile.hbm_gbps)  # handshake + the sender's pack
-        return add(Task("transfer", r, k, after, pre, float(nbytes), path, s, phase))
-
-    fixed = []
-    for r in range(G):
-        cost = profile.call_ms + SYNCS_PER_CALL * profile.sync_ms
-        if work.mask_bytes:
-            cost += _ms(work.mask_bytes[r], profile.hbm_gbps)
-        fixed.append(add(Task("fixed", r, 0, [], 0.0 if "fixed" in skip else cost)))
-    if work.schedule == "all-to-all":
-        _ulysses(work, fixed, add, transfer, compute_ms)
-    else:
-        _overlapped(work, fixed, add, transfer, compute_ms, prefetch)
-    _run(tasks, caps)
-    finish = [max(t.end for t in tasks if t.rank == r) for r in range(G)]
-    return Timeline(work, tasks, finish)
-
-
-def _overlapped(work: Work, fixed, add, transfer, compute_ms, prefetch: int) -> None:
-    """ring / ring-sparse / ring-relay (double-buffered relay) and sparsp (direct, prefetched)."""
-    G = work.ranks
-    T = [[None] * G for _ in range(G)]  # T[r][k]: transfer of round k into r
-    C = [[None] * G for _ in range(G)]  # C[r][i]: compute step i of r
-    ring = work.schedule == "relay-ring"
-    ahead = 1 if ring else prefetch
-    for r in range(G):
-        C[r][0] = add(Task("compute", r, 0, [fixed[r]], compute_ms(r, 0)))
-    for k in range(1, G):
-        for r in range(G):
-            s = work.sender(r, k)
-            after = [fixed[r], fixed[s]]
-            j = k - ahead  # the round whose landing lets this one be issued
-            if j >= 1:
-                # Issued after the wait on round j, on both ends; the sender's pack/publish is
-                # queued on its compute stream behind step j−1; the receive buffer is the one
-                # step j−1 read (ring-like: the local shard's buffer too; sparsp keeps its own).
-                after += [T[r][j], T[s][j], C[s][j - 1]]
-                if ring or j - 1 >= 1:
-                    after.append(C[r][j - 1])
-            T[r][k] = transfer(r, k, work.recv[r][k - 1], after)
-        for r in range(G):
-            C[r][k] = add(Task("compute", r, k, [C[r][k - 1], T[r][k]], compute_ms(r, k)))
-
-
-def _ulysses(work: Work, fixed, add, transfer, compute_ms) -> None:
-    """All-to-all in (G−1 sequential rounds), one compute step, all-to-all out; no overlap."""
-    G = work.ranks
-    prev = {r: [fixed[r]] for r in range(G)}
-    for k in range(1, G):
-        cur = {r: transfer(r, k, work.recv[r][k - 1], prev[r] + prev[work.sender(r, k)]) for r in range(G)}
-        prev = {r: [cur[r]] for r in range(G)}
-    C = {r: add(Task("compute", r, 0, prev[r], compute_ms(r, 0))) for r in range(G)}
-    prev = {r: [C[r]] for r in range(G)}
-    for k in range(1, G):
-        cur = {r: transfer(r, k, work.back[r][k - 1], prev[r] + prev[work.sender(r, k)], phase=2)
-               for r in range(G)}
-        prev = {r: [cur[r]] for r in range(G)}
-
-
-def _run(tasks: list[Task], caps: dict[str, float]) -> None:
-    """Event-driven fluid simulation; fills every task's start and end (ms)."""
-    n = len(tasks)
-    done = [False] * n
-    started = [False] * n
-    left = [t.nbytes for t in tasks]  # bytes still to flow
-    ready_at = [math.nan] * n  # when a transfer's latency/pack ends and its bytes may flow
-    now, finished = 0.0, 0
-    eps = 1e-9
-    while finished < n:
-        progress = True
-        while progress:  # start what is ready; finish zero-length tasks at once
-            progress = False
-            for i, t in enumerate(tasks):
-                if started[i] or not all(done[a] for a in t.after):
-                    continue
-                started[i], t.start = True, now
-                ready_at[i] = now + t.duration
-                if t.duration <= 0 and (t.kind != "transfer" or left[i] <= 0):
-                    t.end, done[i] = now, True
-                    finished += 1
-                    progress = True
-        if finished == n:
-            break
-        flowing = {i: tasks[i].path for i in range(n)
-                   if started[i] and not done[i] and tasks[i].kind == "transfer" and ready_at[i] <= now + eps
-                   and left[i] > 0}
-        rates = fair_rates(flowing, caps)
-        events = [ready_at[i] for i in range(n) if started[i] and not done[i] and ready_at[i] > now + eps]
-        events += [now + left[i] / (rates[i] * 1e6) for i in flowing if rates[i] > 0]
-        if not events:
-            raise AssertionError("simulation stalled: a dependency cycle in the schedule")
-        nxt = min(events)
-        for i in flowing:
-            left[i] = max(0.0, left[i] - rates[i] * 1e6 * (nxt - now))
-        now = nxt
-        for i, t in enumerate(tasks):
-            if not started[i] or done[i] or ready_at[i] > now + eps:
-                continue
-            if t.kind != "transfer" or left[i] <= max(1e-6, 1e-12 * t.nbytes):
-                t.end, done[i] = now, True
-                finished += 1
-
-
-BOTTLENECKS = ("compute", "transfer", "fixed")
-
-
-def bottleneck(work: Work, profile: Profile, base: Timeline, **kw) -> tuple[str, dict[str, float]]:
-    """Which cost, made free, shortens the call most: ``compute``, ``transfer`` or ``fixed``;
-    and the time each would save (ms)."""
-    savings = {}
-    for what in BOTTLENECKS:
-        savings[what] = base.latency_ms - timeline(work, profile, skip=frozenset({what}), **kw).latency_ms
-    return max(savings, key=lambda k: savings[k]), savings

@@ -102,11 +102,22 @@ class Profile:
     kernels: tuple[KernelFigure, ...]
     """Kernel rates per head dim; a head dim not listed takes the nearest one listed."""
     launch_ms: float = 0.1
-    """Per kernel call: launch, block-index building, LSE merge."""
+    """Per kernel call: launch and block-index building (an estimate; the merge's traffic is
+    counted apart, ``model.MERGE_*``). ``strategies/chunks.py`` charges it per chunk too."""
     call_ms: float = 1.0
-    """Per attention call, every strategy: validation, layouts, Python bookkeeping."""
+    """Per attention call, every strategy: host time outside the counted ops — input
+    validation, the plan's Python bookkeeping, the transport's fence. An estimate (1 ms), not
+    measured by ``bench kernel`` or ``bench transport``; the layouts it once covered are counted
+    ops of the mask phase now (``model.MASK_OPS``)."""
     sync_ms: float = 0.5
-    """Per small collective a call makes (shape all-gather, fence, mask and demand exchanges)."""
+    """Latency of the call's one collective, the metadata all-gather (``model.SYNCS_PER_CALL``),
+    on the device path (the host does not wait for it on NCCL); ``--calibrate`` sets it to
+    NCCL's fitted latency when the transport results have NCCL rows."""
+    op_ms: float = 0.01
+    """Host time to issue one eager PyTorch op (dispatch and launch), charged for the ops of the
+    mask phase, which the GPU waits for (``model.MASK_OPS``, ``model.MASK_UNIT_OPS``): 10 µs,
+    the commonly quoted eager overhead per op — stated, not measured by ``bench kernel`` or
+    ``bench transport``."""
     sources: tuple[str, ...] = ()
     """Where the figures come from (short references; details in docs/simulate.md)."""
 
@@ -128,7 +139,7 @@ class Profile:
         _positive("Profile", "hbm_gbps", self.hbm_gbps)
         for attr in ("duplex_gbps", "host_gbps", "inter_socket_gbps", "switch_uplink_gbps"):
             _positive("Profile", attr, getattr(self, attr), allow_none=True)
-        for attr in ("launch_ms", "call_ms", "sync_ms"):
+        for attr in ("launch_ms", "call_ms", "sync_ms", "op_ms"):
             _positive("Profile", attr, getattr(self, attr), allow_zero=True)
         if not self.transports or not all(isinstance(t, TransportFigure) for t in self.transports):
             raise ValueError(f"Profile.transports must be a non-empty tuple of TransportFigure, "
@@ -189,12 +200,18 @@ class Profile:
 
 # --- built-in profiles ---------------------------------------------------------------------------
 #
-# 2×H200, measured here (DESIGN.md, 2026-11-30). Kernel: the strategies run `flex` (kernel=auto on
-# GPU): 409 TFLOP/s kept at d128, 392 at d64; cuDNN dense 619 / 485 is the one-GPU reference.
+# 2×H200, measured here (DESIGN.md, 2026-11-30). Kernel: `flex`, 409 TFLOP/s kept at d128, 392 at
+# d64; cuDNN dense 619 / 485 is the one-GPU reference. With the `sparsp[fa4]` extra, kernel=auto
+# runs FA4 instead (606.8 / 415.0 kept: the median of the FA4 local and packed rows of
+# bench/results/kernel-all-1xH200-2026-11-30.json), which `--calibrate` reads. The built-in
+# figures stay flex's: the PCIe profiles scale from them (FA4's block-sparse path is sm90 only,
+# so an L40S or an RTX PRO 6000 runs flex), and `strategies/chunks.py` decides chunks at run
+# time with them (the 2026-11-30 attention rows were measured so).
 _H200_KERNELS = (KernelFigure(head_dim=64, sparse_tflops=392.0, dense_tflops=485.0),
                  KernelFigure(head_dim=128, sparse_tflops=409.0, dense_tflops=619.0))
 # Fixed costs: "≈ 12 communication ops ... ≈ 6 ms of host time in collective bookkeeping" per
-# call at LTX size → 0.5 ms per small collective.
+# call at LTX size → 0.5 ms per small collective (one per call now; `--calibrate` takes NCCL's
+# fitted latency); call_ms and launch_ms are estimates.
 _FIXED = dict(launch_ms=0.1, call_ms=1.0, sync_ms=0.5)
 
 _H200_NVLINK = Profile(

@@ -11,11 +11,13 @@ import contextlib
 import logging
 
 import torch
+from torch.profiler import record_function
 
 from ..config import SparspConfig
 from ..plan import forget_shapes, gather_metadata, remask
 from ..transport import make_transport
 from . import ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
+from .auto import AUTO, choose, forget as forget_auto
 from .base import Call, forget_geometries, validate
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
 
@@ -39,6 +41,7 @@ def close_transports() -> None:
     caches; safe to call twice."""
     forget_shapes()
     forget_geometries()
+    forget_auto()
     while _transports:
         _, t = _transports.popitem()
         t.close()
@@ -88,23 +91,30 @@ def sp_attention(
     same shape and dtype as ``q``: attention over the global sequence restricted to the block
     mask ``sparsp.masks.split_mask`` computes on the concatenated q and k (equal to
     ``block_mask`` when every slice but the last is a whole number of blocks).
-    ``strategy="ring"`` is the dense baseline and ignores the thresholds. ``_global_mask``
+    ``strategy="ring"`` is the dense baseline and ignores the thresholds; ``strategy="auto"``
+    picks one per call from the call's own mask and a machine profile (``strategies/auto.py``).
+    ``_global_mask``
     (bool [B, H, N, N], N = global blocks) replaces the CDF mask — for tests; ``_timer``
     (a ``base.PhaseTimer``) times the phases — for benchmarks.
     """
     validate(q, k, v, group, strategy, config)
-    spec = strategy_spec(strategy)
-    computed = spec.sparse and _global_mask is None and not config.dense
+    spec = strategy_spec(strategy) if strategy != AUTO else None  # auto: chosen per call below
+    computed = (spec is None or spec.sparse) and _global_mask is None and not config.dense
     transport = get_transport(config.transport, group, q.device, config.timeout_s)
     timer = _timer
     mask_phase = timer.phase("mask") if timer is not None else contextlib.nullcontext()
     with torch.no_grad():
         mask_phase.__enter__()
-        meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
+        with record_function("sparsp.metadata"):
+            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
         while True:  # once, unless the geometry changed: see plan.gather_metadata
-            call, error = _call(q, k, v, meta, group, spec, config, transport, _global_mask)
-            selections = spec.plan(call) if spec.plan is not None else {}
-            resolved = meta.resolve(selections, call.kept_counts())  # the one host sync
+            with record_function("sparsp.plan"):
+                if strategy == AUTO:  # --- strategy="auto" (strategies/auto.py): needs the mask
+                    spec = strategy_spec(choose(meta, q, group, config, transport, _global_mask))
+                call, error = _call(q, k, v, meta, group, spec, config, transport, _global_mask)
+                selections = spec.plan(call) if spec.plan is not None else {}
+            with record_function("sparsp.resolve"):
+                resolved = meta.resolve(selections, call.kept_counts())  # the one host sync
             if resolved is not None:
                 break
             meta = remask(meta, group, config, computed) or \
@@ -117,7 +127,8 @@ def sp_attention(
         # slot windows sized for the worst case, a full shard per peer (collective only when growing)
         transport.reserve(call.shapes.capacity_rows * 2 * call.shapes.head_dim * q.element_size())
         transport.fence()
-        spec.run(call)
+        with record_function("sparsp.run"):
+            spec.run(call)
     return call.result()
 
 

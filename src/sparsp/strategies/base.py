@@ -1,7 +1,7 @@
 """What every strategy shares: input validation, the per-call context, kernel + merge.
 
 Strategies own communication (through a ``Transport``) and call the kernel through
-``Call.attend``; the merge is the single ``update_out_and_lse`` (STYLE.md §3–4), so a
+``Call.attend``; the merge is the single LSE merge of ``kernels.merge`` (STYLE.md §3–4), so a
 comparison between strategies measures only how K/V moves.
 
 A strategy has two phases (``registry.register_strategy``): ``plan(call)`` names the payload
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..config import SparspConfig
 from ..demand import remote_demand
-from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, update_out_and_lse
+from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, merge_pair, reads_token_major
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
@@ -30,8 +30,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
     """Every check that needs no communication; raises ``ValueError`` naming the argument."""
-    if not isinstance(strategy, str) or strategy not in strategy_names():
-        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(strategy_names())}")
+    allowed = (*strategy_names(), "auto")  # "auto": strategies/auto.py picks one per call
+    if not isinstance(strategy, str) or strategy not in allowed:
+        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(allowed)}")
     if not isinstance(config, SparspConfig):
         raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -64,12 +65,20 @@ def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}")
     G = dist.get_world_size(group)
-    if strategy_spec(strategy).heads_divisible and q.shape[2] % G:
+    if strategy != "auto" and strategy_spec(strategy).heads_divisible and q.shape[2] % G:
         raise ValueError(f"{strategy} needs heads divisible by the group size: H={q.shape[2]}, G={G}")
     if isinstance(config.cdf_threshold, tuple) and len(config.cdf_threshold) != q.shape[2]:
         raise ValueError(f"config.cdf_threshold has {len(config.cdf_threshold)} values for {q.shape[2]} heads")
     if isinstance(config.sim_threshold, tuple) and len(config.sim_threshold) != q.shape[2]:
         raise ValueError(f"config.sim_threshold has {len(config.sim_threshold)} values for {q.shape[2]} heads")
+
+
+def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Tensor:
+    """The rows of heads [h0, h1) of a (batch·head)-major tensor: ``t`` [B·H, ...] →
+    [B·(h1 − h0), ...] (row ``b·H + h`` for every batch ``b`` and head ``h0 <= h < h1``)."""
+    h0, h1 = heads
+    rest = t.shape[1:]
+    return t.reshape(batch, -1, *rest)[:, h0:h1].reshape(-1, *rest)
 
 
 class PhaseTimer:
@@ -160,7 +169,11 @@ class Call:
 
     def __post_init__(self) -> None:
         self.kernel = get_kernel(self.config.kernel, self.q.device)
-        self.q_hm = self.q.permute(0, 2, 1, 3).contiguous()  # (B, H, S, D), once per call
+        # (B, H, S, D): a view where the kernel reads the caller's token-major q at full speed
+        # (FA4 with one batch), else one head-major copy per call
+        self.q_hm = self.q.permute(0, 2, 1, 3)
+        if not reads_token_major(self.kernel, self.q, self.config.block_size):
+            self.q_hm = self.q_hm.contiguous()
         self.out = None
         self.lse = None
         self.scale = self.q.shape[-1] ** -0.5
@@ -268,23 +281,57 @@ class Call:
                               device=self.q.device)
         return self.mask[..., self.shapes.blocks_of(origin)]
 
-    def attend(self, payload: torch.Tensor, lay: Layout, origin: int) -> None:
+    def attend(self, payload: torch.Tensor, lay: Layout, origin: int,
+               heads: tuple[int, int] | None = None) -> None:
         """Run the kernel of the local queries over ``payload`` (a flat buffer holding blocks
         packed in ``lay`` from rank ``origin``'s shard) and merge the partial result.
 
         The kernel sees the whole fixed-capacity buffer, so its shapes never change between
-        calls of one geometry (no recompilation of the flex kernel)."""
+        calls of one geometry (no recompilation of the flex kernel).
+
+        ``heads = (h0, h1)``: ``lay`` selects blocks of those heads only (a chunk of a payload,
+        paper §7); the kernel runs on query heads [h0, h1) alone and its result merges into
+        that head slice of the output, so splitting a payload into chunks does not grow the
+        merge work. ``None``: every head."""
         if self.full_mask is not None and self.kept.get(origin, 1) == 0:
             return  # no local query block reads a block of origin (known from the host copy)
-        rows = self.rows_for(origin)
+        rows, q, ids = self.rows_for(origin), self.q_hm, lay.block_ids
+        if heads is not None:
+            h0, h1 = heads
+            rows, q = rows[:, h0:h1], q[:, h0:h1]
+            ids = head_slice(ids, self.shapes.batch, heads)
         with self.phase("compute"):
-            kv_num, kv_idx = kernel_indices(rows, lay.block_ids, self.width)
+            kv_num, kv_idx = kernel_indices(rows, ids, self.width)
             buf = KVBuffer.from_payload(payload, rows=lay.num_rows, block_start=lay.block_start,
                                         block_len=lay.block_len, num_aligned=lay.num_aligned,
                                         block_size=lay.block_size, head_dim=self.q.shape[-1])
-            o, l = self.kernel(self.q_hm, buf, kv_num, kv_idx, scale=self.scale)
+            o, l = self.kernel(q, buf, kv_num, kv_idx, scale=self.scale)
+        self.merge(o, l, heads)
+
+    def merge(self, o: torch.Tensor, lse: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
+        """Fold a partial result (``o`` (B, H', S, D), ``lse`` (B, H', S)) of query heads
+        ``heads`` (all when ``None``) into the call's output.
+
+        The first whole-head partial is kept as the kernel returned it (no copy); every later
+        one is merged by ``merge_pair`` (one fused pass on CUDA) into float32."""
         with self.phase("merge"):
-            self.out, self.lse = update_out_and_lse(self.out, self.lse, o, l)
+            if heads is None or heads == (0, self.shapes.heads):
+                if self.out is None:
+                    self.out, self.lse = o, lse
+                else:
+                    self.out, self.lse = merge_pair(self.out, self.lse, o, lse)
+                return
+            h0, h1 = heads
+            if self.out is None:  # nothing merged yet: an empty partial for every head
+                B, H, S, D = self.q_hm.shape
+                self.out = torch.zeros(B, H, S, D, dtype=torch.float32, device=self.q.device)
+                self.lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32,
+                                      device=self.q.device)
+            elif self.out.dtype != torch.float32:  # a kept first partial: accumulate in fp32 now
+                self.out, self.lse = self.out.float(), self.lse.float()
+            out, new_lse = merge_pair(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse)
+            self.out[:, h0:h1] = out
+            self.lse[:, h0:h1] = new_lse
 
     def attend_local(self) -> None:
         """The local queries over this rank's own K/V as given (``LocalKV``: per-head
@@ -297,8 +344,7 @@ class Call:
             kv = LocalKV(self.k, self.v, self.shapes.block_size)
             kv_num, kv_idx = kernel_indices(rows, kv.block_ids(), self.width)
             o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
-        with self.phase("merge"):
-            self.out, self.lse = update_out_and_lse(self.out, self.lse, o, l)
+        self.merge(o, l)
 
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""

@@ -1,4 +1,4 @@
-"""``sparsp``: demand-directed direct routing (paper §5).
+"""``sparsp``: demand-directed direct routing (paper §5) with a chunked pipeline (§7).
 
 Round k = 1..G−1: rank r sends to (r+k) mod G exactly the blocks that peer demands (per head,
 packed row-major over (batch·head, block)) and fetches from (r−k) mod G exactly its own demand
@@ -6,29 +6,134 @@ D[r, ·, (r−k) mod G]. No block is relayed; bytes equal the ``direct`` byte ru
 derive both selections from the call's whole mask (``Call.need``), so no demand is exchanged.
 Fetches run ``config.prefetch`` rounds ahead of the kernel, so transfers overlap compute; the
 local shard is computed first, while the first payloads are in flight.
+
+Chunks (§7, ``chunks.py``, docs/pipeline.md): a payload may travel as several messages, one
+per head group, each computed on its heads as soon as it landed. The plan cuts each payload's
+selection into head-group *units* (a count from config + shapes: ``SparspConfig.chunks`` for
+the steady rounds 1..G−2, ``drain_chunks`` for the last round), so their sizes come back from
+the call's one host sync; ``chunks.schedule`` then merges units into chunks and orders them
+from those sizes. Sender and consumer of a pair run the same functions on the same selection,
+so they agree on every message without exchanging anything.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from functools import reduce
 
+import torch
+
+from ..packing import Layout, layout
+from . import chunks
 from .base import Call
 from .registry import register_strategy
 
 
-def plan(call: Call) -> dict:
+@dataclass(frozen=True)
+class Chunk:
+    """One message of a payload: the blocks of heads ``heads`` (None: every head) in ``lay``
+    (None: an empty message, which moves nothing but keeps the round's step)."""
+
+    heads: tuple[int, int] | None
+    lay: Layout | None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.lay is None else self.lay.num_rows
+
+
+def _pair_cost(call: Call, consumer: int) -> chunks.PairCost:
+    sh = call.shapes
+    fab = chunks.fabric(call.q.device.type, call.transport.name, sh.head_dim)
+    return chunks.pair_cost(fab, head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
+                            block_size=sh.block_size, consumer_blocks=sh.num_blocks[consumer])
+
+
+def _requested(call: Call, k: int) -> int | None:
+    return call.config.drain_chunks if k == call.world - 1 else call.config.chunks
+
+
+def _units(call: Call, k: int, owner: int, consumer: int) -> list[tuple[int, int]]:
+    """The head groups of round k's payload owner → consumer (config + shapes only: both
+    ends compute the same before the host sync)."""
+    sh = call.shapes
+    n = chunks.unit_count(_requested(call, k), drain=k == call.world - 1, heads=sh.heads,
+                          cost=_pair_cost(call, consumer),
+                          max_rows=sh.batch * sh.heads * sh.seq_lens[owner])
+    return chunks.head_groups(sh.heads, n)
+
+
+def _restrict(sel: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Tensor:
+    """``sel`` [B·H, n] with every row outside heads [h0, h1) cleared (no host sync)."""
+    h0, h1 = heads
+    whole = sel.view(batch, -1, sel.shape[-1])
+    out = torch.zeros_like(whole)
+    out[:, h0:h1] = whole[:, h0:h1]
+    return out.view_as(sel)
+
+
+def _pairs(call: Call, k: int):
+    """(name, owner, consumer) of round k's two payloads on this rank."""
     r, G = call.rank, call.world
+    return (("send", r, (r + k) % G), ("recv", (r - k) % G, r))
+
+
+def plan(call: Call) -> dict:
     out = {}
-    for k in range(1, G):
-        dst, src = (r + k) % G, (r - k) % G
-        out[("send", k)] = (call.need(dst, r), r)  # what dst demands of me
-        out[("recv", k)] = (call.need(r, src), src)  # what I demand of src
+    for k in range(1, call.world):
+        for name, owner, consumer in _pairs(call, k):
+            sel = call.need(consumer, owner)
+            units = _units(call, k, owner, consumer)
+            if len(units) == 1:
+                out[(name, k)] = (sel, owner)
+                continue
+            for i, heads in enumerate(units):
+                out[(name, k, i)] = (_restrict(sel, call.shapes.batch, heads), owner)
     return out
+
+
+def payload_chunks(call: Call, name: str, k: int) -> list[Chunk]:
+    """The messages of round k's ``name`` ("send" or "recv") payload, in sending order
+    (after the host sync: ``call.layouts`` holds the units' sizes). Never empty."""
+    _, owner, consumer = next(p for p in _pairs(call, k) if p[0] == name)
+    units = _units(call, k, owner, consumer)
+    if len(units) == 1:
+        return [Chunk(None, call.layouts[(name, k)])]
+    lays = [call.layouts[(name, k, i)] for i in range(len(units))]
+    pieces = [chunks.Piece(h, lay.num_blocks, lay.num_rows) for h, lay in zip(units, lays)]
+    requested = _requested(call, k)
+    picked = chunks.schedule(pieces, count=None if requested is None else len(units),
+                             cost=_pair_cost(call, consumer))
+    out = []
+    for idx in picked:
+        heads = (units[idx[0]][0], units[idx[-1]][1])
+        lay = lays[idx[0]] if len(idx) == 1 else _merged([lays[i] for i in idx], call.shapes, owner)
+        out.append(Chunk(None if heads == (0, call.shapes.heads) else heads, lay))
+    return out or [Chunk(None, None)]
+
+
+def _merged(lays: list[Layout], sh, owner: int) -> Layout:
+    """The layout of several units' blocks together, from their host counts (no host sync)."""
+    sel = reduce(torch.logical_or, (lay.selected for lay in lays))
+    n_sel = sum(lay.num_blocks for lay in lays)
+    n_short = sum(lay.num_blocks - lay.num_aligned for lay in lays)
+    return layout(sel, sh.seq_lens[owner], sh.block_size, counts=(n_sel, n_short))
+
+
+def _region(call: Call, buf: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
+    """The part of a payload buffer that holds heads [h0, h1): a fixed size per head count
+    (the heads' share of a full shard), so the kernel's shapes do not depend on the demand."""
+    if heads is None:
+        return buf
+    sh = call.shapes
+    per_head = 2 * sh.batch * max(sh.num_blocks) * sh.block_size * sh.head_dim
+    return buf[heads[0] * per_head: heads[1] * per_head]
 
 
 @register_strategy("sparsp", sparse=True, placement="periodic", byte_rule="direct", plan=plan,
                    description="round k: exactly D[r,·,(r−k) mod G] from its owner, per head; "
-                               "merged as payloads land")
+                               "chunked by head groups, merged as chunks land")
 def run(call: Call) -> None:
     r, G = call.rank, call.world
     t = call.transport
@@ -38,25 +143,43 @@ def run(call: Call) -> None:
 
     def start(k: int) -> None:
         dst, src = (r + k) % G, (r - k) % G
-        send = call.layouts[("send", k)]
-        buf = t.send_buffer(dst, send.num_rows * 2 * D, call.q.dtype)
-        if send.num_rows:  # both ends derive the same size: nothing moves for an empty set
-            call.pack_local(send, buf)
-        t.publish(dst, buf)
-        recv = call.layouts[("recv", k)]
+        sends, recvs = payload_chunks(call, "send", k), payload_chunks(call, "recv", k)
         out = free.popleft()
-        handle = call.fetch(src, out[: recv.num_rows * 2 * D])  # the round's end (base.py rules)
-        inflight.append((src, recv, out, handle))
+        landing = []
+        # One step per message: publish the i-th chunk for dst, then fetch the i-th from src
+        # (transport/base.py's round rule, per step; a side with fewer chunks sends or fetches
+        # 0 elements, which moves nothing and takes no slot). Every rank walks its steps in the
+        # same order, so a wait only ever depends on an earlier step of a peer.
+        for i in range(max(len(sends), len(recvs))):
+            send = sends[i] if i < len(sends) else Chunk(None, None)
+            buf = t.send_buffer(dst, send.rows * 2 * D, call.q.dtype)
+            if send.rows:  # both ends derive the same size: nothing moves for an empty set
+                call.pack_local(send.lay, buf)
+            t.publish(dst, buf)
+            if i < len(recvs):
+                region = _region(call, out, recvs[i].heads)
+                handle = call.fetch(src, region[: recvs[i].rows * 2 * D])
+                landing.append((recvs[i], region, handle))
+            else:
+                t.fetch(src, out[:0])  # ends the step; any sends it carries are fenced
+            # Released at once: the transports queue the 'released' signal behind the copy
+            # (slots.py; nccl has no slots), so the producer's slot frees as soon as it is
+            # copied. Released after the wait instead, a round with more chunks for one peer
+            # than its window has slots would deadlock: both ends wait in send_buffer for a
+            # release that only comes once their own round has been issued.
+            t.release(src)
+        inflight.append((src, out, landing))
 
     for k in range(1, min(G, call.config.prefetch + 1)):
         start(k)
     call.attend_local()  # while the first payloads are in flight
     for k in range(1, G):
-        src, recv, out, handle = inflight.popleft()
-        handle.wait()
-        t.release(src)  # the payload is in our buffer: the producer may reuse its slot
-        if k + call.config.prefetch < G:
-            start(k + call.config.prefetch)  # uses the one free buffer: overlaps this compute
-        if recv.num_rows:
-            call.attend(out, recv, src)
+        src, out, landing = inflight.popleft()
+        for j, (chunk, region, handle) in enumerate(landing):
+            handle.wait()
+            if j == len(landing) - 1 and k + call.config.prefetch < G:
+                # the round's transfer is complete: the next one may use the link
+                start(k + call.config.prefetch)  # into the one free buffer: overlaps this compute
+            if chunk.rows:
+                call.attend(region, chunk.lay, src, heads=chunk.heads)
         free.append(out)

@@ -1,21 +1,9 @@
 """Transports: how payloads move between ranks (see ``base`` for the protocol)."""
 
-from . import host, ipc, nccl  # noqa: F401  (each registers its name)
-from .base import (DoneHandle, Handle, Topology, Transport, TransportName, TransportSpec,
-                   register_transport, transport_factory, transport_names, transport_spec)
+from . import base, host, ipc, nccl  # noqa: F401  (each of host, ipc, nccl registers its name)
+from .base import (AutoRule, DoneHandle, Handle, Topology, Transport,  # noqa: F401  (base.__all__)
+                   TransportName, TransportSpec, register_transport, transport_factory,
+                   transport_names, transport_spec)
 from .select import choose_auto, make_transport
 
-__all__ = [
-    "DoneHandle",
-    "Handle",
-    "Topology",
-    "Transport",
-    "TransportName",
-    "TransportSpec",
-    "choose_auto",
-    "make_transport",
-    "register_transport",
-    "transport_factory",
-    "transport_names",
-    "transport_spec",
-]
+__all__ = [*base.__all__, "choose_auto", "make_transport"]

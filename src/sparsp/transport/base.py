@@ -61,6 +61,7 @@ __all__ = [
     "TransportName",
     "TransportSpec",
     "register_transport",
+    "transport_factory",
     "transport_names",
     "transport_spec",
 ]
@@ -139,6 +140,13 @@ class Transport(abc.ABC):
         """One line for the log: what moves the bytes."""
         return self.name
 
+    def flush(self) -> None:
+        """Issue now any send queued for a later ``fetch`` (default: none is ever queued).
+
+        A composite transport (``peers.py``) calls it when a round's fetch goes through another
+        of its transports, so that a send held back for the round's end still leaves."""
+        return None
+
     # -- byte counters --------------------------------------------------------------------
 
     def reset_counters(self) -> None:
@@ -169,6 +177,20 @@ class Topology:
     same_gpus: bool  # every rank sees the same GPU list (CUDA IPC handles can be opened)
     peer_access: bool  # every pair of the group's GPUs has peer access
     gpus: tuple[int, ...] = ()  # the group's GPU indices
+    # Per rank, for per-pair choices (``peers.py``); empty when not gathered (one host, CPU):
+    hosts: tuple[int, ...] = ()  # host index of each rank (rank order)
+    rank_gpus: tuple[int, ...] = ()  # GPU index of each rank (its own numbering)
+    peer: tuple[tuple[bool, ...], ...] = ()  # peer[a][b]: ranks a and b can use CUDA IPC
+    # (one host, the same GPU list, peer access between their GPUs or one GPU)
+
+    def pair(self, a: int, b: int) -> "Topology":
+        """The two-rank topology of ranks ``a`` and ``b`` (what a transport serving only that
+        pair sees), for the per-pair choice of ``peers.py``."""
+        one_host = not self.hosts or self.hosts[a] == self.hosts[b]
+        access = bool(self.peer[a][b]) if self.peer else (self.peer_access and one_host)
+        gpus = tuple(sorted({self.rank_gpus[a], self.rank_gpus[b]})) if self.rank_gpus else self.gpus
+        return Topology(self.device_type, 2, one_host, one_host and (self.same_gpus or access),
+                        access, gpus)
 
 
 AutoRule = Callable[[Topology], "str | None"]

@@ -44,7 +44,8 @@ import torch
 
 from .base import DoneHandle, Topology, register_transport
 from .cuda_ops import CopyHandle, Worker, keep_alive
-from .shm import HEADER_BYTES, encode_flag
+from .flags import encode_flag
+from .shm import HEADER_BYTES
 from .slots import SlotWindows
 
 

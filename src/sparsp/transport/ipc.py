@@ -47,7 +47,7 @@ from .base import Topology, register_transport
 from .cuda_ops import CopyHandle, Worker, keep_alive
 from ..groups import resolve_device
 from .slots import SlotWindows
-from .shm import encode_flag
+from .flags import encode_flag
 
 log = logging.getLogger("sparsp")
 

@@ -15,7 +15,18 @@ The built-in rules (``nccl.py``, ``host.py``, ``ipc.py``):
   transport is checked against, so its rule declines CPU tensors;
 - ``nccl`` (0): everything else — CPU tensors (gloo), a single rank, ranks on several hosts.
 
-The choice is per group, not per pair of ranks: one transport object serves every peer.
+The same rules also decide per pair of ranks (``Topology.pair``): when the pairs of a group
+want different transports — two hosts with several GPUs each (``ipc`` or ``host`` inside a
+host, ``nccl`` between hosts), or one host where only some GPUs reach each other — the
+``peers`` rule (priority 30, ``peers.py``) accepts the group and one composite transport
+serves every peer through the transport of its pair. A group whose pairs all agree gets that
+one transport, as before.
+
+``SPARSP_HOST_ID=<name>`` replaces the host identity (hostname and boot id) in the topology,
+so that tests can emulate several hosts on one machine (e.g. ``host0`` for ranks 0–1 and
+``host1`` for ranks 2–3); set it on every rank of the group or on none (on CPU the topology is
+gathered only when it is set). ``SPARSP_LOCAL_TRANSPORT=<name>`` (``peers.py``) forces the
+transport of the pairs on one host, e.g. ``host`` on CPU, whose own rule declines CPU tensors.
 
 ``SPARSP_TRANSPORT=<name>`` in the environment replaces ``auto`` (an explicit ``name`` wins
 over it), e.g. ``SPARSP_TRANSPORT=host`` to measure the host path on a box with NVLink.
@@ -54,35 +65,67 @@ def _boot_id() -> str:
         return ""
 
 
+def host_id() -> str:
+    """This process's host identity: ``SPARSP_HOST_ID`` if set (tests emulate several hosts on
+    one machine with it), else hostname and boot id."""
+    override = os.environ.get("SPARSP_HOST_ID", "").strip()
+    return f"id:{override}" if override else f"{socket.gethostname()}/{_boot_id()}"
+
+
+def _host_indices(keys: list) -> tuple[int, ...]:
+    """Host index of each rank: hosts numbered in order of their first rank."""
+    first: dict = {}
+    return tuple(first.setdefault(k, len(first)) for k in keys)
+
+
 def topology(group=None, device=None) -> Topology:
-    """The group's ``Topology``; collective over ``group`` for CUDA devices."""
+    """The group's ``Topology``; collective over ``group`` for CUDA devices (and on CPU when
+    ``SPARSP_HOST_ID`` is set)."""
     device = resolve_device(device, group)
     world = dist.get_world_size(group)
-    if device.type != "cuda" or world == 1:
+    if world == 1:
         return Topology(device.type, world, True, True, device.type == "cuda")
+    if device.type != "cuda":
+        if not os.environ.get("SPARSP_HOST_ID", "").strip():
+            return Topology(device.type, world, True, True, False)
+        hosts = _host_indices(gather_objects(host_id(), group))
+        return Topology("cpu", world, len(set(hosts)) == 1, True, False, hosts=hosts)
     with torch.cuda.device(device):
         uuids = [str(getattr(torch.cuda.get_device_properties(i), "uuid", i))
                  for i in range(torch.cuda.device_count())]
-        infos = gather_objects((socket.gethostname(), _boot_id(), uuids, device.index), group)
-        one_host = all(i[:2] == infos[0][:2] for i in infos)
-        same_gpus = all(i[2] == infos[0][2] for i in infos)
-        indices = tuple(sorted({i[3] for i in infos}))
-        ok = one_host and same_gpus and all(
-            torch.cuda.can_device_access_peer(a, b) for a in indices for b in indices if a != b)
-        peer = all(gather_objects(ok, group))
-    return Topology("cuda", world, one_host, same_gpus, peer, indices)
+        infos = gather_objects((host_id(), uuids, device.index), group)
+        hosts = _host_indices([i[0] for i in infos])
+        one_host = len(set(hosts)) == 1
+        same_gpus = all(i[1] == infos[0][1] for i in infos)
+        indices = tuple(sorted({i[2] for i in infos}))
+        me = dist.get_rank(group)
+        # my row of the IPC matrix: ranks on my host with my GPU list whose GPU mine reaches
+        row = [b != me and infos[b][:2] == infos[me][:2] and (
+            infos[b][2] == device.index or torch.cuda.can_device_access_peer(device.index, infos[b][2]))
+            for b in range(world)]
+        rows = gather_objects(row, group)
+    peer = tuple(tuple(bool(rows[a][b] and rows[b][a]) for b in range(world)) for a in range(world))
+    access = one_host and same_gpus and all(peer[a][b] for a in range(world) for b in range(world)
+                                            if a != b)
+    return Topology("cuda", world, one_host, same_gpus, access, indices, hosts=hosts,
+                    rank_gpus=tuple(i[2] for i in infos), peer=peer)
 
 
-def choose_auto(group=None, device=None) -> tuple[str, str]:
-    """(transport name, reason) for ``auto``; collective over ``group`` for CUDA devices."""
-    topo = topology(group, device)
+def choose_by_rules(topo: Topology, *, exclude: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(transport name, reason): among the registered transports (but ``exclude``) whose
+    ``auto`` rule accepts ``topo``, the one with the highest priority."""
     for spec in sorted(_REGISTRY.values(), key=lambda s: -s.priority):
-        if spec.auto is None or topo.device_type not in spec.devices:
+        if spec.name in exclude or spec.auto is None or topo.device_type not in spec.devices:
             continue
         reason = spec.auto(topo)
         if reason is not None:
             return spec.name, reason
     raise ValueError(f"no registered transport accepts {topo}")
+
+
+def choose_auto(group=None, device=None) -> tuple[str, str]:
+    """(transport name, reason) for ``auto``; collective over ``group`` for CUDA devices."""
+    return choose_by_rules(topology(group, device))
 
 
 def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: float = 60.0,
@@ -108,3 +151,6 @@ def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: fl
         _LOGGED.add((chosen, reason))
         log.info("sparsp transport: %s (%s)", transport.describe(), reason)
     return transport
+
+
+from . import peers  # noqa: E402,F401  (registers "peers"; it builds on this module's rules)

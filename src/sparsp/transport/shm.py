@@ -1,8 +1,9 @@
-"""POSIX shared memory and the flag words of the slot windows (paper §6.1, §6.3).
+"""POSIX shared-memory segments for the slot windows (paper §6.1, §6.3).
 
-Two things live here because both the ``host`` and the ``ipc`` transport need them:
+Both the ``host`` and the ``ipc`` transport keep their flag pages (``flags``) in these
+segments; ``host`` keeps its slots there too.
 
-**Segments.** ``ShmSegment`` is a file ``/dev/shm/sparsp-<tag>-<rank>`` created with
+``ShmSegment`` is a file ``/dev/shm/sparsp-<tag>-<rank>`` created with
 ``O_CREAT | O_EXCL`` and mode 0600, mapped with ``mmap`` and exposed as a ``torch.uint8``
 tensor. ``multiprocessing.shared_memory`` is deliberately not used: its resource tracker
 unlinks segments it believes leaked (and warns) behind our back, including segments that a
@@ -20,22 +21,6 @@ peer still has to open. Lifecycle:
   ``create`` reclaims a same-named segment whose creator is gone and refuses one whose creator
   still runs, and ``sweep_stale`` removes any ``sparsp-*`` segment of this user whose creator
   is gone.
-
-**Flags.** One 32-bit word per (producer, consumer, slot) and direction, each word written by
-exactly one rank (DESIGN "Decoupled transfer runtime"). A value encodes
-``epoch mod 2^8 | use mod 2^10 | count``: the epoch of the attention call (bumped by fence),
-how many times this slot was used before in this call, and a count (chunks landed for
-'published', 1 for 'released'). Values are compared with the *cyclic* greater-or-equal of
-``cuStreamWaitValue32`` (``(int32)(value - expected) >= 0``), so the host and the GPU wait on
-exactly the same condition. Every fence resets each word to ``(new epoch, 0, 0)`` between two
-barriers, so within a call a word only ever holds values written in that call; a stale value
-from up to 127 calls back is also cyclically smaller than any expected value, so it can never
-be mistaken for a fresh one even if a reset were lost.
-
-Memory ordering on the CPU path: the writer stores the payload, then the flag; the reader
-loads the flag, then the payload. Each is a separate C call (torch copy, numpy scalar store or
-load), so the compiler cannot reorder them, and x86-64 (TSO) keeps store→store and load→load
-order. Weakly ordered CPUs (aarch64) would need explicit barriers here.
 """
 
 from __future__ import annotations
@@ -49,7 +34,6 @@ import stat
 import struct
 import time
 import weakref
-from typing import Callable
 
 import numpy as np
 import torch
@@ -315,106 +299,3 @@ def agree_tag(group, tag: str | None = None, device=None) -> str:
         raise ValueError(f"rank {rank}: shared-memory tag {explicit!r} differs from rank 0's "
                          f"{box[0]!r}; every rank must pass the same tag")
     return box[0]
-
-
-# --------------------------------------------------------------------------- flags
-
-EPOCH_BITS, USE_BITS, COUNT_BITS = 8, 10, 14
-MAX_USES = 1 << USE_BITS  # slot reuses per peer per call (window × this = publishes per call)
-MAX_COUNT = (1 << COUNT_BITS) - 1  # chunks per slot
-_MASK32 = 0xFFFFFFFF
-
-
-def encode_flag(epoch: int, use: int, count: int) -> int:
-    if not 0 <= use < MAX_USES:
-        raise ValueError(f"slot use {use} out of range: more than {MAX_USES} transfers per slot "
-                         "in one attention call; call fence() more often or widen the window")
-    if not 0 <= count <= MAX_COUNT:
-        raise ValueError(f"chunk count {count} exceeds {MAX_COUNT}; raise chunk_bytes")
-    return ((epoch % (1 << EPOCH_BITS)) << (USE_BITS + COUNT_BITS)) | (use << COUNT_BITS) | count
-
-
-def decode_flag(value: int) -> tuple[int, int, int]:
-    """(epoch mod 2^8, use, count) of a flag word."""
-    value &= _MASK32
-    return (value >> (USE_BITS + COUNT_BITS), (value >> COUNT_BITS) & (MAX_USES - 1),
-            value & MAX_COUNT)
-
-
-def flag_reached(value: int, expected: int) -> bool:
-    """The condition of ``cuStreamWaitValue32`` (GEQ): ``(int32)(value - expected) >= 0``."""
-    return ((int(value) - expected) & _MASK32) < 0x80000000
-
-
-def describe_flag(value: int) -> str:
-    e, u, c = decode_flag(int(value))
-    return f"epoch {e} use {u} count {c}"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FlagLayout:
-    """Where the words of one producer's flag page are; one 64-byte line per word.
-
-    line 0: the owner's barrier counter; line 1: scratch (capability probes); then for every
-    consumer c and slot s a 'published' line (written by the producer) and a 'released' line
-    (written by consumer c). Separate lines keep the two writers off each other's cache line.
-    """
-
-    world_size: int
-    window: int
-
-    LINE_WORDS = 16  # 64 bytes
-
-    @property
-    def nbytes(self) -> int:
-        return round_up((2 + 2 * self.world_size * self.window) * self.LINE_WORDS * 4, PAGE)
-
-    @property
-    def nwords(self) -> int:
-        return self.nbytes // 4
-
-    barrier = 0
-    scratch = LINE_WORDS
-
-    def published(self, consumer: int, slot: int) -> int:
-        return (2 + 2 * (consumer * self.window + slot)) * self.LINE_WORDS
-
-    def released(self, consumer: int, slot: int) -> int:
-        return self.published(consumer, slot) + self.LINE_WORDS
-
-
-class Backoff:
-    """Poll politely: spin (yielding the GIL) for ``spin_s``, then sleeps that double to a cap.
-
-    A GPU waiter spins for milliseconds: the sleep after a missed poll is pure latency added to
-    every transfer (a 200 µs cap cost ~0.2 ms per exchange on the H200s, 20 % at 256 MiB over
-    NVLink); a CPU waiter shares two cores with its peers and gives them back sooner.
-    """
-
-    def __init__(self, spin_s: float = 5e-5, first_s: float = 5e-6, cap_s: float = 1e-3) -> None:
-        self.spin_until = time.monotonic() + spin_s
-        self.first_s, self.cap_s = first_s, cap_s
-        self.delay = first_s
-
-    def pause(self) -> None:
-        if time.monotonic() < self.spin_until:
-            time.sleep(0)
-        else:
-            time.sleep(self.delay)
-            self.delay = min(self.cap_s, self.delay * 2)
-
-
-def wait_flag(words: np.ndarray, index: int, expected: int, *, timeout_s: float,
-              describe: Callable[[int], str], cap_s: float = 1e-3, spin_s: float = 5e-5) -> None:
-    """Wait until ``words[index]`` reaches ``expected``; ``TimeoutError(describe(last value))``."""
-    if flag_reached(words[index], expected):
-        return
-    deadline = time.monotonic() + timeout_s
-    backoff = Backoff(spin_s=spin_s, cap_s=cap_s)
-    while True:
-        backoff.pause()
-        value = int(words[index])
-        if flag_reached(value, expected):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(describe(value))

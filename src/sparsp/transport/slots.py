@@ -1,7 +1,60 @@
-"""Slot windows: the publish/fetch/release protocol over exported slots, with flags,
-epochs, bounded windows, barriers and timeouts — shared by ``host`` and ``ipc``.
+"""Slot windows: the publish/fetch/release protocol shared by the ``host`` and ``ipc`` transports.
 
-The protocol, its flag encoding and the CUDA paths are described in ``host``'s docstring.
+``SlotWindows`` implements ``base.Transport`` over slots that a producer exports and its
+consumers read (paper §6.1; DESIGN "Decoupled transfer runtime"). The subclasses only say
+where the slots live and how bytes move; everything below is here, once.
+
+**Windows and slots.** Every rank p exports, for every peer c, a *window* of ``window`` slots
+(default 3) of ``slot_bytes`` each (rounded up to a page; ``reserve`` grows them): p packs
+payloads for c into them, and c copies them out. ``host`` keeps the slots in p's shared-memory
+segment, ``ipc`` in a device buffer of p's GPU shared over CUDA IPC. The flags of the window
+are always in p's shared-memory segment (its flag page, ``flags.FlagLayout``): per (consumer,
+slot) a 'published' word that p writes and a 'released' word that c writes.
+
+**Which slot.** Within one attention call (an *epoch*), the k-th transfer from p to c uses slot
+``k mod window`` of p's window for c, for the ``use = k // window``-th time. Both ends count
+their sends (``send_buffer``) and fetches per peer, and the strategy makes them in the same
+order on both ends, so no slot number crosses the wire. A zero-byte transfer takes no slot.
+
+**One transfer**, with flag values ``(epoch, use, count)`` (``flags`` describes the word):
+
+    producer p                                    consumer c
+    send_buffer(c): for use > 0, wait until c
+      released use - 1 of the slot; return the
+      slot (or a staging buffer) to pack into
+    publish(c, buf): move the payload into the    fetch(p, out): wait until 'published'
+      slot, then set 'published' = (epoch, use,     reaches (epoch, use, chunk) for each
+      chunks), chunk by chunk on the CUDA path      chunk, copy it out of the slot into ``out``
+                                                  release(p): once the copy has completed, set
+                                                    'released' = (epoch, use, 1)
+
+**Reuse ordering.** A slot is packed again only after its consumer released the previous use,
+so a producer runs at most ``window`` transfers ahead of each consumer, and a payload is never
+overwritten while it is being read. ``release`` hands back the *oldest* unreleased fetch from
+that peer (FIFO), which is the order the slots were used in; on CUDA the 'released' write is
+queued on the copy stream behind the copy, so "released" means "copied", not "copy issued".
+
+**What each side waits on.** The producer waits on 'released' words in its own flag page
+(``send_buffer``, only when it reuses a slot); the consumer waits on 'published' words in the
+producer's page (``fetch``, or the handle's ``wait`` where the GPU waits on the flag); every
+rank waits on every peer's barrier counter at export and twice in ``fence``; on CUDA, ``fence``
+and ``close`` also wait for the GPU work this rank queued (copies, flag writes).
+
+**Epochs.** ``fence`` (once per attention call) checks that every ``send_buffer`` was
+published, waits for this rank's queued work, meets the group, advances the epoch, resets every
+flag word this rank writes to ``(new epoch, 0, 0)``, meets the group again and restarts the
+counts. Slots fetched but not released are released implicitly: their copies are complete.
+
+**Timeouts.** Every host-side wait gives up after ``timeout_s`` with a ``TimeoutError`` that
+names this rank, the peer and the step: the slot, its use, the epoch and the value the flag
+holds for a flag wait; the peer that did not arrive for a barrier; the transfer ("fetch from
+peer p, slot s (epoch e)") for GPU work. A wait queued on the GPU (stream waits) has no timeout
+of its own, but the next ``fence`` waits for that work with one. A dead or silent peer raises;
+nothing hangs. Setup steps run through ``_agree``, so a failure on one rank raises on every
+rank instead of leaving the others waiting in a collective.
+
+The CUDA mechanics (stream writes and waits, copy streams, host threads) are described in the
+``host`` and ``ipc`` docstrings.
 """
 
 from __future__ import annotations
@@ -19,8 +72,8 @@ import torch.distributed as dist
 from .base import DoneHandle, Transport
 from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
-from .shm import (HEADER_BYTES, PAGE, Backoff, FlagLayout, ShmSegment, agree_tag, describe_flag,
-                  encode_flag, round_up, sweep_stale, wait_flag)
+from .flags import Backoff, FlagLayout, describe_flag, encode_flag, wait_flag
+from .shm import HEADER_BYTES, PAGE, ShmSegment, agree_tag, round_up, sweep_stale
 
 log = logging.getLogger("sparsp")
 
@@ -31,11 +84,24 @@ def _env_flag(name: str) -> bool | None:
 
 
 class SlotWindows(Transport):
-    """Protocol bookkeeping shared by ``HostTransport`` and ``IpcTransport``.
+    """Protocol bookkeeping shared by ``HostTransport`` and ``IpcTransport`` (module docstring).
 
     Subclasses say where the slots live (``_slot_area_bytes``, ``_export_slots``) and how a
     payload moves (``_send_view``, ``_publish``, ``_fetch``); windows, flags, epochs, barriers,
     timeouts, segments and the CUDA helpers are here, once.
+
+    Construction is collective over ``group`` (every rank, the same settings, else
+    ``ValueError``): it agrees on the segment tag, exports the segments and meets the group.
+
+    - ``timeout_s``: how long any wait (flag, barrier, GPU work) may take before it raises;
+    - ``device``: where payload tensors live (default: the group's device, ``resolve_device``);
+    - ``window``: slots per (producer, consumer) pair, i.e. how many transfers a producer may
+      run ahead of a consumer;
+    - ``slot_bytes``: initial payload bytes per slot (rounded up to a page; ``reserve`` grows);
+    - ``chunk_bytes``: the chunk of a chunked copy, i.e. the step of the 'published' count;
+    - ``tag``: shared-memory segment names (``shm.agree_tag``: default drawn per transport);
+    - ``stream_waits``: queue ``cuStreamWaitValue32`` for flags instead of host-side waits
+      (default ``SPARSP_STREAM_WAITS``, off).
     """
 
     name = "slots"
@@ -89,6 +155,7 @@ class SlotWindows(Transport):
     # -- subclass hooks -------------------------------------------------------------------
 
     def _slot_area_bytes(self, slot_bytes: int) -> int:
+        """Bytes of this rank's shared-memory segment after the flag page (0: slots elsewhere)."""
         raise NotImplementedError
 
     def _export_slots(self) -> None:
@@ -98,15 +165,22 @@ class SlotWindows(Transport):
         """Drop what ``_export_slots`` made."""
 
     def _send_view(self, peer: int, slot: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` uint8 to pack into for ``slot`` of our window for ``peer`` (it is free)."""
         raise NotImplementedError
 
     def _publish(self, peer: int, slot: int, use: int, src: torch.Tensor) -> None:
+        """Move packed ``src`` (uint8) into the slot, then set its 'published' flag."""
         raise NotImplementedError
 
     def _fetch(self, peer: int, slot: int, use: int, dst: torch.Tensor):
+        """Once ``peer`` published (epoch, ``use``), copy its slot into ``dst`` (uint8).
+
+        Returns the handle whose ``wait()`` makes ``dst`` valid on the current stream.
+        """
         raise NotImplementedError
 
     def _release(self, peer: int, slot: int, use: int) -> None:
+        """Set the 'released' flag in ``peer``'s page once the copy out of the slot is done."""
         self._write_flag(peer, self._layout.released(self.rank, slot),
                          encode_flag(self.epoch, use, 1))
 
@@ -115,13 +189,20 @@ class SlotWindows(Transport):
         return "chunked copies through pinned host memory"
 
     def _start_threads(self) -> None:
+        """CUDA only: streams and worker threads (here: a flag writer without stream writes)."""
         if self._ops is not None and not self._ops.mem_ops:
             self._signaler = Worker(f"sparsp-{self.name}-signal", self.device)
 
     # -- the protocol ---------------------------------------------------------------------
 
     def send_buffer(self, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``numel`` ``dtype`` elements to pack for ``peer``; waits for a free slot."""
+        """A buffer of ``numel`` ``dtype`` elements to pack for ``peer``; waits for a free slot.
+
+        The slot is the next one of our window for ``peer``; when it was used before in this
+        epoch, this waits (``timeout_s``) until ``peer`` released that use. ``ValueError`` when
+        the payload exceeds ``slot_bytes`` (call ``reserve`` first); ``RuntimeError`` when the
+        previous buffer for ``peer`` was not published yet.
+        """
         self._check_peer(peer)
         if peer in self._pending:
             raise RuntimeError(f"rank {self.rank}: send_buffer({peer}) called twice without "
@@ -143,7 +224,11 @@ class SlotWindows(Transport):
         return self._send_view(peer, slot, nbytes).view(dtype)
 
     def publish(self, peer: int, buf: torch.Tensor) -> None:
-        """``buf`` (from ``send_buffer``) is packed: the peer may fetch it."""
+        """``buf`` (from ``send_buffer``) is packed: the peer may fetch it.
+
+        ``buf`` may be shorter than asked for, never longer. Ordered after the pack on the
+        current stream; does not wait for the peer.
+        """
         if peer not in self._pending:
             raise RuntimeError(f"rank {self.rank}: publish({peer}) without send_buffer")
         claim = self._pending.pop(peer)
@@ -161,7 +246,13 @@ class SlotWindows(Transport):
         self._publish(peer, slot, use, as_bytes(buf))
 
     def fetch(self, peer: int, out: torch.Tensor):
-        """Copy ``out.numel()`` elements of the next slot ``peer`` publishes for us into ``out``."""
+        """Copy ``out.numel()`` elements of the next slot ``peer`` publishes for us into ``out``.
+
+        Waits for the 'published' flag: here on the CPU path (``timeout_s``); on the CUDA paths
+        in a worker thread (``timeout_s``) or on the GPU (stream waits; ``ipc``'s handle then
+        checks the flag on the host in ``wait()``). Every fetch needs one ``release(peer)``,
+        also a 0-element one.
+        """
         self._check_peer(peer)
         nbytes = out.numel() * out.element_size()
         if nbytes > self.slot_bytes:
@@ -180,7 +271,10 @@ class SlotWindows(Transport):
         return handle
 
     def release(self, peer: int) -> None:
-        """Hand back the oldest slot fetched from ``peer`` (after its copy has completed)."""
+        """Hand back the oldest slot fetched from ``peer`` (after its copy has completed).
+
+        Never waits: on CUDA the 'released' write is queued behind the copy.
+        """
         self._check_peer(peer)
         if not self._unreleased[peer]:
             raise RuntimeError(f"rank {self.rank}: release({peer}) without a fetch to release")
@@ -219,6 +313,10 @@ class SlotWindows(Transport):
             self._export(round_up(int(nbytes), PAGE))
 
     def close(self) -> None:
+        """Wait for queued GPU work (logging, not raising, on timeout), then unmap everything.
+
+        Safe to call twice; the segment names are already gone after export.
+        """
         if self._closed:
             return
         self._closed = True
@@ -230,6 +328,7 @@ class SlotWindows(Transport):
         self._teardown()
 
     def __enter__(self):
+        """``with HostTransport(group) as t:`` closes ``t`` on the way out."""
         return self
 
     def __exit__(self, *exc) -> None:

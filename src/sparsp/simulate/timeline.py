@@ -1,0 +1,325 @@
+"""The cost model's timeline: a ``Work`` scheduled on a machine ``Profile`` as the strategies
+issue it (``sparsp/strategies/*.py``):
+
+* byte rules ``full-shards`` and ``relay`` (``ring``, ``ring-sparse``, ``ring-relay``): local
+  shard first; hop k (from r−1) lands in the buffer freed by step k−2 (double buffering) once
+  the sender holds the shard; step k computes it. A dense strategy (``ring``) runs the same
+  kernel on every block (thresholds ignored).
+* ``direct`` (``sparsp``): round k fetches D[r, ·, r−k] directly from its owner; fetches run
+  ``prefetch`` rounds ahead; the local shard is computed while round 1 is in flight (§5, §6.3).
+* ``all-to-all`` (``ulysses``): Q, K, V of my heads in, the kernel over the whole sequence
+  (one call per (query slice, key slice)), the output back; each all-to-all is G−1 sequential
+  rounds; nothing overlaps.
+
+Transfers are fluid flows: every flow in flight shares each resource on its path (links,
+duplex caps, host memory, switch uplinks, the sockets' interconnect) max-min fairly, and rates
+are recomputed whenever a flow starts or ends. A message first pays the transport's latency
+and the sender's pack (bytes / device memory bandwidth), then its bytes flow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .model import SYNCS_PER_CALL, Work
+from .profiles import Profile
+
+
+def capacities(profile: Profile, ranks: int) -> dict[str, float]:
+    """Every shared resource of a ``ranks``-GPU job on ``profile`` → capacity in GB/s."""
+    caps: dict[str, float] = {}
+    for g in range(ranks):
+        caps[f"tx{g}"] = caps[f"rx{g}"] = profile.link_gbps
+        if profile.duplex_gbps is not None:
+            caps[f"duplex{g}"] = profile.duplex_gbps
+    sockets = sorted({profile.socket_of(g) for g in range(ranks)})
+    if profile.host_gbps is not None and not profile.peer_access:
+        for s in sockets:
+            caps[f"host{s}"] = profile.host_gbps
+    if profile.inter_socket_gbps is not None:
+        for a in sockets:
+            for b in sockets:
+                if a != b:
+                    caps[f"socket{a}->{b}"] = profile.inter_socket_gbps
+    if profile.switch_uplink_gbps is not None and profile.gpus_per_switch > 1:
+        for sw in sorted({profile.switch_of(g) for g in range(ranks)}):
+            caps[f"up{sw}"] = caps[f"down{sw}"] = profile.switch_uplink_gbps
+    return caps
+
+
+def route(profile: Profile, src: int, dst: int, caps: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """Resources a src→dst payload uses and the capacity it takes per payload byte.
+
+    Host-staged payloads are written into host memory on the sender's socket and read from it
+    by the receiver's H2D copy (2 bytes of host traffic per payload byte; the read crosses the
+    sockets' link if the receiver sits on the other socket). Peer copies cross a switch uplink
+    only between switches, and the sockets' link only between sockets."""
+    hops: list[tuple[str, float]] = [(f"tx{src}", 1.0), (f"rx{dst}", 1.0), (f"duplex{src}", 1.0),
+                                     (f"duplex{dst}", 1.0)]
+    s_src, s_dst = profile.socket_of(src), profile.socket_of(dst)
+    sw_src, sw_dst = profile.switch_of(src), profile.switch_of(dst)
+    if not profile.peer_access or sw_src != sw_dst:
+        hops += [(f"up{sw_src}", 1.0), (f"down{sw_dst}", 1.0)]
+    if not profile.peer_access:
+        hops.append((f"host{s_src}", 2.0))
+    if s_src != s_dst:
+        hops.append((f"socket{s_src}->{s_dst}", 1.0))
+    return tuple(h for h in hops if h[0] in caps)
+
+
+def fair_rates(flows: dict[int, tuple[tuple[str, float], ...]], caps: dict[str, float]) -> dict[int, float]:
+    """Max-min fair rates (GB/s) by progressive filling: raise every unfrozen flow's rate
+    together until a resource saturates, freeze the flows through it, repeat."""
+    rate = {f: 0.0 for f in flows}
+    used = {res: 0.0 for res in caps}
+    users: dict[str, list[tuple[int, float]]] = {}
+    for f, path in flows.items():
+        for res, w in path:
+            users.setdefault(res, []).append((f, w))
+    active = {f for f, path in flows.items() if path}
+    for f in set(flows) - active:  # nothing on its path limits it: not a real case, but finite
+        rate[f] = math.inf
+    while active:
+        step, tight = math.inf, []
+        for res, us in users.items():
+            load = sum(w for f, w in us if f in active)
+            if load > 0:
+                d = (caps[res] - used[res]) / load
+                if d < step - 1e-12:
+                    step, tight = d, [res]
+                elif abs(d - step) <= 1e-12:
+                    tight.append(res)
+        step = max(step, 0.0)
+        for f in active:
+            rate[f] += step
+        for res, us in users.items():
+            used[res] += step * sum(w for f, w in us if f in active)
+        frozen = {f for res in tight for f, _ in users[res]}
+        active -= frozen
+    return rate
+
+
+def exchange_gbps(profile: Profile) -> float:
+    """What the model gives two GPUs exchanging at once (the ``bench transport`` setup), GB/s
+    per direction, at efficiency 1."""
+    caps = capacities(profile, 2)
+    rates = fair_rates({0: route(profile, 0, 1, caps), 1: route(profile, 1, 0, caps)}, caps)
+    return min(rates.values())
+
+
+def collective_gbps(profile: Profile) -> float:
+    """Per-rank rate of the metadata all-gather, GB/s: the two-GPU exchange at NCCL's efficiency
+    (the process group's backend; the default transport's where the profile has no ``nccl``)."""
+    names = {t.name for t in profile.transports}
+    return exchange_gbps(profile) * profile.transport("nccl" if "nccl" in names else None).efficiency
+
+
+# --- the timeline ------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """One thing a rank does: ``fixed`` (per-call cost), ``compute`` (a kernel step) or
+    ``transfer`` (an incoming payload of round ``round``)."""
+
+    kind: str
+    rank: int
+    round: int
+    after: list[int]
+    duration: float = 0.0  # ms; for a transfer: latency + pack before its bytes flow
+    nbytes: float = 0.0
+    path: tuple[tuple[str, float], ...] = ()
+    sender: int | None = None
+    phase: int = 1  # ulysses: 1 = inputs in, 2 = outputs back
+    start: float = math.nan
+    end: float = math.nan
+
+
+@dataclass
+class Timeline:
+    """A simulated call: every task with its start and end, per rank."""
+
+    work: Work
+    tasks: list[Task]
+    finish: list[float] = field(default_factory=list)
+
+    @property
+    def latency_ms(self) -> float:
+        """The call's latency: the slowest rank's finish."""
+        return max(self.finish)
+
+    @property
+    def critical_rank(self) -> int:
+        return max(range(len(self.finish)), key=lambda r: self.finish[r])
+
+    def of(self, rank: int, kind: str) -> list[Task]:
+        return [t for t in self.tasks if t.rank == rank and t.kind == kind]
+
+    def busy(self, rank: int, kind: str) -> float:
+        """Time rank spends in ``kind`` (transfers: the union of in-flight intervals)."""
+        spans = sorted((t.start, t.end) for t in self.of(rank, kind) if t.end > t.start)
+        total, cur_a, cur_b = 0.0, None, None
+        for a, b in spans:
+            if cur_b is None or a > cur_b:
+                total += 0.0 if cur_b is None else cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        return total + (0.0 if cur_b is None else cur_b - cur_a)
+
+
+def _ms(nbytes: float, gbps: float) -> float:
+    return nbytes / (gbps * 1e6)
+
+
+def timeline(work: Work, profile: Profile, *, transport: str | None = None, head_dim: int = 128,
+             prefetch: int = 1, skip: frozenset = frozenset()) -> Timeline:
+    """Schedule ``work`` on ``profile``. ``skip`` ⊆ {"compute", "transfer", "fixed"} makes those
+    costs zero (what-if runs that name the bottleneck)."""
+    G = work.ranks
+    if G > profile.gpus:
+        raise ValueError(f"{G} ranks exceed the {profile.gpus} GPUs of profile {profile.name}")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
+    tf: TransportFigure = profile.transport(transport)
+    kf = profile.kernel(head_dim)
+    caps = capacities(profile, G)
+    tasks: list[Task] = []
+
+    def add(task: Task) -> int:
+        tasks.append(task)
+        return len(tasks) - 1
+
+    def compute_ms(r: int, i: int) -> float:
+        if "compute" in skip:
+            return 0.0
+        merge = _ms(work.merge_bytes[r][i], profile.hbm_gbps) if work.merge_bytes else 0.0
+        return work.flops[r][i] / (kf.sparse_tflops * 1e9) + work.launches[r][i] * profile.launch_ms + merge
+
+    def transfer(r: int, k: int, nbytes: int, after: list[int], phase: int = 1) -> int:
+        s = work.sender(r, k)
+        if nbytes == 0 or "transfer" in skip:  # nothing to send: no message at all
+            return add(Task("transfer", r, k, after, sender=s, phase=phase))
+        path = tuple((res, w / tf.efficiency) for res, w in route(profile, s, r, caps))
+        pre = tf.latency_ms + _ms(nbytes, profile.hbm_gbps)  # handshake + the sender's pack
+        return add(Task("transfer", r, k, after, pre, float(nbytes), path, s, phase))
+
+    gather_rate = collective_gbps(profile)
+    fixed = []
+    for r in range(G):
+        # the mask phase ends in the host sync: the host issues its ops while the device reads
+        # the inputs, waits for the metadata all-gather and selects the mask
+        device = SYNCS_PER_CALL * profile.sync_ms if G > 1 else 0.0  # a group of one waits for no peer
+        device += _ms(work.mask_bytes[r], profile.hbm_gbps) if work.mask_bytes else 0.0
+        device += _ms(work.gather_bytes[r], gather_rate) if work.gather_bytes else 0.0
+        host = work.host_ops[r] * profile.op_ms if work.host_ops else 0.0
+        cost = profile.call_ms + max(device, host)
+        fixed.append(add(Task("fixed", r, 0, [], 0.0 if "fixed" in skip else cost)))
+    if work.schedule == "all-to-all":
+        _ulysses(work, fixed, add, transfer, compute_ms)
+    else:
+        _overlapped(work, fixed, add, transfer, compute_ms, prefetch)
+    _run(tasks, caps)
+    finish = [max(t.end for t in tasks if t.rank == r) for r in range(G)]
+    return Timeline(work, tasks, finish)
+
+
+def _overlapped(work: Work, fixed, add, transfer, compute_ms, prefetch: int) -> None:
+    """ring / ring-sparse / ring-relay (double-buffered relay) and sparsp (direct, prefetched)."""
+    G = work.ranks
+    T = [[None] * G for _ in range(G)]  # T[r][k]: transfer of round k into r
+    C = [[None] * G for _ in range(G)]  # C[r][i]: compute step i of r
+    ring = work.schedule == "relay-ring"
+    ahead = 1 if ring else prefetch
+    for r in range(G):
+        C[r][0] = add(Task("compute", r, 0, [fixed[r]], compute_ms(r, 0)))
+    for k in range(1, G):
+        for r in range(G):
+            s = work.sender(r, k)
+            after = [fixed[r], fixed[s]]
+            j = k - ahead  # the round whose landing lets this one be issued
+            if j >= 1:
+                # Issued after the wait on round j, on both ends; the sender's pack/publish is
+                # queued on its compute stream behind step j−1; the receive buffer is the one
+                # step j−1 read (ring-like: the local shard's buffer too; sparsp keeps its own).
+                after += [T[r][j], T[s][j], C[s][j - 1]]
+                if ring or j - 1 >= 1:
+                    after.append(C[r][j - 1])
+            T[r][k] = transfer(r, k, work.recv[r][k - 1], after)
+        for r in range(G):
+            C[r][k] = add(Task("compute", r, k, [C[r][k - 1], T[r][k]], compute_ms(r, k)))
+
+
+def _ulysses(work: Work, fixed, add, transfer, compute_ms) -> None:
+    """All-to-all in (G−1 sequential rounds), one compute step, all-to-all out; no overlap."""
+    G = work.ranks
+    prev = {r: [fixed[r]] for r in range(G)}
+    for k in range(1, G):
+        cur = {r: transfer(r, k, work.recv[r][k - 1], prev[r] + prev[work.sender(r, k)]) for r in range(G)}
+        prev = {r: [cur[r]] for r in range(G)}
+    C = {r: add(Task("compute", r, 0, prev[r], compute_ms(r, 0))) for r in range(G)}
+    prev = {r: [C[r]] for r in range(G)}
+    for k in range(1, G):
+        cur = {r: transfer(r, k, work.back[r][k - 1], prev[r] + prev[work.sender(r, k)], phase=2)
+               for r in range(G)}
+        prev = {r: [cur[r]] for r in range(G)}
+
+
+def _run(tasks: list[Task], caps: dict[str, float]) -> None:
+    """Event-driven fluid simulation; fills every task's start and end (ms)."""
+    n = len(tasks)
+    done = [False] * n
+    started = [False] * n
+    left = [t.nbytes for t in tasks]  # bytes still to flow
+    ready_at = [math.nan] * n  # when a transfer's latency/pack ends and its bytes may flow
+    now, finished = 0.0, 0
+    eps = 1e-9
+    while finished < n:
+        progress = True
+        while progress:  # start what is ready; finish zero-length tasks at once
+            progress = False
+            for i, t in enumerate(tasks):
+                if started[i] or not all(done[a] for a in t.after):
+                    continue
+                started[i], t.start = True, now
+                ready_at[i] = now + t.duration
+                if t.duration <= 0 and (t.kind != "transfer" or left[i] <= 0):
+                    t.end, done[i] = now, True
+                    finished += 1
+                    progress = True
+        if finished == n:
+            break
+        flowing = {i: tasks[i].path for i in range(n)
+                   if started[i] and not done[i] and tasks[i].kind == "transfer" and ready_at[i] <= now + eps
+                   and left[i] > 0}
+        rates = fair_rates(flowing, caps)
+        events = [ready_at[i] for i in range(n) if started[i] and not done[i] and ready_at[i] > now + eps]
+        events += [now + left[i] / (rates[i] * 1e6) for i in flowing if rates[i] > 0]
+        if not events:
+            raise AssertionError("simulation stalled: a dependency cycle in the schedule")
+        nxt = min(events)
+        for i in flowing:
+            left[i] = max(0.0, left[i] - rates[i] * 1e6 * (nxt - now))
+        now = nxt
+        for i, t in enumerate(tasks):
+            if not started[i] or done[i] or ready_at[i] > now + eps:
+                continue
+            # done: no bytes left, or fewer than the clock can resolve at this rate (a fast link
+            # late in a long call would otherwise never advance ``now``)
+            if t.kind != "transfer" or left[i] <= max(1e-6, 1e-12 * t.nbytes) or (
+                    i in flowing and rates[i] > 0 and left[i] / (rates[i] * 1e6) <= eps + 1e-15 * now):
+                t.end, done[i] = now, True
+                finished += 1
+
+
+BOTTLENECKS = ("compute", "transfer", "fixed")
+
+
+def bottleneck(work: Work, profile: Profile, base: Timeline, **kw) -> tuple[str, dict[str, float]]:
+    """Which cost, made free, shortens the call most: ``compute``, ``transfer`` or ``fixed``;
+    and the time each would save (ms)."""
+    savings = {}
+    for what in BOTTLENECKS:
+        savings[what] = base.latency_ms - timeline(work, profile, skip=frozenset({what}), **kw).latency_ms
+    return max(savings, key=lambda k: savings[k]), savings

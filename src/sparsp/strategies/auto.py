@@ -1,0 +1,201 @@
+"""``strategy="auto"``: per call, the strategy the cost model predicts fastest (issue 12).
+
+After the call's metadata all-gather every rank holds the whole block mask (``plan.py``), so
+it knows every rank's demand on every peer. ``choose`` measures that demand (kept token pairs
+per pair of ranks, demanded K/V per pair, kept pairs per head: ``simulate.model.measure``, a
+few reductions and ONE extra host transfer of O(G² + H) integers), turns it into each
+candidate's per-rank, per-round work (``simulate.model.work``: the byte rules of
+``sparsp.demand``) and schedules that on a machine profile (``simulate.timeline.timeline``: the
+cost model of ``sparsp simulate``, contention included). The fastest prediction wins:
+
+- ``ulysses`` where the heads divide over the ranks and its all-to-all is cheaper;
+- ``sparsp`` where sparsity pays (direct routing of exactly the demanded blocks, §5);
+- ``ring``, the dense ring, where the mask is nearly full: then nothing is saved by skipping
+  blocks, and predictions within ``MARGIN`` of the best go to the simpler strategy, in the
+  order of ``CANDIDATES``. ``ring`` computes every block (it ignores the thresholds), so when
+  it is picked the output is dense attention — what the mask nearly was.
+
+Every rank makes the same choice: it is a pure function of integers every rank derives from
+the same gathered summaries (exact sums, no floating-point reductions) and of the profile.
+Placement is the caller's (the inputs arrive placed): auto picks among the strategies valid
+for them (registered; ``ulysses`` only when heads % G == 0). Auto always needs the mask, also
+when it picks ``ring``, so every candidate is charged the same mask cost.
+
+The profile: ``use_profile(...)`` (a ``Profile`` or a name / profile JSON of
+``sparsp.simulate.get_profile``; ``sparsp simulate --calibrate`` writes one for this machine),
+else ``SPARSP_PROFILE``, else the measured 2×H200 profile of the transport's kind of path
+(``h200x2-nvlink`` for ``ipc``, ``h200x2-host`` otherwise), widened to the group's size. The
+transport figure is the call's transport if the profile has it, else the profile's default.
+
+Predictions are cached per (profile, candidates, geometry) and demand rounded to three
+significant digits (``Demand.rounded``: a choice never hinges on a few blocks, and denoising
+steps repeat their masks), so most calls cost a dictionary lookup after the measurement. The
+choice and its predicted times are logged once per geometry on the ``sparsp`` logger (and at
+debug level whenever they change); ``last_decision()`` returns the latest one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..plan import Shapes
+from .registry import strategy_names, strategy_spec
+
+log = logging.getLogger("sparsp")
+
+AUTO = "auto"
+CANDIDATES = ("ring", "ulysses", "sparsp")
+"""What auto chooses among, in order of preference when predictions are within ``MARGIN``."""
+MARGIN = 0.02
+"""Relative margin within which a prediction counts as a tie (the model is coarser than that)."""
+DIGITS = 3
+"""Significant digits of the demand figures the predictions are cached by (0.5 %: well inside
+``MARGIN``, so rounding never favours one byte rule over another)."""
+PROFILE_ENV = "SPARSP_PROFILE"
+_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One call's choice: the strategy, every candidate's predicted ms, and on what."""
+
+    strategy: str
+    predicted_ms: dict
+    profile: str
+    transport: str
+
+
+_profile = None
+_cache: OrderedDict = OrderedDict()
+_logged: dict[tuple, str] = {}
+_blocks: dict[tuple, object] = {}
+_last: Decision | None = None
+
+
+def use_profile(profile=None) -> None:
+    """The machine profile auto predicts with: a ``sparsp.simulate.Profile``, a profile name or
+    JSON path (``sparsp.simulate.get_profile``), or None for the default (module docstring)."""
+    global _profile
+    if profile is not None and not hasattr(profile, "transports"):
+        from ..simulate import get_profile
+
+        profile = get_profile(profile)
+    _profile = profile
+    _cache.clear()
+
+
+def forget() -> None:
+    """Drop cached predictions, the once-per-geometry log memory and the last decision."""
+    global _last
+    _cache.clear()
+    _logged.clear()
+    _blocks.clear()
+    _last = None
+
+
+def last_decision() -> Decision | None:
+    """The latest choice made in this process (None before the first ``auto`` call)."""
+    return _last
+
+
+def candidates(heads: int, ranks: int) -> tuple[str, ...]:
+    """The strategies auto may pick for ``heads`` heads on ``ranks`` ranks."""
+    names = strategy_names()
+    return tuple(s for s in CANDIDATES if s in names
+                 and not (strategy_spec(s).heads_divisible and heads % ranks))
+
+
+def profile_for(transport: str, ranks: int):
+    """The profile for a call over ``transport`` on ``ranks`` ranks (module docstring)."""
+    from ..simulate import get_profile
+
+    prof = _profile
+    if prof is None:
+        env = os.environ.get(PROFILE_ENV, "").strip()
+        prof = get_profile(env) if env else get_profile(
+            "h200x2-nvlink" if transport == "ipc" else "h200x2-host")
+    if ranks > prof.gpus:  # widen: the same per-GPU figures, whole sockets and switches
+        unit = prof.sockets * prof.gpus_per_switch
+        prof = replace(prof, name=f"{prof.name}-x{ranks}", gpus=unit * math.ceil(ranks / unit))
+    return prof
+
+
+def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int, dtype_bytes: int,
+           prefetch: int = 1) -> tuple[str, dict]:
+    """(choice, predicted ms per candidate) for a measured ``simulate.model.Demand``."""
+    from ..simulate.model import gather_bytes, mask_bytes, work
+    from ..simulate.timeline import timeline
+
+    known = {t.name for t in profile.transports}
+    figure = transport if transport in known else None
+    # auto computes the mask for every candidate: the same mask work and metadata all-gather
+    masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    gathered = gather_bytes(d, head_dim=head_dim, sparse=True)
+    times = {}
+    for s in names:
+        w = replace(work(s, d, head_dim=head_dim, dtype_bytes=dtype_bytes), mask_bytes=masking,
+                    gather_bytes=gathered)
+        times[s] = round(timeline(w, profile, transport=figure, head_dim=head_dim,
+                                  prefetch=prefetch).latency_ms, 4)
+    best = min(times.values())
+    return next(s for s in names if times[s] <= best * (1 + MARGIN)), times
+
+
+def choose(meta, q: torch.Tensor, group, config, transport, global_mask=None) -> str:
+    """The strategy for this call (same on every rank); see the module docstring.
+
+    ``meta``: the call's ``plan.Metadata`` (its whole mask when computed); ``global_mask``: the
+    test override of ``sp_attention`` (replaces the mask when its shape fits)."""
+    global _last
+    from ..simulate.model import Blocks, measure
+
+    sh: Shapes = meta.shapes
+    B, H, G, N = sh.batch, sh.heads, sh.world_size, sh.total_blocks
+    names = candidates(H, G)
+    if len(names) == 1:
+        return names[0]
+    mask = meta.mask
+    if global_mask is not None and tuple(global_mask.shape) == (B, H, N, N):
+        mask = global_mask.to(q.device, torch.bool)
+    if mask is None or tuple(mask.shape) != (B, H, N, N):  # dense config: every block kept
+        mask = torch.ones(B, H, N, N, dtype=torch.bool, device=q.device)
+    blocks = _blocks.get((sh.seq_lens, sh.block_size, str(q.device)))
+    if blocks is None:  # device constants made once per geometry (a host-to-device copy syncs)
+        blocks = Blocks.of_call(sh.seq_lens, sh.block_size, q.device)
+        _blocks[(sh.seq_lens, sh.block_size, str(q.device))] = blocks
+    exact = measure(mask.reshape(B * H, N, N), blocks, batch=B)
+    d = exact.rounded(DIGITS)
+    profile = profile_for(transport.name, G)
+    key = (profile.name, id(profile), transport.name, names, sh.head_dim, q.element_size(),
+           config.prefetch, d)
+    hit = _cache.get(key)
+    if hit is None:
+        hit = decide(d, profile, transport.name, names, head_dim=sh.head_dim,
+                     dtype_bytes=q.element_size(), prefetch=config.prefetch)
+        _cache[key] = hit
+        if len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    choice, times = hit
+    _last = Decision(choice, dict(times), profile.name, transport.name)
+    geometry = (id(group), sh, q.dtype, str(q.device))
+    if geometry not in _logged or _logged[geometry] != choice:
+        level = logging.INFO if geometry not in _logged else logging.DEBUG
+        _logged[geometry] = choice
+        density = sum(exact.head_pairs) / (B * H * sum(sh.seq_lens) ** 2)
+        log.log(level, "sparsp auto: %s for G=%d, %d tokens, %dx%d heads, density %.3f "
+                "(predicted ms: %s; profile %s, transport %s)", choice, G, sum(sh.seq_lens), H,
+                sh.head_dim, density, ", ".join(f"{s} {t:.3g}" for s, t in times.items()),
+                profile.name, transport.name)
+    return choice
+
+
+__all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "candidates", "choose", "decide", "forget",
+           "last_decision", "profile_for", "use_profile"]

@@ -1,0 +1,156 @@
+"""The flag protocol of the slot windows: flag words, their layout, and waiting on them.
+
+Used by ``slots.SlotWindows`` (and the ``host`` and ``ipc`` transports built on it) to say
+"this slot holds a payload" and "this slot is free again" without any collective
+(DESIGN "Decoupled transfer runtime"; paper §6.1).
+
+**A flag word** is one 32-bit word, from the high bit to the low one
+``epoch mod 2^8 | use mod 2^10 | count`` (``encode_flag`` / ``decode_flag``):
+
+- *epoch*: the attention call, bumped by every ``fence``;
+- *use*: how many times this slot was used before within the call (the k-th transfer on a
+  (producer, consumer) pair uses slot ``k mod window`` for the ``k // window``-th time), at
+  most ``MAX_USES`` per slot per call;
+- *count*: chunks landed, for 'published' (a chunked copy advances it chunk by chunk, so the
+  consumer can copy chunk j while chunk j+1 is in flight), at most ``MAX_COUNT``; always 1
+  for 'released'.
+
+**Who writes which word.** Every word has exactly one writer. Each rank's segment begins with
+its flag page (``FlagLayout``), one 64-byte line per word so that two writers never share a
+cache line: line 0 is the owner's barrier counter, line 1 scratch (capability probes), then
+for every consumer c and slot s of the owner's window a 'published' line, written by the owner
+(the producer) once the payload for c is in the slot, and a 'released' line, written by
+consumer c (remotely, into the producer's page) once its copy out of the slot has completed.
+The producer waits on 'released' before it packs into a slot again; the consumer waits on
+'published' before it copies out.
+
+**Comparison.** A waiter holds the value it expects and passes once the word is *cyclically*
+greater or equal (``flag_reached``): ``(int32)(value - expected) >= 0``, the condition of
+``cuStreamWaitValue32`` with GEQ, so the host and the GPU wait on exactly the same
+condition. Every fence resets each word to ``(new epoch, 0, 0)`` between two barriers, so
+within a call a word only ever holds values written in that call; a stale value from up to
+127 calls back is also cyclically smaller than any expected value, so it can never be
+mistaken for a fresh one even if a reset were lost.
+
+**Waiting.** ``wait_flag`` polls the word with a ``Backoff``: it first spins for ``spin_s``
+(yielding the GIL), then sleeps, doubling from a few microseconds to ``cap_s``. A GPU waiter
+spins for milliseconds with a low cap (each missed poll adds latency to every transfer); a CPU
+waiter gives its cores back to its peers sooner. Past ``timeout_s`` it raises
+``TimeoutError`` with the caller's ``describe(last value)``, which names the rank, the peer,
+the slot and the epoch: a dead or stuck peer raises instead of hanging.
+
+**Memory ordering on the CPU path.** The writer stores the payload, then the flag; the reader
+loads the flag, then the payload. Each is a separate C call (torch copy, numpy scalar store
+or load), so the compiler cannot reorder them, and x86-64 (TSO) keeps store→store and
+load→load order. Weakly ordered CPUs (aarch64) would need explicit barriers here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from .shm import PAGE, round_up
+
+EPOCH_BITS, USE_BITS, COUNT_BITS = 8, 10, 14
+MAX_USES = 1 << USE_BITS  # slot reuses per peer per call (window × this = publishes per call)
+MAX_COUNT = (1 << COUNT_BITS) - 1  # chunks per slot
+_MASK32 = 0xFFFFFFFF
+
+
+def encode_flag(epoch: int, use: int, count: int) -> int:
+    if not 0 <= use < MAX_USES:
+        raise ValueError(f"slot use {use} out of range: more than {MAX_USES} transfers per slot "
+                         "in one attention call; call fence() more often or widen the window")
+    if not 0 <= count <= MAX_COUNT:
+        raise ValueError(f"chunk count {count} exceeds {MAX_COUNT}; raise chunk_bytes")
+    return ((epoch % (1 << EPOCH_BITS)) << (USE_BITS + COUNT_BITS)) | (use << COUNT_BITS) | count
+
+
+def decode_flag(value: int) -> tuple[int, int, int]:
+    """(epoch mod 2^8, use, count) of a flag word."""
+    value &= _MASK32
+    return (value >> (USE_BITS + COUNT_BITS), (value >> COUNT_BITS) & (MAX_USES - 1),
+            value & MAX_COUNT)
+
+
+def flag_reached(value: int, expected: int) -> bool:
+    """The condition of ``cuStreamWaitValue32`` (GEQ): ``(int32)(value - expected) >= 0``."""
+    return ((int(value) - expected) & _MASK32) < 0x80000000
+
+
+def describe_flag(value: int) -> str:
+    e, u, c = decode_flag(int(value))
+    return f"epoch {e} use {u} count {c}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlagLayout:
+    """Where the words of one producer's flag page are; one 64-byte line per word.
+
+    line 0: the owner's barrier counter; line 1: scratch (capability probes); then for every
+    consumer c and slot s a 'published' line (written by the producer) and a 'released' line
+    (written by consumer c). Separate lines keep the two writers off each other's cache line.
+    """
+
+    world_size: int
+    window: int
+
+    LINE_WORDS = 16  # 64 bytes
+
+    @property
+    def nbytes(self) -> int:
+        return round_up((2 + 2 * self.world_size * self.window) * self.LINE_WORDS * 4, PAGE)
+
+    @property
+    def nwords(self) -> int:
+        return self.nbytes // 4
+
+    barrier = 0
+    scratch = LINE_WORDS
+
+    def published(self, consumer: int, slot: int) -> int:
+        return (2 + 2 * (consumer * self.window + slot)) * self.LINE_WORDS
+
+    def released(self, consumer: int, slot: int) -> int:
+        return self.published(consumer, slot) + self.LINE_WORDS
+
+
+class Backoff:
+    """Poll politely: spin (yielding the GIL) for ``spin_s``, then sleeps that double to a cap.
+
+    A GPU waiter spins for milliseconds: the sleep after a missed poll is pure latency added to
+    every transfer (a 200 µs cap cost ~0.2 ms per exchange on the H200s, 20 % at 256 MiB over
+    NVLink); a CPU waiter shares two cores with its peers and gives them back sooner.
+    """
+
+    def __init__(self, spin_s: float = 5e-5, first_s: float = 5e-6, cap_s: float = 1e-3) -> None:
+        self.spin_until = time.monotonic() + spin_s
+        self.first_s, self.cap_s = first_s, cap_s
+        self.delay = first_s
+
+    def pause(self) -> None:
+        if time.monotonic() < self.spin_until:
+            time.sleep(0)
+        else:
+            time.sleep(self.delay)
+            self.delay = min(self.cap_s, self.delay * 2)
+
+
+def wait_flag(words: np.ndarray, index: int, expected: int, *, timeout_s: float,
+              describe: Callable[[int], str], cap_s: float = 1e-3, spin_s: float = 5e-5) -> None:
+    """Wait until ``words[index]`` reaches ``expected``; ``TimeoutError(describe(last value))``."""
+    if flag_reached(words[index], expected):
+        return
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(spin_s=spin_s, cap_s=cap_s)
+    while True:
+        backoff.pause()
+        value = int(words[index])
+        if flag_reached(value, expected):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(describe(value))

@@ -1,0 +1,155 @@
+"""``strategy="auto"`` (issue 12): the cost model picks the strategy per call from the call's own
+mask. Checked: the same choice on every rank, the output of the chosen strategy, a full mask
+picks the dense ring, a sparse mask on a slow link picks ``sparsp``, heads that do not divide
+never pick ``ulysses``, an imbalanced mask on a fast link picks ``ulysses``, and the choice is
+logged once per geometry."""
+
+import logging
+
+import pytest
+import torch
+
+from dist_utils import run_distributed, structured_inputs
+
+from sparsp.simulate import KernelFigure, Profile, TransportFigure
+
+
+def _profile(link_gbps: float, **kw) -> Profile:
+    """A 8-GPU box with no fixed costs: only compute and the link decide."""
+    base = dict(name=f"test-{link_gbps:g}", gpus=8, peer_access=True, link_gbps=link_gbps, hbm_gbps=1e6,
+                transports=(TransportFigure(name="nccl", efficiency=1.0, latency_ms=0.0),),
+                kernels=(KernelFigure(head_dim=16, sparse_tflops=1e-4, dense_tflops=1e-4),),
+                launch_ms=0.0, call_ms=0.0, sync_ms=0.0)
+    base.update(kw)
+    return Profile(**base)
+
+
+SLOW = _profile(1e-6)  # bytes decide everything
+FAST = _profile(1e6)  # compute decides everything
+
+
+def _masks(kind: str, B: int, H: int, lens, bs: int) -> torch.Tensor:
+    """bool [B, H, N, N] in the call's block order (each slice cut from its start)."""
+    n = [-(-L // bs) for L in lens]
+    N = sum(n)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(n))
+    if kind == "local":  # every query block reads only its own rank's key blocks: no demand
+        m = owner[:, None] == owner[None, :]
+    elif kind == "rank0-dense":  # rank 0's queries read everything, the others only their own
+        m = (owner[:, None] == 0) | (owner[:, None] == owner[None, :])
+    else:
+        raise ValueError(kind)
+    return m.expand(B, H, N, N).contiguous()
+
+
+class _Count(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.info = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("sparsp auto:") and record.levelno == logging.INFO:
+            self.info.append(record.getMessage())
+
+
+def _auto_worker(rank, world, H, cases):
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.strategies import auto, close_transports
+
+    count = _Count()
+    logging.getLogger("sparsp").addHandler(count)
+    logging.getLogger("sparsp").setLevel(logging.DEBUG)
+    B, D, bs = 2, 16, 16
+    out = []
+    for lens, cdf, mask_kind, profile in cases:
+        auto.use_profile(profile)
+        S = sum(lens)
+        q, k, v = structured_inputs(3, B, S, H, D)
+        a = sum(lens[:rank])
+        sl = slice(a, a + lens[rank])
+        x = [t[:, sl].contiguous() for t in (q, k, v)]
+        gm = None if mask_kind is None else _masks(mask_kind, B, H, lens, bs)
+        cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport="nccl", kernel="torch")
+        got = sp_attention(*x, strategy="auto", config=cfg, _global_mask=gm)
+        chosen = auto.last_decision()
+        again = sp_attention(*x, strategy="auto", config=cfg, _global_mask=gm)  # same geometry
+        assert auto.last_decision().strategy == chosen.strategy
+        want = sp_attention(*x, strategy=chosen.strategy, config=cfg, _global_mask=gm)
+        assert torch.equal(got, want) and torch.equal(again, want), chosen
+        if H % world:
+            assert "ulysses" not in chosen.predicted_ms
+        out.append((chosen.strategy, chosen.predicted_ms))
+    close_transports()
+    return out, count.info
+
+
+def test_auto_chooses_the_same_on_every_rank_and_runs_it():
+    H, world = 4, 2
+    cases = [
+        ([48, 40], 1.0, None, None),  # dense: cdf 1.0 → every block; default profile
+        ([48, 40], 1.0, None, SLOW),
+        ([48, 40], 0.5, "local", SLOW),  # sparse mask, slow link → sparsp
+        ([48, 40], 0.5, "rank0-dense", FAST),  # imbalanced compute, fast link → ulysses
+        ([64, 64], 0.9, None, None),  # a CDF mask, the default profile
+    ]
+    results = run_distributed(_auto_worker, world, H, cases, timeout=240)
+    (choices0, logs0), (choices1, logs1) = results
+    assert choices0 == choices1  # same strategy and the same predictions on every rank
+    picked = [c for c, _ in choices0]
+    assert picked[0] == "ring" and picked[1] == "ring", choices0
+    assert picked[2] == "sparsp", choices0
+    assert picked[3] == "ulysses", choices0
+    # logged once per geometry: two geometries ([48, 40] and [64, 64]) → two lines per rank
+    assert len(logs0) == 2 and len(logs1) == 2, logs0
+    assert "predicted ms:" in logs0[0] and "ring" in logs0[0]
+
+
+def test_auto_never_picks_ulysses_when_heads_do_not_divide():
+    H, world = 3, 2
+    cases = [([48, 40], 1.0, None, None), ([48, 40], 0.5, "rank0-dense", FAST),
+             ([48, 40], 0.5, "local", SLOW), ([64, 64], 0.9, None, FAST)]
+    (choices, _), (other, _) = run_distributed(_auto_worker, world, H, cases, timeout=240)
+    assert choices == other
+    assert all(c != "ulysses" and "ulysses" not in t for c, t in choices), choices
+    assert choices[2][0] == "sparsp"
+
+
+def test_decide_on_measured_demand():
+    """The model's side alone, on hand-made masks (one process)."""
+    from sparsp.simulate.model import Blocks, measure
+    from sparsp.strategies.auto import candidates, decide
+
+    lens, bs, H, B = (64, 64, 64, 64), 16, 8, 1
+    blocks = Blocks.of_call(lens, bs)
+
+    def choice(mask, profile, names=("ring", "ulysses", "sparsp")):
+        d = measure(mask.reshape(B * H, *mask.shape[-2:]), blocks, batch=B)
+        return decide(d, profile, "nccl", names, head_dim=16, dtype_bytes=2)
+
+    full = torch.ones(B, H, 16, 16, dtype=torch.bool)
+    # a full mask: nothing to skip. Compute alike everywhere → the dense ring (a tie)
+    assert choice(full, FAST)[0] == "ring"
+    # on a slow link at G = 4 ulysses moves half the ring's bytes (4·S·H·D/G against
+    # 2·S·H·D·(G−1)/G): its all-to-all is cheaper; without it, the dense ring
+    assert choice(full, SLOW)[0] == "ulysses"
+    assert choice(full, SLOW, names=("ring", "sparsp"))[0] == "ring"
+    local = _masks("local", B, H, lens, bs)
+    pick, times = choice(local, SLOW)
+    # sparsp moves no payload; both pay the same metadata all-gather (auto computes the mask
+    # for every candidate) and local compute; the ring adds three hops of a full shard
+    hops = 3 * 64 * H * 2 * 16 * 2 / (SLOW.link_gbps * 1e6)
+    assert pick == "sparsp" and times["ring"] - times["sparsp"] == pytest.approx(hops, rel=1e-3)
+    assert choice(_masks("rank0-dense", B, H, lens, bs), FAST)[0] == "ulysses"
+    assert candidates(6, 4) == ("ring", "sparsp") and candidates(8, 4) == ("ring", "ulysses", "sparsp")
+    # measured demand equals the byte rule: a full mask demands every other shard
+    d = measure(full.reshape(B * H, 16, 16), blocks, batch=B)
+    assert d.direct[0] == (0, 64 * H, 64 * H, 64 * H)
+    assert sum(d.head_pairs) == H * 256 ** 2 and d.pairs[1][2] == H * 64 * 64
+
+
+def test_validate_accepts_auto_only_by_name():
+    from sparsp.strategies.base import validate
+
+    with pytest.raises(ValueError, match="strategy='autox' is not one of .*auto"):
+        validate(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), None,
+                 "autox", None)
