@@ -195,6 +195,14 @@ def _per_head(value: Threshold, heads: int, name: str, device, dtype=torch.float
     return t
 
 
+def _keeps_all(value: Threshold) -> bool:
+    """Whether some head's threshold may be 1 (known on the host for host values; a caller's
+    device tensor is not read: assume it may)."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "cpu" or bool((value >= 1.0).any())
+    return float(value) >= 1.0
+
+
 def select_blocks(
     pq: PooledBlocks,
     pk: PooledBlocks,
@@ -208,7 +216,7 @@ def select_blocks(
     device = pq.mean.device
     cdf = _per_head(cdf_threshold, H, "cdf_threshold", device, torch.float32)
     scale = D**-0.5 if scale is None else scale
-    scores = torch.einsum("bhqd,bhkd->bhqk", pq.mean, pk.mean) * scale
+    scores = torch.matmul(pq.mean, pk.mean.transpose(-1, -2)).mul_(scale)
     if sim_threshold is not None:
         sim = _per_head(sim_threshold, H, "sim_threshold", device)[None, :, None]
         k_similar = pk.sim.double() > sim  # [B, H, nK]
@@ -223,8 +231,9 @@ def select_blocks(
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)
     keep_sorted = ordered.cumsum(dim=-1) <= cdf[None, :, None, None]
     keep_sorted[..., 0] = True  # at least one block per row
-    # cdf = 1 keeps everything: a cumulative sum can round to 1 + ε before the last block.
-    keep_sorted |= (cdf >= 1.0)[None, :, None, None]  # (device ops: no host sync)
+    if _keeps_all(cdf_threshold):
+        # cdf = 1 keeps everything: a cumulative sum can round to 1 + ε before the last block.
+        keep_sorted |= (cdf >= 1.0)[None, :, None, None]  # (device ops: no host sync)
     mask = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     if sim_threshold is not None:
         mask |= ~k_similar[:, :, None, :]

@@ -125,10 +125,30 @@ def _header(q: torch.Tensor, config: SparspConfig, strategy: str, probe: torch.T
         mine = torch.tensor(fields, dtype=torch.long).to(q.device)
         _CONSTANTS[(fields, str(q.device))] = mine
     if probe is None:
-        bad = torch.zeros(3, dtype=torch.long, device=q.device)
+        bad = _constant((0, 0, 0), q.device)
     else:
-        bad = (~torch.isfinite(probe)).long()
+        bad = (probe - probe).ne(0).long()  # x − x is NaN exactly for NaN and ±Inf (two ops)
     return torch.cat([mine, bad])
+
+
+def _constant(values: tuple[int, ...], device) -> torch.Tensor:
+    """A small int64 tensor on ``device``, made once (a host-to-device copy syncs)."""
+    key = ("const", values, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = torch.tensor(values, dtype=torch.long).to(device)
+        _CONSTANTS[key] = t
+    return t
+
+
+def _zeros(n: int, device) -> torch.Tensor:
+    """float32 zeros [n] on ``device``, made once per size (the padding of the metadata row)."""
+    key = ("zeros", n, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = torch.zeros(n, dtype=torch.float32, device=device)
+        _CONSTANTS[key] = t
+    return t
 
 
 def _finite_probe(q, k, v, pooled_q: torch.Tensor | None, key_sums: torch.Tensor | None) -> torch.Tensor:
@@ -286,16 +306,16 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                           pk.sim.reshape(-1), ks.reshape(-1)])
         pooled_q, key_sums = pq.mean, ks
     probe = _finite_probe(q, k, v, pooled_q, key_sums) if config.check_finite else None
-    size = torch.full((1,), data.numel(), dtype=torch.long, device=q.device)
-    header = torch.cat([_header(q, config, strategy, probe), size]).clamp(max=2**31 - 1).to(torch.int32)
+    size = _constant((data.numel(),), q.device)
+    # every field fits int32 (shapes, codes < 2³¹, flags, the summary size)
+    header = torch.cat([_header(q, config, strategy, probe), size]).to(torch.int32)
     local_key = (tuple(q.shape), q.dtype, bs, strategy)
     guess = state.shapes.get(local_key)
     counts = lambda: count_nonfinite(q, k, v, group, config.timeout_s)  # noqa: E731
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
-        body = torch.zeros(cap, dtype=torch.float32, device=q.device)
-        body[: min(cap, data.numel())] = data[:cap]
-        mine = torch.cat([header.view(torch.float32), body])
+        body = data[:cap]
+        mine = torch.cat([header.view(torch.float32), body, _zeros(cap - body.numel(), q.device)])
         everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):

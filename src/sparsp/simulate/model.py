@@ -57,12 +57,11 @@ INPUT_PASSES = 3
 # ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
 # call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
 # G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind.
-MASK_OPS = {"dense": (43, 0, 0), "sparse": (130, 13, 0), "direct": (139, 96, 0),
-            "relay": (168, 65, 4)}
-# (A dense call issues 2 ops more, 45, once a sparse call has grown the group's summary
-# capacity.) The same count for ``sparsp`` on a group of one (the one-GPU reference of
-# ``bench attention``'s ``1gpu-sparse`` row: a plan without peers): 129.
-ONE_RANK_MASK_OPS = {"direct": 129}
+MASK_OPS = {"dense": (36, 0, 0), "sparse": (113, 13, 0), "direct": (122, 96, 0),
+            "relay": (151, 65, 4)}
+# The same count for ``sparsp`` on a group of one (the one-GPU reference of ``bench
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 112.
+ONE_RANK_MASK_OPS = {"direct": 112}
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
 # selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
