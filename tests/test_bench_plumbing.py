@@ -16,7 +16,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from sparsp.bench import attention, common
+from sparsp.bench import attention, common, measure
 from sparsp.plan import Shapes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -110,17 +110,17 @@ def test_link_gbps_best_256_mib_row_per_fabric(tmp_path):
     (tmp_path / "transport-ipc-2025-01-03.json").write_text(json.dumps({"rows": [_row("nvlink", 256 * mib, 999.0)]}))
     (tmp_path / "attention-x.json").write_text(json.dumps({"rows": [_row("host", 256 * mib, 999.0)]}))
 
-    assert attention.link_gbps("nvlink", tmp_path) == pytest.approx(320.5)
-    assert attention.link_gbps("host", tmp_path) == pytest.approx(30.0)
-    assert attention.link_gbps("pcie", tmp_path) is None  # no row of that fabric
+    assert measure.link_gbps("nvlink", tmp_path) == pytest.approx(320.5)
+    assert measure.link_gbps("host", tmp_path) == pytest.approx(30.0)
+    assert measure.link_gbps("pcie", tmp_path) is None  # no row of that fabric
 
 
 def test_link_gbps_none_without_files_or_qualifying_rows(tmp_path):
-    assert attention.link_gbps("nvlink", tmp_path) is None
-    assert attention.link_gbps("nvlink", tmp_path / "missing") is None
+    assert measure.link_gbps("nvlink", tmp_path) is None
+    assert measure.link_gbps("nvlink", tmp_path / "missing") is None
     (tmp_path / "transport-all-a.json").write_text(json.dumps({"rows": [
         _row("nvlink", 256 << 20, 300.0, under_load=True), _row("nvlink", 128 << 20, 200.0)]}))
-    assert attention.link_gbps("nvlink", tmp_path) is None
+    assert measure.link_gbps("nvlink", tmp_path) is None
 
 
 # --------------------------------------------------------------------------- kept_flops
@@ -154,10 +154,10 @@ def test_kept_flops_counts_real_tokens_of_kept_pairs(rank):
     mask = torch.rand(shapes.batch, shapes.heads, n_local, n_total, generator=g) < 0.5
     want = _brute_flops(mask, shapes)
     assert 0 < want < _brute_flops(None, shapes)
-    assert attention.kept_flops(mask, shapes) == pytest.approx(want)
-    assert attention.kept_flops(None, shapes) == pytest.approx(_brute_flops(None, shapes))
+    assert measure.kept_flops(mask, shapes) == pytest.approx(want)
+    assert measure.kept_flops(None, shapes) == pytest.approx(_brute_flops(None, shapes))
     full = torch.ones(shapes.batch, shapes.heads, n_local, n_total, dtype=torch.bool)
-    assert attention.kept_flops(full, shapes) == pytest.approx(_brute_flops(None, shapes))
+    assert measure.kept_flops(full, shapes) == pytest.approx(_brute_flops(None, shapes))
 
 
 def test_kept_flops_of_a_single_tail_pair():
@@ -165,7 +165,7 @@ def test_kept_flops_of_a_single_tail_pair():
     shapes = Shapes(rank=1, world_size=2, batch=1, heads=1, head_dim=8, block_size=4, seq_lens=(7, 6))
     mask = torch.zeros(1, 1, 2, 4, dtype=torch.bool)
     mask[0, 0, 1, 1] = True
-    assert attention.kept_flops(mask, shapes) == pytest.approx(4 * 8 * 2 * 3)
+    assert measure.kept_flops(mask, shapes) == pytest.approx(4 * 8 * 2 * 3)
 
 
 # --------------------------------------------------------------------------- plot

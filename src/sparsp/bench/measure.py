@@ -1,0 +1,125 @@
+"""What ``bench attention`` measures besides a call's median: the inputs of the bound (the
+link bandwidth of the fabric, a rank's kept-block FLOPs, the fastest dense kernel's rate) and
+the profiler's counts of one call (host synchronisations, collectives; op tables and a trace
+with ``--profile``)."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import torch
+
+from .common import median
+
+
+def link_gbps(fabric: str, results: Path) -> float | None:
+    """The best 256 MiB bandwidth any transport reached on ``fabric`` (bench transport files)."""
+    best = None
+    for path in sorted(glob.glob(str(Path(results) / "transport-all-*.json"))):
+        for r in json.loads(Path(path).read_text()).get("rows", []):
+            if r.get("fabric") == fabric and r.get("bytes") == 256 << 20 and not r.get("under_load"):
+                best = max(best or 0.0, float(r["gbps"]))
+    return best
+
+
+def kept_flops(mask: torch.Tensor | None, shapes) -> float:
+    """FLOPs of this rank's kept block pairs, real token counts (4·q·k·D per pair and head)."""
+    lens = []
+    for p, n in enumerate(shapes.num_blocks):
+        L = torch.full((n,), shapes.block_size, dtype=torch.float64)
+        if shapes.has_tail(p):
+            L[-1] = shapes.seq_lens[p] - (n - 1) * shapes.block_size
+        lens.append(L)
+    klen = torch.cat(lens)
+    qlen = lens[shapes.rank]
+    per_pair = 4.0 * shapes.head_dim * qlen[:, None] * klen[None, :]
+    if mask is None:
+        return float(per_pair.sum()) * shapes.batch * shapes.heads
+    return float((mask.double().cpu() * per_pair).sum())
+
+
+def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
+    """TFLOP/s of the fastest dense kernel on (local queries × all keys) shapes of this head dim."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
+    best, name = 0.0, "none"
+    candidates = [("cudnn", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
+                  ("flash", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))]
+    for label, ctx in candidates:
+        try:
+            with ctx():
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)  # noqa: E731
+                ms = _time_local(fn)
+        except RuntimeError:
+            continue
+        if flops / ms / 1e9 > best:
+            best, name = flops / ms / 1e9, label
+    try:
+        from ..kernels import fa4  # optional backend (flash-attn-4)
+
+        if fa4.fa4_available(q.device):
+            ms = _time_local(lambda: fa4.dense(q, k, v))
+            if flops / ms / 1e9 > best:
+                best, name = flops / ms / 1e9, "fa4"
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    return best, name
+
+
+def _time_local(fn, iters: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def count_syncs_and_collectives(fn, profile_to: Path | None = None) -> tuple[int, int]:
+    """(host syncs, collectives) of one call, from the profiler's host-side events inside the
+    call (the closing synchronize of the measurement is outside it); with ``profile_to`` (a
+    path stem) also the op tables and a gzipped Chrome trace of that call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("bench.call"):
+            fn()
+        torch.cuda.synchronize()
+    if profile_to is not None:
+        _write_profile(prof, Path(profile_to))
+    events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    call = next(e for e in events if e.name == "bench.call")
+    inside = [e for e in events if call.time_range.start <= e.time_range.start <= call.time_range.end]
+    syncs = sum(e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                           "sparsp.host_read") for e in inside)
+    # one op per collective issued (the profiler also lists each under its NCCL annotation,
+    # on the host and on the device: those are not counted again); the transports'
+    # send/recv are payload, not metadata
+    colls = sum(e.name.startswith("c10d::") and not any(w in e.name for w in ("send", "recv", "coalesced", "barrier"))
+                for e in inside)
+    return syncs, colls
+
+
+def _write_profile(prof, stem: Path) -> None:
+    import gzip
+    import tempfile
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    avg = prof.key_averages()
+    tables = [f"== by self device time\n{avg.table(sort_by='self_device_time_total', row_limit=40)}",
+              f"== by self host time\n{avg.table(sort_by='self_cpu_time_total', row_limit=40)}"]
+    stem.parent.joinpath(stem.name + ".txt").write_text("\n\n".join(tables))
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(stem.parent / (stem.name + ".json.gz"), "wb") as dst:
+            dst.write(src.read())
