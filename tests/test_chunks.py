@@ -158,6 +158,22 @@ def test_unit_count_rules():
     assert chunks.unit_count(None, drain=True, heads=8, cost=costly, max_rows=big) == 4
 
 
+def test_units_pay_their_host_cost_before_the_sync():
+    big = 64 * 100_000
+    base = _cost(bytes_per_s=1e6)  # transfer-bound: the drain is worth cutting
+    assert chunks.unit_count(None, drain=True, heads=8, cost=base, max_rows=big) == chunks.AUTO_DRAIN_UNITS
+    most = big / base.block_size * base.block_s
+    from dataclasses import replace
+
+    # three more units cost more than the most a cut could save: stay whole
+    dear = replace(base, unit_s=most / 2 / (chunks.AUTO_DRAIN_UNITS - 1) * 1.01)
+    assert chunks.unit_count(None, drain=True, heads=8, cost=dear, max_rows=big) == 1
+    cheap = replace(base, unit_s=most / 2 / (chunks.AUTO_DRAIN_UNITS - 1) * 0.5)
+    assert chunks.unit_count(None, drain=True, heads=8, cost=cheap, max_rows=big) == chunks.AUTO_DRAIN_UNITS
+    # a requested count is honoured whatever the units cost
+    assert chunks.unit_count(3, drain=True, heads=8, cost=dear, max_rows=big) == 3
+
+
 def test_fabric_from_the_measured_profiles(monkeypatch):
     monkeypatch.delenv(chunks.PROFILE_ENV, raising=False)
     host, ipc = chunks.fabric("cuda", "host", 128), chunks.fabric("cuda", "ipc", 128)

@@ -449,10 +449,13 @@ def test_sparsp_drain_units_charge_mask_ops():
     pl = make_placement("periodic", geom, 2)
     plain = build_work(masks, pl, "sparsp", head_dim=geom.head_dim)
     assert plain.host_ops == (mask_ops("direct", 2),) * 2
-    # the host-staged 2×H200 box at LTX-Video size is transfer-bound: sparsp cuts both drain
-    # payloads of every rank into 4 head groups (strategies/chunks.py), 6 + 3 × 43.5 ops each
-    host = PROFILES["h200x2-host"]
+    # the host-staged 2×H200 box at LTX-Video size is transfer-bound, but the drain computes
+    # for less than three more units cost the host before the sync: no units
     d = measure(masks, Blocks.of(pl))
+    assert drain_units(d, PROFILES["h200x2-host"], "host", head_dim=geom.head_dim, dtype_bytes=2) == ((1, 1),) * 2
+    # with host ops free (op_ms 0) the same pairs are cut: both drain payloads of every rank in 4
+    # head groups (strategies/chunks.py), 6 + 3 × 43.5 ops each
+    host = replace(PROFILES["h200x2-host"], op_ms=0.0)
     assert drain_units(d, host, "host", head_dim=geom.head_dim, dtype_bytes=2) == ((4, 4), (4, 4))
     cut = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=host, transport="host")
     assert cut.host_ops == (mask_ops("direct", 2) + round(2 * (MASK_CUT_OPS + 3 * MASK_UNIT_OPS)),) * 2

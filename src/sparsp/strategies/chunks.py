@@ -62,6 +62,11 @@ class Fabric:
     """Link-side cost of one more message: publish, fetch handshake, copy launch."""
     min_chunk_bytes: int
     """Chunks smaller than this are never chosen automatically."""
+    unit_s: float = 0.0
+    """Host cost of one more head-group unit before the call's host sync, whatever the chunk
+    count chosen after it: the unit's selection, counts and layout are eager ops issued while
+    the device waits (both payloads of a rank: 2 × ``simulate.model.MASK_UNIT_OPS`` ops at the
+    profile's ``op_ms``)."""
 
 
 MIN_CHUNK_BYTES = 256 << 10
@@ -109,8 +114,11 @@ def profile_fabric(profile, transport: str, head_dim: int) -> Fabric:
         caps.append(profile.duplex_gbps / 2)
     if not profile.peer_access and profile.host_gbps is not None:
         caps.append(profile.host_gbps / 4)
+    from ..simulate.model import MASK_UNIT_OPS
+
     return Fabric(min(caps) * fig.efficiency * 1e9, profile.kernel(head_dim).sparse_tflops * 1e12,
-                  profile.launch_ms * 1e-3, fig.latency_ms * 1e-3, MIN_CHUNK_BYTES)
+                  profile.launch_ms * 1e-3, fig.latency_ms * 1e-3, MIN_CHUNK_BYTES,
+                  2 * MASK_UNIT_OPS * profile.op_ms * 1e-3)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ class PairCost:
     message_s: float
     block_size: int
     min_chunk_rows: int
+    unit_s: float = 0.0  # ``Fabric.unit_s``
 
     @property
     def ratio(self) -> float:
@@ -138,7 +147,7 @@ def pair_cost(fab: Fabric, *, head_dim: int, dtype_bytes: int, block_size: int,
     reads = max(read_fraction * consumer_blocks, 1.0)  # a demanded block is read at least once
     flops = 4 * block_size * block_size * head_dim  # QKᵀ and PV of one (query, key) block pair
     return PairCost(row_bytes / fab.bytes_per_s, reads * flops / fab.flops_per_s, fab.chunk_s,
-                    fab.message_s, block_size, max(1, -(-fab.min_chunk_bytes // row_bytes)))
+                    fab.message_s, block_size, max(1, -(-fab.min_chunk_bytes // row_bytes)), fab.unit_s)
 
 
 def head_groups(heads: int, count: int) -> list[tuple[int, int]]:
@@ -164,7 +173,8 @@ def unit_count(requested: int | None, *, drain: bool, heads: int, cost: PairCost
     estimated as large, is computed, so chunks only add launches) or when even the largest
     possible payload (``max_rows``, the owner's whole shard) would not give two chunks of
     ``min_chunk_bytes``, or could not save more compute (half of it, with two chunks) than one
-    more chunk and message cost; else ``AUTO_DRAIN_UNITS``. Each unit costs a selection in the
+    more chunk and message cost plus the units' own host cost before the sync (``unit_s`` each:
+    paid whatever the chunk count chosen after it); else ``AUTO_DRAIN_UNITS``. Each unit costs a selection in the
     plan, so this keeps them out wherever chunking cannot win.
     """
     if requested is not None:
@@ -172,10 +182,12 @@ def unit_count(requested: int | None, *, drain: bool, heads: int, cost: PairCost
     if not drain:
         return max(1, min(AUTO_STEADY_UNITS, heads))
     most = max_rows / cost.block_size * cost.block_s  # compute of the largest payload
+    units = max(1, min(AUTO_DRAIN_UNITS, heads))
+    # the units' ops are paid before the sync even when the payload then travels whole
     if cost.ratio <= 1.0 or max_rows < 2 * cost.min_chunk_rows or \
-            most / 2 <= cost.chunk_s + cost.message_s:
+            most / 2 <= cost.chunk_s + cost.message_s + (units - 1) * cost.unit_s:
         return 1
-    return max(1, min(AUTO_DRAIN_UNITS, heads))
+    return units
 
 
 @dataclass(frozen=True)
