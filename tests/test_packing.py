@@ -90,3 +90,28 @@ def test_merge_pair_equals_reference_merge():
     finite = ~ref_lse.isneginf()
     assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-6)
     assert lse[0, 0, 1] == -math.inf and (out[0, 0, 1] == 0).all()
+
+
+def test_fold_and_packed_result():
+    from sparsp.kernels import reads_token_major
+    from sparsp.kernels.buffer import packed_result
+    from sparsp.kernels.merge import fold
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 4, 5, generator=g).bfloat16()
+    out, lse = packed_result(q, None, None)  # an empty buffer
+    assert torch.equal(out, torch.zeros_like(q)) and out.dtype == q.dtype
+    assert lse.shape == (2, 3, 4) and bool(torch.isneginf(lse).all())
+    a, la = torch.randn(6, 4, 5, generator=g), torch.randn(6, 4, generator=g)
+    b, lb = torch.randn(6, 4, 5, generator=g), torch.randn(6, 4, generator=g)
+    first = fold(None, None, a, la)
+    assert first[0] is a and first[1] is la  # the first part as given
+    both = fold(a, la, b, lb)
+    ref = update_out_and_lse(a, la, b, lb)
+    assert torch.equal(both[0], ref[0]) and torch.equal(both[1], ref[1])
+    out, lse = packed_result(q, both[0], both[1])
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.equal(lse, both[1].reshape(2, 3, 4))
+    # the torch reference kernel reads head-major queries: callers copy them
+    from sparsp.kernels import get_kernel
+
+    assert not reads_token_major(get_kernel("torch", "cpu"), q, 4)

@@ -66,6 +66,7 @@ class _Entry:
     fn: KernelFn
     devices: tuple[str, ...]
     available: Callable[[torch.device], bool]
+    token_major: Callable[[Tensor, int], bool]
 
 
 _REGISTRY: dict[KernelName, _Entry] = {}
@@ -87,6 +88,7 @@ def register_kernel(
     *,
     devices: tuple[str, ...] = ("cpu", "cuda"),
     available: Callable[[torch.device], bool] | None = None,
+    token_major: Callable[[Tensor, int], bool] | None = None,
 ) -> Callable[[KernelFn], KernelFn]:
     """Decorator registering a forward function under ``name``.
 
@@ -94,13 +96,17 @@ def register_kernel(
         name: a ``KernelName`` other than ``auto``.
         devices: device types (``torch.device.type``) the kernel runs on.
         available: optional runtime check (e.g. an importable dependency) per device.
+        token_major: ``(q, block_size) -> bool``: the kernel reads queries given as a
+            (B, H, S, D) view of token-major (B, S, H, D) memory at full speed for this call
+            (``reads_token_major``); default: never.
     """
     key = _parse_name(name)
     if key is KernelName.AUTO:
         raise ValueError("'auto' is resolved by get_kernel and cannot be registered")
 
     def decorate(fn: KernelFn) -> KernelFn:
-        _REGISTRY[key] = _Entry(fn, tuple(devices), available or (lambda _device: True))
+        _REGISTRY[key] = _Entry(fn, tuple(devices), available or (lambda _device: True),
+                                token_major or (lambda _q, _block_size: False))
         return fn
 
     return decorate
@@ -149,12 +155,11 @@ def get_kernel(name: KernelName | str, device: torch.device | str) -> KernelFn:
 
 
 def reads_token_major(kernel: KernelFn, q: Tensor, block_size: int) -> bool:
-    """True when ``kernel`` reads queries given as a (B, H, S, D) view of token-major
-    (B, S, H, D) memory at full speed, so the caller need not copy them head-major: FA4 on a
-    call it runs itself (not its flex fallback) with one batch (its packed path folds (b, h)
-    into one dim, a view only when B = 1)."""
-    return (kernel is fa4.block_sparse_attention and q.shape[0] == 1 and fa4.import_error() is None
-            and fa4.unsupported_reason(q, block_size) is None)
+    """True when ``kernel`` (a function ``get_kernel`` returned) reads queries given as a
+    (B, H, S, D) view of token-major (B, S, H, D) memory at full speed for this call, so the
+    caller need not copy them head-major (its registration's ``token_major``)."""
+    entry = next((e for e in _REGISTRY.values() if e.fn is kernel), None)
+    return entry is not None and entry.token_major(q, block_size)
 
 
 def block_sparse_attention(
@@ -177,6 +182,7 @@ register_kernel(KernelName.TORCH, devices=("cpu", "cuda"))(torch_ref.block_spars
 register_kernel(KernelName.FLEX, devices=("cuda",), available=flex.flex_available)(
     flex.block_sparse_attention
 )
-register_kernel(KernelName.FA4, devices=("cuda",), available=fa4.fa4_available)(
+register_kernel(KernelName.FA4, devices=("cuda",), available=fa4.fa4_available,
+                token_major=fa4.reads_token_major)(
     fa4.block_sparse_attention
 )

@@ -34,6 +34,18 @@ __all__ = ["KVBuffer", "ShortSplit", "canonical_block_ids", "compact_indices", "
            "split_lists"]
 
 
+def packed_result(q: Tensor, out: Tensor | None, lse: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A packed-buffer kernel's ``(B·H, Sq, D)`` result in ``q``'s ``(B, H, Sq, D)`` shape and
+    dtype, natural-log lse ``(B, H, Sq)``; ``None`` (an empty buffer): zeros and ``-inf``."""
+    B, H, Sq, D = q.shape
+    if out is None or lse is None:  # an empty buffer: nothing to attend
+        return (
+            torch.zeros_like(q),
+            torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),
+        )
+    return out.reshape(B, H, Sq, D).to(q.dtype), lse.reshape(B, H, Sq)
+
+
 def canonical_block_ids(selected: Tensor, tail: bool) -> Tensor:
     """Buffer block index of every selected ``(bh, kb)`` under the canonical order.
 

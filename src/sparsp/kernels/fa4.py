@@ -41,12 +41,12 @@ import torch
 from torch import Tensor
 
 from . import flex, torch_ref
-from .buffer import KVBuffer, fit_width, sorted_lists, split_lists
+from .buffer import KVBuffer, fit_width, packed_result, sorted_lists, split_lists
 from .local import LocalKV
-from .merge import update_out_and_lse
+from .merge import fold
 
 __all__ = ["SUPPORTED_BLOCK_SIZES", "block_sparse_attention", "dense", "fa4_available",
-           "import_error", "unsupported_reason"]
+           "import_error", "reads_token_major", "unsupported_reason"]
 
 SUPPORTED_BLOCK_SIZES = (128,)
 _WARNED: set[str] = set()
@@ -95,6 +95,13 @@ def unsupported_reason(q: Tensor, block_size: int) -> str | None:
     if major != 9:
         return f"compute capability {major}.x (FA4's 128-token block-sparse tiles fit sm90)"
     return None
+
+
+def reads_token_major(q: Tensor, block_size: int) -> bool:
+    """FA4 reads a (B, H, S, D) view of token-major queries without a copy on a call it runs
+    itself (not its flex fallback) with one batch: its packed path folds (b, h) into one dim,
+    a view only when B = 1."""
+    return q.shape[0] == 1 and import_error() is None and unsupported_reason(q, block_size) is None
 
 
 def _fallback(reason: str, q, kv, kv_num_blocks, kv_indices, scale):
@@ -187,16 +194,8 @@ def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,
         s_idx = torch.zeros(1, BH, n_q, 1, dtype=torch.int32, device=q.device)
         o4, l4 = _run(q4, k_s, v_s, s_num, s_idx, bs, scale)
         s_out, s_lse = o4[0].transpose(0, 1), l4[0]
-        if out is None:
-            out, lse = s_out, s_lse
-        else:
-            out, lse = update_out_and_lse(out, lse, s_out, s_lse)
-    if out is None or lse is None:  # an empty buffer: nothing to attend
-        return (
-            torch.zeros_like(q),
-            torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),
-        )
-    return out.reshape(B, H, Sq, D).to(q.dtype), lse.reshape(B, H, Sq)
+        out, lse = fold(out, lse, s_out, s_lse)
+    return packed_result(q, out, lse)
 
 
 def dense(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:

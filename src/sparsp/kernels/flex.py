@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from . import torch_ref
-from .buffer import KVBuffer, fit_width, split_lists
+from .buffer import KVBuffer, fit_width, packed_result, split_lists
 from .local import LocalKV
-from .merge import update_out_and_lse
+from .merge import fold
 
 __all__ = ["FLEX_AVAILABLE", "block_sparse_attention", "compiled_entries", "dense", "flex_available"]
 
@@ -191,16 +191,8 @@ def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,
         s_num = split.has_short.to(torch.int32).reshape(1, BH, n_q)
         s_idx = torch.zeros(1, BH, n_q, 1, dtype=torch.int32, device=q.device)
         s_out, s_lse = _run(qf, k_s, v_s, s_num, s_idx, bs, scale, False)
-        if out is None:
-            out, lse = s_out, s_lse
-        else:
-            out, lse = update_out_and_lse(out, lse, s_out, s_lse)
-    if out is None or lse is None:  # an empty buffer: nothing to attend
-        return (
-            torch.zeros_like(q),
-            torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),
-        )
-    return out.reshape(B, H, Sq, D).to(q.dtype), lse.reshape(B, H, Sq)
+        out, lse = fold(out, lse, s_out, s_lse)
+    return packed_result(q, out, lse)
 
 
 def dense(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["merge_pair", "merge_partials", "update_out_and_lse"]
+__all__ = ["fold", "merge_pair", "merge_partials", "update_out_and_lse"]
 
 
 def update_out_and_lse(
@@ -60,6 +60,14 @@ def update_out_and_lse(
     safe = torch.where(total > 0, total, torch.ones_like(total))
     new_out = (out * (w_a / safe).unsqueeze(-1)) + (block_out * (w_b / safe).unsqueeze(-1))
     return new_out, new_lse
+
+
+def fold(out: Tensor | None, lse: Tensor | None, part_out: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """``part`` folded into ``(out, lse)``: the part as given when nothing came before, else
+    ``update_out_and_lse`` (a kernel's aligned and short-block calls over one buffer)."""
+    if out is None or lse is None:
+        return part_out, part_lse
+    return update_out_and_lse(out, lse, part_out, part_lse)
 
 
 def merge_partials(parts: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
