@@ -70,11 +70,13 @@ def test_configs_ablation_rows_switch_on_one_thing_at_a_time(fabric, copy_engine
         ("sparsp", "periodic", "nccl"),  # + direct routing
         ("sparsp", "periodic", copy_engine),  # + the fabric's copy-engine transport
         ("sparsp", "periodic", copy_engine),  # + the chunked drain
+        ("sparsp", "periodic", copy_engine),  # + the CUDA-graph plan stage (instead)
     ]
-    # chunking is off until its own step, which chunks the drain
+    # chunking and graphs are off until their own steps, each added to the copy-engine row
     configs = [attention.ablation_config(r[3]) for r in ablation]
     assert all(c["chunks"] == 1 for c in configs)
-    assert [c["drain_chunks"] for c in configs] == [1, 1, 1, 1, 1, 4]
+    assert [c["drain_chunks"] for c in configs] == [1, 1, 1, 1, 1, 4, 1]
+    assert [c["cuda_graphs"] for c in configs] == [False] * 6 + [True]
     assert attention.ablation_config(None) == {}
     labels = [r[3] for r in ablation]
     assert labels[0] == "baseline" and all(isinstance(x, str) and x for x in labels)

@@ -44,6 +44,13 @@ class SparspConfig:
     transfer-bound and the payload large enough, ``strategies/chunks.py``); 1: off. Clamped
     to the number of heads. Both counts apply to the ``sparsp`` strategy only and must be the
     same on every rank (sender and consumer derive each message from them)."""
+    cuda_graphs: bool = True
+    """On CUDA, replay the shape-static stage of a call (gathered summaries → whole mask →
+    the strategy's payload selections → layouts and counts, ``strategies/captured.py``) as one
+    CUDA graph per geometry, captured on the geometry's second call: an LTX-size call issues
+    ~200 small ops there, which the host needs longer to queue than the device to run. Keeps
+    the stage's buffers (some MB at LTX size, up to ~1 GB at HunyuanVideo size) on the device
+    until ``close_transports()``. Off, or on the CPU: eager, the same arithmetic."""
 
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
@@ -70,6 +77,8 @@ class SparspConfig:
                                  f"got {value!r}")
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite must be True or False, got {self.check_finite!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
 
     def cdf_tensor(self, heads: int) -> torch.Tensor | float:
         return _per_head(self.cdf_threshold, heads, "cdf_threshold")

@@ -211,6 +211,17 @@ def forget_shapes() -> None:
 
 
 @dataclass
+class Staged:
+    """``Metadata.stage``'s device result: ``flat`` = the header table then every count, the
+    one vector the host reads; ``pending`` = the layouts awaiting their counts (in order)."""
+
+    flat: torch.Tensor
+    n_head: int
+    pending: dict
+    extra: tuple
+
+
+@dataclass
 class Metadata:
     """What the call's metadata all-gather brought: every rank's header (device) and summary
     data, the shapes they describe (guessed from the last call of this local geometry until
@@ -224,21 +235,22 @@ class Metadata:
     capacity: int
     counts: object = None  # () -> exact NaN/Inf counts [G, 3] (the error path's collective)
     timeout_s: float = 300.0
+    center: torch.Tensor | None = None  # the global key mean, when similarity smoothed the keys
 
     def resolve(self, selections: dict, extra: dict | None = None):
-        """The call's one host synchronisation: header checks, then layouts and counts.
+        """The call's one host synchronisation: ``finish(stage(selections, extra))``."""
+        return self.finish(self.stage(selections, extra))
+
+    def stage(self, selections: dict, extra: dict | None = None) -> "Staged":
+        """Everything of ``resolve`` that runs on the device (no host sync, static shapes per
+        geometry: what ``strategies/captured.py`` replays as a CUDA graph).
 
         ``selections[key] = (selected bool [BH, n_p], p)``: blocks of rank p's shard a payload
         holds → ``layouts[key]``. ``extra[key]``: 0-dim integer tensors wanted on the host →
-        ``values[key]`` (ints). Raises ``ValueError`` on every rank for a bad header. Returns
-        ``None`` when the guessed shapes or the capacity were wrong (the caller redoes the
-        mask with ``true_shapes``), else ``(layouts, values)``.
-        """
+        ``values[key]`` (ints)."""
         sh = self.shapes
-        keys = list(selections)
         counts, pending = [], {}
-        for key in keys:
-            sel, p = selections[key]
+        for key, (sel, p) in selections.items():
             # everything of the layout that needs no count is queued now, before the sync
             # (a payload this rank packs also gets its token rows)
             pend = prepare(sel, sh.seq_lens[p], sh.block_size, heads=sh.heads if p == sh.rank else None)
@@ -247,19 +259,32 @@ class Metadata:
         extra = extra or {}
         counts += [extra[k].long() for k in extra]
         parts = [self.table.reshape(-1)] + ([torch.stack(counts)] if counts else [])
-        host = to_host(torch.cat(parts), self.timeout_s, "geometry check (metadata all-gather)")
-        n_head = self.table.numel()
-        table = host[:n_head].view(sh.world_size, -1)
+        return Staged(torch.cat(parts), self.table.numel(), pending, tuple(extra))
+
+    def finish(self, staged: "Staged"):
+        """The host read of ``staged.flat``, the header checks, then layouts and counts.
+
+        Raises ``ValueError`` on every rank for a bad header. Returns ``None`` when the guessed
+        shapes or the capacity were wrong (the caller redoes the mask with ``true_shapes``),
+        else ``(layouts, values)``."""
+        sh = self.shapes
+        host = to_host(staged.flat, self.timeout_s, "geometry check (metadata all-gather)")
+        table = host[:staged.n_head].view(sh.world_size, -1)
         self._host_table = table
         _check_table(table[:, :_HEADER_SLOTS], sh.world_size, self.counts)
         rows = table.tolist()
         if max(r[_HEADER_SLOTS] for r in rows) > self.capacity or tuple(r[0] for r in rows) != sh.seq_lens:
             return None
-        rest = host[n_head:].tolist()
+        rest = host[staged.n_head:].tolist()
         layouts = {}
-        for i, key in enumerate(keys):
-            layouts[key] = pending[key].finish(rest[2 * i], rest[2 * i + 1])
-        return layouts, dict(zip(extra, rest[2 * len(keys):]))
+        for i, (key, pend) in enumerate(staged.pending.items()):
+            layouts[key] = pend.finish(rest[2 * i], rest[2 * i + 1])
+        n = 2 * len(staged.pending)
+        return layouts, dict(zip(staged.extra, rest[n:]))
+
+    def block_mask(self, config: SparspConfig) -> torch.Tensor:
+        """The whole block mask from the gathered summaries (device ops only)."""
+        return _mask(self, self.shapes, config, self.center)
 
     def true_shapes(self) -> Shapes:
         """The shapes the gathered headers describe (after ``resolve`` read them)."""
@@ -273,12 +298,17 @@ class Metadata:
         return int(self._host_table[:, _HEADER_SLOTS].max())
 
 
+def table_of(rows: torch.Tensor) -> torch.Tensor:
+    """int64 [G, _HEADER_SLOTS + 1]: the headers in the gathered rows (bit-cast back)."""
+    return rows[:, : _HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
+
+
 def _summary_size(B: int, H: int, D: int, n: int) -> int:
     return 2 * B * H * n * (D + 1) + B * H * D
 
 
 def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, config: SparspConfig,
-                    strategy: str, *, sparse: bool) -> Metadata:
+                    strategy: str, *, sparse: bool, mask: bool = True) -> Metadata:
     """The call's metadata all-gather and, for sparse strategies, the whole mask.
 
     Every rank sends ``header | summaries`` padded to the group's capacity, so the collective's
@@ -286,7 +316,8 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     not). The shapes used to cut the gathered summaries are those of the last call of this
     local geometry; ``Metadata.resolve`` checks them. Only the first call of a group (or one
     whose summaries outgrow the capacity, or whose shapes were guessed wrong) costs a second
-    collective or host read.
+    collective or host read. ``mask=False`` leaves ``meta.mask`` for the caller
+    (``Metadata.block_mask``).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, S, H, D = q.shape
@@ -325,7 +356,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         else:
             wait(work, config.timeout_s, "geometry check (metadata all-gather)")
         rows = everyone.view(world, -1)
-        table = rows[:, : _HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
+        table = table_of(rows)
         if guess is None:  # first call of this local geometry: read the headers now
             host = to_host(table, config.timeout_s, "geometry check (metadata all-gather)")
             _check_table(host[:, :_HEADER_SLOTS], world, counts)
@@ -336,9 +367,9 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                 continue  # the summaries did not fit: gather again at the group's new capacity
         break
     state.shapes[local_key] = guess
-    meta = Metadata(guess, table, rows, None, cap, counts, config.timeout_s)
-    if sparse:
-        meta.mask = _mask(meta, guess, config, center)
+    meta = Metadata(guess, table, rows, None, cap, counts, config.timeout_s, center)
+    if sparse and mask:
+        meta.mask = meta.block_mask(config)
     return meta
 
 
@@ -406,4 +437,4 @@ def _block_lengths(shapes: Shapes, device) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["Layout", "Metadata", "Shapes", "forget_shapes", "gather_metadata", "remask", "strategy_code"]
+__all__ = ["Layout", "Metadata", "Shapes", "Staged", "table_of", "forget_shapes", "gather_metadata", "remask", "strategy_code"]

@@ -28,8 +28,10 @@ One-GPU rows over the whole sequence (rank 0): ``1gpu-dense`` (the fastest dense
 user without sparsp runs) and ``1gpu-sparse`` (the strategies' kernel and mask on one GPU).
 ``--ablation`` adds rows that switch on one thing at a time from ``ring-sparse`` on contiguous
 placement over NCCL: periodic placement, direct routing (``ring-relay`` → ``sparsp``), the
-copy-engine transport (``ipc`` / ``host``), then the chunked drain (the last peer's payload in
-4 head groups; chunking is off in the rows before it); each names it in ``ablation``.
+copy-engine transport (``ipc`` / ``host``), then, each added to that row, the chunked drain
+(the last peer's payload in 4 head groups) and the CUDA-graph plan stage
+(``strategies/captured.py``); both are off in the other ablation rows, and each row names
+what it switches on in ``ablation``. ``cuda_graphs`` says whether a row replayed the stage.
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -72,6 +74,8 @@ def add_arguments(p) -> None:
                    help="SparspConfig.chunks of every row (default: automatic; 1 = off)")
     p.add_argument("--drain-chunks", type=int, default=None,
                    help="SparspConfig.drain_chunks of every row (default: automatic; 1 = off)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run the plan stage eagerly (SparspConfig(cuda_graphs=False)) in every row")
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
@@ -125,16 +129,19 @@ def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | No
                  ("ring-relay", "periodic", "nccl", "+periodic, relay routing"),
                  ("sparsp", "periodic", "nccl", "+periodic, direct routing"),
                  ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain")]
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain"),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs")]
     return rows
 
 
 def ablation_config(ablation: str | None) -> dict:
-    """``SparspConfig`` fields of an ablation row: chunking stays off until its own step (the
-    last, which cuts the drain payload into 4 head groups); other rows use the defaults."""
+    """``SparspConfig`` fields of an ablation row: chunking and the CUDA-graph plan stage stay
+    off until their own steps (each added to the copy-engine row: the drain payload in 4 head
+    groups; the plan stage replayed as a graph); rows that are no ablation use the defaults."""
     if ablation is None:
         return {}
-    return {"chunks": 1, "drain_chunks": 4 if "chunked drain" in ablation else 1}
+    return {"chunks": 1, "drain_chunks": 4 if "chunked drain" in ablation else 1,
+            "cuda_graphs": "CUDA graphs" in ablation}
 
 
 def main(args) -> int:
@@ -177,7 +184,8 @@ def main(args) -> int:
             if dense is None:
                 dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
                                      v if world == 1 else torch.cat([v] * world, 1), args.kernel)
-            chunking = {"chunks": args.chunks, "drain_chunks": args.drain_chunks} | ablation_config(ablation)
+            chunking = {"chunks": args.chunks, "drain_chunks": args.drain_chunks,
+                        "cuda_graphs": not args.no_cuda_graphs} | ablation_config(ablation)
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
                                kernel=args.kernel, timeout_s=300.0, **chunking)
             t = get_transport(transport, None, device, cfg.timeout_s)
@@ -213,6 +221,7 @@ def main(args) -> int:
                    "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
                    "bound_ms": round(max(c_ms, t_ms), 3),
                    "efficiency": round(max(c_ms, t_ms) / med, 3), "ablation": ablation,
+                   "cuda_graphs": cfg.cuda_graphs,
                    "auto_choice": chosen if strategy == "auto" else None}
             rows.append(row)
             if console:

@@ -113,6 +113,9 @@ def _fallback(reason: str, q, kv, kv_num_blocks, kv_indices, scale):
     return fn(q, kv, kv_num_blocks, kv_indices, scale=scale)
 
 
+_NO_MASK: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
 def _run(q4: Tensor, k4: Tensor, v4: Tensor, num: Tensor, idx: Tensor, bs: int,
          scale: float) -> tuple[Tensor, Tensor]:
     """FA4 forward: ``q4 (B', Sq, Hq, D)``, ``k4, v4 (B', Sk, Hk, D)``, full-block lists
@@ -121,10 +124,15 @@ def _run(q4: Tensor, k4: Tensor, v4: Tensor, num: Tensor, idx: Tensor, bs: int,
     flash_attn_func, BlockSparse, _ = _load()
     # The "mask" lists (blocks that need mask_mod) are required by the API; ours are empty.
     # Full shape, not broadcast: a head dim of 1 there would let FA4 pack query heads.
-    no_mask = torch.zeros_like(num)
+    key = (tuple(num.shape), str(num.device))
+    empty = _NO_MASK.get(key)
+    if empty is None:  # read-only zeros, made once per shape
+        empty = (torch.zeros(num.shape, dtype=torch.int32, device=num.device),
+                 torch.zeros(*num.shape, 1, dtype=torch.int32, device=num.device))
+        _NO_MASK[key] = empty
     sparse = BlockSparse(
-        mask_block_cnt=no_mask,
-        mask_block_idx=torch.zeros(*num.shape, 1, dtype=torch.int32, device=num.device),
+        mask_block_cnt=empty[0],
+        mask_block_idx=empty[1],
         full_block_cnt=num.contiguous(),
         full_block_idx=idx.contiguous(),
         block_size=(bs, bs),

@@ -25,6 +25,9 @@ from torch import Tensor
 __all__ = ["LocalKV"]
 
 
+_BLOCK_IDS: dict[tuple, Tensor] = {}
+
+
 @dataclass(frozen=True)
 class LocalKV:
     """K/V of one shard, ``k, v (B, S, H, D)`` contiguous, cut into ``block_size`` blocks."""
@@ -74,5 +77,15 @@ class LocalKV:
 
         The argument ``kernel_indices(mask, block_ids, width)`` needs for a mask over this
         shard's blocks: block ``kb`` of any head has id ``kb``."""
-        n, bh = self.num_blocks, self.batch * self.heads
-        return torch.arange(n, dtype=torch.long, device=self.k.device).repeat(bh, 1)
+        return LocalKV.ids_for(self.num_blocks, self.batch * self.heads, self.k.device)
+
+    @staticmethod
+    def ids_for(n: int, bh: int, device) -> Tensor:
+        """``block_ids`` of a shard of ``n`` blocks and ``bh`` (batch, head) rows, made once
+        per (n, bh, device) and shared (read-only)."""
+        key = (n, bh, str(device))
+        ids = _BLOCK_IDS.get(key)
+        if ids is None:
+            ids = torch.arange(n, dtype=torch.long, device=device).repeat(bh, 1)
+            _BLOCK_IDS[key] = ids
+        return ids

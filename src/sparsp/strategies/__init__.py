@@ -16,7 +16,7 @@ from torch.profiler import record_function
 from ..config import SparspConfig
 from ..plan import forget_shapes, gather_metadata, remask
 from ..transport import make_transport
-from . import ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
+from . import captured, ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
 from .auto import AUTO, choose, forget as forget_auto
 from .base import Call, forget_geometries, validate
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
@@ -42,6 +42,7 @@ def close_transports() -> None:
     forget_shapes()
     forget_geometries()
     forget_auto()
+    captured.forget()
     while _transports:
         _, t = _transports.popitem()
         t.close()
@@ -103,20 +104,31 @@ def sp_attention(
     transport = get_transport(config.transport, group, q.device, config.timeout_s)
     timer = _timer
     mask_phase = timer.phase("mask") if timer is not None else contextlib.nullcontext()
+    graphed = captured.eligible(q, spec, config, computed, strategy)
     with torch.no_grad():
         mask_phase.__enter__()
         with record_function("sparsp.metadata"):
-            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
+            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=not graphed)
         while True:  # once, unless the geometry changed: see plan.gather_metadata
             with record_function("sparsp.plan"):
-                if strategy == AUTO:  # --- strategy="auto" (strategies/auto.py): needs the mask
-                    spec = strategy_spec(choose(meta, q, group, config, transport, _global_mask))
-                call, error = _call(q, k, v, meta, group, spec, config, transport, _global_mask)
-                selections = spec.plan(call) if spec.plan is not None else {}
+                # the stage from the gathered rows to the counts: a CUDA graph per geometry
+                # (captured.py), else eager
+                replay = captured.replayed(q, k, v, meta, group, spec, config, transport) if graphed else None
+                if replay is not None:
+                    (call, staged), error = replay, None
+                else:
+                    if graphed:
+                        meta.mask = meta.block_mask(config)
+                    if strategy == AUTO:  # --- strategy="auto" (strategies/auto.py): needs the mask
+                        spec = strategy_spec(choose(meta, q, group, config, transport, _global_mask))
+                    call, error = _call(q, k, v, meta, group, spec, config, transport, _global_mask)
+                    selections = spec.plan(call) if spec.plan is not None else {}
+                    staged = meta.stage(selections, call.kept_counts())
             with record_function("sparsp.resolve"):
-                resolved = meta.resolve(selections, call.kept_counts())  # the one host sync
+                resolved = meta.finish(staged)  # the one host sync
             if resolved is not None:
                 break
+            graphed = False  # the geometry changed: the true shapes' mask is made eagerly
             meta = remask(meta, group, config, computed) or \
                 gather_metadata(q, k, v, group, config, strategy, sparse=computed)
         mask_phase.__exit__(None, None, None)

@@ -169,11 +169,8 @@ class Call:
 
     def __post_init__(self) -> None:
         self.kernel = get_kernel(self.config.kernel, self.q.device)
-        # (B, H, S, D): a view where the kernel reads the caller's token-major q at full speed
-        # (FA4 with one batch), else one head-major copy per call
-        self.q_hm = self.q.permute(0, 2, 1, 3)
-        if not reads_token_major(self.kernel, self.q, self.config.block_size):
-            self.q_hm = self.q_hm.contiguous()
+        self._q_hm: torch.Tensor | None = None
+        self._local_lists: tuple[torch.Tensor, torch.Tensor] | None = None
         self.out = None
         self.lse = None
         self.scale = self.q.shape[-1] ** -0.5
@@ -183,6 +180,18 @@ class Call:
         self._demand: torch.Tensor | None = None
         key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
         self._geo = _GEOMETRIES.setdefault(key, _Geometry())
+
+    @property
+    def q_hm(self) -> torch.Tensor:
+        """q as (B, H, S, D): a view where the kernel reads the caller's token-major q at full
+        speed (FA4 with one batch), else one head-major copy per call, made when the first
+        kernel runs (making a ``Call`` touches no input: ``captured.py`` relies on it)."""
+        if self._q_hm is None:
+            q_hm = self.q.permute(0, 2, 1, 3)
+            if not reads_token_major(self.kernel, self.q, self.config.block_size):
+                q_hm = q_hm.contiguous()
+            self._q_hm = q_hm
+        return self._q_hm
 
     def phase(self, name: str):
         """Time a phase when a benchmark asked for it (``PhaseTimer``); else nothing."""
@@ -323,7 +332,7 @@ class Call:
                 return
             h0, h1 = heads
             if self.out is None:  # nothing merged yet: an empty partial for every head
-                B, H, S, D = self.q_hm.shape
+                B, S, H, D = self.q.shape
                 self.out = torch.zeros(B, H, S, D, dtype=torch.float32, device=self.q.device)
                 self.lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32,
                                       device=self.q.device)
@@ -339,12 +348,20 @@ class Call:
         r = self.rank
         if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
-        rows = self.rows_for(r)
         with self.phase("compute"):
             kv = LocalKV(self.k, self.v, self.shapes.block_size)
-            kv_num, kv_idx = kernel_indices(rows, kv.block_ids(), self.width)
+            kv_num, kv_idx = self.local_lists()
             o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
         self.merge(o, l)
+
+    def local_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's block lists of the local queries over this rank's own blocks (from the
+        mask and the geometry alone: ``captured.py`` makes them inside the plan stage)."""
+        if self._local_lists is None:
+            sh = self.shapes
+            ids = LocalKV.ids_for(sh.num_blocks[self.rank], self.bh, self.q.device)
+            self._local_lists = kernel_indices(self.rows_for(self.rank), ids, self.width)
+        return self._local_lists
 
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""

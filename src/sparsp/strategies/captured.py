@@ -1,0 +1,119 @@
+"""The shape-static stage of a call, replayed as a CUDA graph (one per geometry).
+
+Between the metadata all-gather and the call's one host read, every rank turns the gathered
+summaries into the whole block mask, the strategy's payload selections, the layouts awaiting
+their counts and the vector of counts the host reads (``plan.Metadata.stage``), and the
+block lists of the local kernel (``Call.local_lists``). None of it
+reads the host, and its shapes are fixed by the geometry (group, shapes, summary capacity,
+strategy, config, dtype, device, transport). At LTX size it is ~200 small ops: the host takes
+~2 ms to queue what the device runs in a fraction of that, and the call waits for the host.
+Captured once, the stage costs one copy of the gathered rows and one graph launch.
+
+The first call of a geometry runs eagerly (it fills the per-geometry constants the stage
+reads: block lengths, index ranges, thresholds); the second captures after an eager warm-up
+on a side stream (lazy library handles) and replays; later calls replay. The graph's outputs
+(mask, demand, selections, pending layouts, counts) live in its private pool and are
+overwritten by the next replay, which the compute stream orders after every kernel of the
+call that read them. A stage that cannot be captured (an op that syncs the host, e.g.) is
+logged once and runs eagerly from then on.
+
+Not captured: ``strategy="auto"`` (its choice reads the mask's statistics on the host), a
+``sim_threshold`` config (key smoothing adds collectives before the mask), test masks
+(``_global_mask``) and dense configs (no mask to compute).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import Metadata, Staged, table_of
+from .base import Call
+
+log = logging.getLogger("sparsp")
+
+
+@dataclass
+class _Stage:
+    graph: torch.cuda.CUDAGraph
+    rows: torch.Tensor  # the static input: a copy of the gathered rows
+    mask: torch.Tensor  # graph outputs: the whole mask, the demand (None: the plan read none),
+    demand: torch.Tensor | None  # the local kernel's block lists
+    local_lists: tuple[torch.Tensor, torch.Tensor]
+    staged: Staged
+
+
+_FAILED = object()
+_STAGES: dict[tuple, object] = {}  # key -> _Stage, _FAILED, or None (seen once, eagerly)
+
+
+def forget() -> None:
+    """Drop every captured stage (its graph and pool): ``close_transports`` calls it."""
+    _STAGES.clear()
+
+
+def eligible(q: torch.Tensor, spec, config, computed: bool, strategy: str) -> bool:
+    """Whether this call's stage may be captured (see the module docstring)."""
+    return (config.cuda_graphs and q.device.type == "cuda" and computed and spec is not None
+            and spec.sparse and strategy == spec.name and config.sim_threshold is None)
+
+
+def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport):
+    """The stage on ``rows``: (the call, its staged counts). Device ops only."""
+    m = Metadata(meta.shapes, table_of(rows), rows, None, meta.capacity, meta.counts, meta.timeout_s)
+    m.mask = m.block_mask(config)
+    call = Call(q, k, v, m.shapes, config, group, transport, full_mask=m.mask)
+    selections = spec.plan(call) if spec.plan is not None else {}
+    staged = m.stage(selections, call.kept_counts())
+    call.local_lists()  # the local kernel's block lists: mask + geometry only
+    return call, staged
+
+
+def _capture(q, k, v, meta: Metadata, group, spec, config, transport) -> _Stage:
+    rows = meta.rows.clone()
+    args = (q, k, v, meta, rows, group, spec, config, transport)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: library handles and workspaces before capture
+        _stage(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a transport's helper thread may use CUDA while this thread captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        call, staged = _stage(*args)
+    # the capture's Call is dropped: it holds that call's q, k, v
+    return _Stage(graph, rows, call.full_mask, call._demand, call.local_lists(), staged)
+
+
+def replayed(q, k, v, meta: Metadata, group, spec, config, transport) -> tuple[Call, Staged] | None:
+    """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
+    or None: run the stage eagerly (the geometry's first call, or capture failed)."""
+    key = (id(group), meta.shapes, meta.capacity, spec.name, config, q.dtype, str(q.device),
+           transport.name)
+    if key not in _STAGES:
+        _STAGES[key] = None  # the first call: eager, which fills the stage's constants
+        return None
+    st = _STAGES[key]
+    if st is _FAILED:
+        return None
+    if st is None:
+        try:
+            st = _capture(q, k, v, meta, group, spec, config, transport)
+        except Exception as e:  # a capture error leaves the eager path intact
+            log.warning("sparsp: CUDA graph capture of the plan stage failed (%s: %s); this "
+                        "geometry runs it eagerly", type(e).__name__, e)
+            _STAGES[key] = _FAILED
+            return None
+        _STAGES[key] = st
+    st.rows.copy_(meta.rows)
+    st.graph.replay()
+    call = Call(q, k, v, meta.shapes, config, group, transport, full_mask=st.mask)
+    call._demand, call._local_lists = st.demand, st.local_lists
+    return call, st.staged
+
+
+def captured() -> int:
+    """How many geometries replay a captured stage (tests and benchmarks)."""
+    return sum(isinstance(s, _Stage) for s in _STAGES.values())
