@@ -4,6 +4,7 @@ picks the dense ring, a sparse mask on a slow link picks ``sparsp``, heads that 
 never pick ``ulysses``, an imbalanced mask on a fast link picks ``ulysses``, and the choice is
 logged once per geometry."""
 
+import contextlib
 import logging
 
 import pytest
@@ -52,6 +53,29 @@ class _Count(logging.Handler):
             self.info.append(record.getMessage())
 
 
+@contextlib.contextmanager
+def _host_reads():
+    """Counts the call's host reads (``plan.to_host``); a separate read of the demand figures
+    (``simulate.model.measure``) fails the call."""
+    import sparsp.plan as plan
+    import sparsp.simulate.model as model
+
+    reads, to_host, measure = [0], plan.to_host, model.measure
+
+    def counted(*a, **kw):
+        reads[0] += 1
+        return to_host(*a, **kw)
+
+    def refused(*a, **kw):
+        raise AssertionError("auto read its demand figures on the host on their own")
+
+    plan.to_host, model.measure = counted, refused
+    try:
+        yield reads
+    finally:
+        plan.to_host, model.measure = to_host, measure
+
+
 def _auto_worker(rank, world, H, cases):
     from sparsp import SparspConfig, sp_attention
     from sparsp.strategies import auto, close_transports
@@ -72,7 +96,9 @@ def _auto_worker(rank, world, H, cases):
         cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport="nccl", kernel="torch")
         got = sp_attention(*x, strategy="auto", config=cfg, _global_mask=gm)
         chosen = auto.last_decision()
-        again = sp_attention(*x, strategy="auto", config=cfg, _global_mask=gm)  # same geometry
+        with _host_reads() as reads:  # auto's figures ride on the call's one host read
+            again = sp_attention(*x, strategy="auto", config=cfg, _global_mask=gm)  # same geometry
+        assert reads == [1], reads
         assert auto.last_decision().strategy == chosen.strategy
         want = sp_attention(*x, strategy=chosen.strategy, config=cfg, _global_mask=gm)
         assert torch.equal(got, want) and torch.equal(again, want), chosen

@@ -348,8 +348,11 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     from sparsp.simulate.model import MASK_OPS, mask_ops
 
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
-    # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md)
-    assert mask_ops("direct", 4) == 122 + 96 * 3 and mask_ops("relay", 3) == 151 + 65 * 2 + 4 * 4
+    # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
+    # the plan stage a CUDA graph (the default on GPUs)
+    assert mask_ops("direct", 4, graphed=False) == 146 + 122 * 3
+    assert mask_ops("relay", 3, graphed=False) == 175 + 65 * 2 + 4 * 4
+    assert mask_ops("direct", 4) == 64 + 5 * 3 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
     prof = _profile(op_ms=0.01, hbm_gbps=1.0)
     work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300))
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # 300 ops x 10 µs
@@ -442,7 +445,8 @@ def test_mask_phase_collective_is_device_time_beside_the_host_ops():
 
 
 def test_sparsp_drain_units_charge_mask_ops():
-    from sparsp.simulate.model import MASK_CUT_OPS, MASK_UNIT_OPS, Blocks, drain_units, mask_ops, measure
+    from sparsp.simulate.model import (GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, Blocks, drain_units,
+                                       mask_ops, measure)
 
     geom = geometry("ltx-video")
     masks = MaskCache().get(geom, 0.9)
@@ -454,11 +458,11 @@ def test_sparsp_drain_units_charge_mask_ops():
     d = measure(masks, Blocks.of(pl))
     assert drain_units(d, PROFILES["h200x2-host"], "host", head_dim=geom.head_dim, dtype_bytes=2) == ((1, 1),) * 2
     # with host ops free (op_ms 0) the same pairs are cut: both drain payloads of every rank in 4
-    # head groups (strategies/chunks.py), 6 + 3 × 43.5 ops each
+    # head groups (strategies/chunks.py), 0 + 3 × 2.5 ops each with the stage a CUDA graph
     host = replace(PROFILES["h200x2-host"], op_ms=0.0)
     assert drain_units(d, host, "host", head_dim=geom.head_dim, dtype_bytes=2) == ((4, 4), (4, 4))
     cut = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=host, transport="host")
-    assert cut.host_ops == (mask_ops("direct", 2) + round(2 * (MASK_CUT_OPS + 3 * MASK_UNIT_OPS)),) * 2
+    assert cut.host_ops == (mask_ops("direct", 2) + round(2 * (GRAPHED_MASK_CUT_OPS + 3 * GRAPHED_MASK_UNIT_OPS)),) * 2
     # NVLink: the payload lands while the local shard computes, no units
     nv = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=PROFILES["h200x2-nvlink"],
                     transport="ipc")
@@ -470,15 +474,18 @@ def test_sparsp_drain_units_charge_mask_ops():
 
 
 def test_mask_ops_follow_the_code():
-    """``MASK_OPS`` and the unit ops are the op counts of the current code (``opcount``, G = 2):
-    a change to the mask phase makes this fail until the constants are recounted."""
-    from sparsp.simulate.model import MASK_CUT_OPS, MASK_UNIT_OPS, mask_ops
-    from sparsp.simulate.opcount import count
+    """``MASK_OPS``, ``GRAPHED_MASK_OPS`` and the unit ops are the op counts of the current code
+    (``opcount``, G = 2): a change to the mask phase makes this fail until they are recounted."""
+    from sparsp.simulate import model
+    from sparsp.simulate.opcount import count, eager_ops, graphed_ops
 
     got = count(2, [("ring", 1), ("ring-sparse", 1), ("sparsp", 1), ("ring-relay", 1), ("sparsp", 4)])
-    assert [g["mask"] for g in got] == [mask_ops("dense", 2), mask_ops("sparse", 2), mask_ops("direct", 2),
-                                        mask_ops("relay", 2),
-                                        mask_ops("direct", 2) + round(2 * (MASK_CUT_OPS + 3 * MASK_UNIT_OPS))]
+    kinds = ("dense", "sparse", "direct", "relay", "direct")
+    for graphed, ops, cut, unit in ((False, eager_ops, model.MASK_CUT_OPS, model.MASK_UNIT_OPS),
+                                    (True, graphed_ops, model.GRAPHED_MASK_CUT_OPS, model.GRAPHED_MASK_UNIT_OPS)):
+        want = [model.mask_ops(kind, 2, graphed) for kind in kinds]
+        want[-1] += round(2 * (cut + 3 * unit))
+        assert [ops(kind, g) for kind, g in zip(kinds, got)] == want, graphed
 
 
 def _fa4_kernel_file(tmp_path):

@@ -219,6 +219,11 @@ class Staged:
     n_head: int
     pending: dict
     extra: tuple
+    tail: bool = False
+
+
+TAIL = ("tail",)
+"""The key of ``Metadata.stage``'s ``tail`` values in ``finish``'s values."""
 
 
 @dataclass
@@ -241,13 +246,14 @@ class Metadata:
         """The call's one host synchronisation: ``finish(stage(selections, extra))``."""
         return self.finish(self.stage(selections, extra))
 
-    def stage(self, selections: dict, extra: dict | None = None) -> "Staged":
+    def stage(self, selections: dict, extra: dict | None = None, tail: torch.Tensor | None = None) -> "Staged":
         """Everything of ``resolve`` that runs on the device (no host sync, static shapes per
         geometry: what ``strategies/captured.py`` replays as a CUDA graph).
 
         ``selections[key] = (selected bool [BH, n_p], p)``: blocks of rank p's shard a payload
         holds → ``layouts[key]``. ``extra[key]``: 0-dim integer tensors wanted on the host →
-        ``values[key]`` (ints)."""
+        ``values[key]`` (ints). ``tail``: a 1-D tensor of integer values (exact in float64),
+        read with them → ``values[TAIL]`` (a list of ints)."""
         sh = self.shapes
         counts, pending = [], {}
         for key, (sel, p) in selections.items():
@@ -259,7 +265,9 @@ class Metadata:
         extra = extra or {}
         counts += [extra[k].long() for k in extra]
         parts = [self.table.reshape(-1)] + ([torch.stack(counts)] if counts else [])
-        return Staged(torch.cat(parts), self.table.numel(), pending, tuple(extra))
+        if tail is not None:
+            parts.append(tail.round().long())
+        return Staged(torch.cat(parts), self.table.numel(), pending, tuple(extra), tail is not None)
 
     def finish(self, staged: "Staged"):
         """The host read of ``staged.flat``, the header checks, then layouts and counts.
@@ -280,7 +288,10 @@ class Metadata:
         for i, (key, pend) in enumerate(staged.pending.items()):
             layouts[key] = pend.finish(rest[2 * i], rest[2 * i + 1])
         n = 2 * len(staged.pending)
-        return layouts, dict(zip(staged.extra, rest[n:]))
+        values = dict(zip(staged.extra, rest[n:n + len(staged.extra)]))
+        if staged.tail:
+            values[TAIL] = rest[n + len(staged.extra):]
+        return layouts, values
 
     def block_mask(self, config: SparspConfig) -> torch.Tensor:
         """The whole block mask from the gathered summaries (device ops only)."""
@@ -437,4 +448,4 @@ def _block_lengths(shapes: Shapes, device) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["Layout", "Metadata", "Shapes", "Staged", "table_of", "forget_shapes", "gather_metadata", "remask", "strategy_code"]
+__all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "table_of", "forget_shapes", "gather_metadata", "remask", "strategy_code"]

@@ -57,17 +57,29 @@ INPUT_PASSES = 3
 # ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
 # call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
 # G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind.
-MASK_OPS = {"dense": (36, 0, 0), "sparse": (113, 13, 0), "direct": (122, 96, 0),
-            "relay": (151, 65, 4)}
-# The same count for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 112.
-ONE_RANK_MASK_OPS = {"direct": 112}
+MASK_OPS = {"dense": (59, 0, 0), "sparse": (137, 13, 0), "direct": (146, 122, 0),
+            "relay": (175, 65, 4)}
+# The same on CUDA, where the sparse strategies replay the stage from the gathered summaries
+# to the counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the
+# stage's ops become two (a copy of the gathered rows, the graph launch); what remains is the
+# header, pooling and all-gather before it and the host read after it (``opcount``'s
+# ``GRAPHED_MASK_OPS``). Dense strategies compute no mask and run no graph.
+GRAPHED_MASK_OPS = {"dense": (59, 0, 0), "sparse": (64, 0, 0), "direct": (64, 5, 0),
+                    "relay": (65, 4, 0)}
+# The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 136 eager, 63 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 136}, {"direct": 63}
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
 # selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
-# payloads (sent, received) cut into u = 2, 4, 12 units: 99, 273, 969 ops more than unchunked
-# = 12 + 87·(u − 1), i.e. per payload 6 once it is cut and 43.5 per unit more.
-MASK_CUT_OPS, MASK_UNIT_OPS = 6, 43.5
+# payloads (sent, received) cut into u = 2, 4, 12 units: 73, 247, 943 ops more than unchunked
+# = −14 + 87·(u − 1), i.e. per payload −7 once it is cut (the whole received payload's kernel
+# block lists, made in the stage, are then made per chunk after the sync) and 43.5 per unit
+# more. Graphed, the units' selections are inside the graph: 5, 15, 55 more = 2.5 per payload
+# and unit (the host slicing of each unit's layout). The chunk rule (``chunks.unit_count``)
+# still charges the eager count until the chunked drain is measured with graphs.
+MASK_CUT_OPS, MASK_UNIT_OPS = -7, 43.5
+GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 2.5
 # Merge traffic per output element (``Call.merge``, ``kernels.merge.merge_pair``): the first
 # partial is kept as the kernel returned it (0); a later one is merged in one fused pass that
 # reads both partials and writes fp32 — the second reads two kernel outputs (2 + 2 + 4 = 8),
@@ -221,6 +233,26 @@ def _pair_tokens(masks: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 def measure(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool = False) -> Demand:
     """The ``Demand`` of masks bool [batch·heads, nB, nB] (batch-major) on any device, with one
     host transfer; ``relay`` adds the relay ring's per-hop demand (G² more reductions)."""
+    figures = demand_figures(masks, blocks, batch=batch, relay=relay)
+    return demand_of([round(x) for x in figures.cpu().tolist()], blocks, masks.shape[0], masks.shape[-1],
+                     batch=batch, relay=relay)
+
+
+def demand_of(host: list[int], blocks: Blocks, rows: int, nB: int, *, batch: int = 1,
+              relay: bool = False) -> Demand:
+    """The ``Demand`` from ``demand_figures``' values on the host (integers)."""
+    G = blocks.ranks
+    pairs_h, direct_h = host[: G * G], host[G * G: 2 * G * G]
+    heads_h = host[2 * G * G: 2 * G * G + rows // batch]
+    relay_h = host[2 * G * G + rows // batch:]
+    grid = lambda xs, w: tuple(tuple(xs[i * w:(i + 1) * w]) for i in range(G))  # noqa: E731
+    return Demand(G, batch, rows // batch, nB, tuple(blocks.tokens), grid(pairs_h, G), grid(direct_h, G),
+                  tuple(heads_h), grid(relay_h, G - 1) if relay else None, blocks.block_size)
+
+
+def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool = False) -> torch.Tensor:
+    """float64 [2G² + heads (+ G(G−1) with ``relay``)] on the masks' device: the exact sums
+    ``demand_of`` reads (device ops only, no host sync: a captured plan stage may hold them)."""
     masks = masks.bool()
     G, BH, nB = blocks.ranks, masks.shape[0], masks.shape[-1]
     if BH % batch:
@@ -251,13 +283,7 @@ def measure(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool 
                 downstream |= need[r] & mine
                 hops[r, k - 1] = (downstream.long() * L).sum()
         parts.append(hops[:, : G - 1].flatten())
-    host = [round(x) for x in torch.cat(parts).cpu().tolist()]  # the one host transfer
-    pairs_h, direct_h = host[: G * G], host[G * G: 2 * G * G]
-    heads_h = host[2 * G * G: 2 * G * G + BH // batch]
-    relay_h = host[2 * G * G + BH // batch:]
-    grid = lambda xs, w: tuple(tuple(xs[i * w:(i + 1) * w]) for i in range(G))  # noqa: E731
-    return Demand(G, batch, BH // batch, nB, tuple(blocks.tokens), grid(pairs_h, G), grid(direct_h, G),
-                  tuple(heads_h), grid(relay_h, G - 1) if relay else None, blocks.block_size)
+    return torch.cat(parts)
 
 
 def mask_bytes(d: Demand, *, head_dim: int, dtype_bytes: int, sparse: bool = True) -> tuple[int, ...]:
@@ -298,13 +324,15 @@ def build_work(masks: torch.Tensor, placement: Placement, strategy: str, *, head
 
 
 def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profile: Profile | None = None,
-         transport: str | None = None) -> Work:
+         transport: str | None = None, graphed: bool = True) -> Work:
     """Per-rank, per-round work of ``strategy`` for a measured ``Demand``.
 
     Hardware-independent but for one decision the ``direct`` schedule (``sparsp``) makes from
     the machine's profile: into how many head-group units it cuts its drain payloads before
     the host sync (``chunk_ops``), which costs mask-phase ops. Given ``profile`` (and the
-    call's ``transport`` on it), they are charged; without, none."""
+    call's ``transport`` on it), they are charged; without, none. ``graphed``: the plan stage
+    is a CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the default); False counts it
+    eagerly."""
     spec = strategy_spec(strategy)
     schedule = schedule_of(strategy)
     G, BH = d.ranks, d.batch * d.heads
@@ -312,9 +340,9 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
     kv = 2 * head_dim * dtype_bytes  # K+V bytes per token and head
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes, sparse=spec.sparse)
     gathered = gather_bytes(d, head_dim=head_dim, sparse=spec.sparse)
-    ops = (mask_ops(spec.byte_rule if spec.sparse else "dense", G),) * G
+    ops = (mask_ops(spec.byte_rule if spec.sparse else "dense", G, graphed),) * G
     if schedule == "direct" and profile is not None:
-        extra = chunk_ops(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        extra = chunk_ops(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
         ops = tuple(n + x for n, x in zip(ops, extra))
     if schedule == "all-to-all":
         split = demand.head_split(d.heads, G)
@@ -370,21 +398,26 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
 
 
 def chunk_ops(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
-              dtype_bytes: int) -> tuple[int, ...]:
-    """Per rank: the mask-phase ops its drain units add (``MASK_CUT_OPS``, ``MASK_UNIT_OPS``)."""
+              dtype_bytes: int, graphed: bool = True) -> tuple[int, ...]:
+    """Per rank: the mask-phase ops its drain units add (``MASK_CUT_OPS``, ``MASK_UNIT_OPS``;
+    their ``GRAPHED_`` counts when the stage is a CUDA graph)."""
+    cut, unit = (GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS) if graphed else (MASK_CUT_OPS, MASK_UNIT_OPS)
+
     def ops(u: int) -> float:
-        return 0.0 if u <= 1 else MASK_CUT_OPS + MASK_UNIT_OPS * (u - 1)
+        return 0.0 if u <= 1 else cut + unit * (u - 1)
 
     return tuple(round(ops(a) + ops(b))
                  for a, b in drain_units(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes))
 
 
-def mask_ops(kind: str, ranks: int) -> int:
-    """Eager ops of the mask phase (``MASK_OPS``) for a strategy of ``kind`` (``dense``, or the
-    byte rule of a sparse strategy) on ``ranks`` ranks."""
-    if ranks == 1 and kind in ONE_RANK_MASK_OPS:
-        return ONE_RANK_MASK_OPS[kind]
-    a, b, c = MASK_OPS.get(kind, MASK_OPS["sparse"])
+def mask_ops(kind: str, ranks: int, graphed: bool = True) -> int:
+    """Host ops of the mask phase (``MASK_OPS``; ``GRAPHED_MASK_OPS`` when the stage is a CUDA
+    graph, the default on GPUs) for a strategy of ``kind`` (``dense``, or the byte rule of a
+    sparse strategy) on ``ranks`` ranks."""
+    one, table = (ONE_RANK_GRAPHED_MASK_OPS, GRAPHED_MASK_OPS) if graphed else (ONE_RANK_MASK_OPS, MASK_OPS)
+    if ranks == 1 and kind in one:
+        return one[kind]
+    a, b, c = table.get(kind, table["sparse"])
     return a + b * (ranks - 1) + c * (ranks - 1) ** 2
 
 

@@ -4,7 +4,8 @@ The cost model charges the host's issue time of the ops before the call's one ho
 (``model.MASK_OPS`` × ``Profile.op_ms``): the device waits for them. This module counts them
 on the code as it is, so the constants can be recounted whenever the mask phase changes:
 
-    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints MASK_OPS and MASK_UNIT_OPS
+    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints MASK_OPS, GRAPHED_MASK_OPS
+                                                 # and the drain units' ops (MASK_UNIT_OPS)
 
 Every ``__torch_dispatch__`` call is one op (views included: each costs the host a dispatch).
 Phases are the benchmark's (``strategies.base.PhaseTimer``): ``mask`` = the metadata
@@ -73,14 +74,34 @@ class _Phases:
         return None
 
 
+def _staged(counter: _Counter, fn):
+    """``fn`` with its ops counted as ``stage`` (what a CUDA graph replays on the GPU)."""
+    def wrapped(*args, **kwargs):
+        saved, counter.label = counter.label, "stage"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.label = saved
+    return wrapped
+
+
 def count_call(q, k, v, *, strategy: str, config, group=None) -> dict[str, int]:
-    """Ops per phase of one ``sp_attention`` call on this rank (after one warm-up call)."""
-    from .. import sp_attention
+    """Ops per phase of one ``sp_attention`` call on this rank (after one warm-up call). The
+    mask phase's ops that ``strategies/captured.py`` replays as one CUDA graph on the GPU (the
+    whole mask and ``captured.stage``) are counted apart, as ``stage``."""
+    from .. import plan, sp_attention
+    from ..strategies import captured
 
     sp_attention(q, k, v, group=group, strategy=strategy, config=config)
     counter = _Counter()
-    with counter:
-        sp_attention(q, k, v, group=group, strategy=strategy, config=config, _timer=_Phases(counter))
+    saved = plan.Metadata.block_mask, captured.stage
+    plan.Metadata.block_mask = _staged(counter, saved[0])
+    captured.stage = _staged(counter, saved[1])
+    try:
+        with counter:
+            sp_attention(q, k, v, group=group, strategy=strategy, config=config, _timer=_Phases(counter))
+    finally:
+        plan.Metadata.block_mask, captured.stage = saved
     return counter.counts
 
 
@@ -159,6 +180,17 @@ def fit(points: dict[int, int]) -> tuple[int, int, int]:
     return int(a), int(b), int(c)
 
 
+def eager_ops(kind: str, counts: dict[str, int]) -> int:
+    """Mask-phase ops of a call whose stage runs eagerly (``cuda_graphs=False``, the CPU)."""
+    return counts.get("mask", 0) + counts.get("stage", 0)
+
+
+def graphed_ops(kind: str, counts: dict[str, int]) -> int:
+    """The same on CUDA with the stage replayed as a graph (``captured.py``): its ops become a
+    copy of the gathered rows and one graph launch; dense strategies have no graph."""
+    return eager_ops(kind, counts) if kind == "dense" else counts.get("mask", 0) + 2
+
+
 UNITS = (2, 4, HEADS)
 """Drain units counted for ``model.MASK_CUT_OPS`` / ``MASK_UNIT_OPS`` (``drain_chunks``)."""
 
@@ -171,22 +203,25 @@ def main(argv=None) -> int:
     # one issues 2 ops more (the padded body of the all-gather)
     jobs = [(s, 1) for s in KINDS.values()] + [("sparsp", u) for u in UNITS]
     table = {G: count(G, jobs) for G in args.ranks}
-    phases = ("mask", "pack", "compute", "merge", "other")
-    print(f"ops per phase ({' / '.join(phases)}), rank 0")
+    phases = ("mask", "stage", "pack", "compute", "merge", "other")
+    print(f"ops per phase ({' / '.join(phases)}), rank 0; stage = the mask phase's ops a CUDA "
+          "graph replays on the GPU")
     for G, rows in table.items():
         for (s, u), r in zip(jobs, rows):
             print(f"G={G} {s:12s} drain units {u:2d}: " + " / ".join(str(r.get(k, 0)) for k in phases))
-    for i, kind in enumerate(KINDS):
-        pts = {G: rows[i]["mask"] for G, rows in table.items()}
-        if len(pts) < 3:
-            print(f"{kind}: {pts} (three G or more to fit)")
-            continue
-        a, b, c = fit(pts)
-        exact = all(a + b * (G - 1) + c * (G - 1) ** 2 == y for G, y in pts.items())
-        print(f"MASK_OPS[{kind!r}] = ({a}, {b}, {c}){'' if exact else '  (NOT exact for every G)'}")
+    for name, ops in (("MASK_OPS", eager_ops), ("GRAPHED_MASK_OPS", graphed_ops)):
+        for i, kind in enumerate(KINDS):
+            pts = {G: ops(kind, rows[i]) for G, rows in table.items()}
+            if len(pts) < 3:
+                print(f"{name}[{kind!r}]: {pts} (three G or more to fit)")
+                continue
+            a, b, c = fit(pts)
+            exact = all(a + b * (G - 1) + c * (G - 1) ** 2 == y for G, y in pts.items())
+            print(f"{name}[{kind!r}] = ({a}, {b}, {c}){'' if exact else '  (NOT exact for every G)'}")
     base = list(KINDS).index("direct")
     for G, rows in table.items():
-        more = {u: rows[len(KINDS) + j]["mask"] - rows[base]["mask"] for j, u in enumerate(UNITS)}
+        more = {u: eager_ops("direct", rows[len(KINDS) + j]) - eager_ops("direct", rows[base])
+                for j, u in enumerate(UNITS)}
         print(f"G={G}: sparsp mask ops more with both drain payloads in u units: {more}")
     return 0
 

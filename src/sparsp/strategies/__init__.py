@@ -14,10 +14,10 @@ import torch
 from torch.profiler import record_function
 
 from ..config import SparspConfig
-from ..plan import forget_shapes, gather_metadata, remask
+from ..plan import TAIL, forget_shapes, gather_metadata, remask
 from ..transport import make_transport
 from . import captured, ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
-from .auto import AUTO, choose, forget as forget_auto
+from .auto import AUTO, PLANNED, choose_from, forget as forget_auto
 from .base import Call, forget_geometries, validate
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
 
@@ -53,26 +53,6 @@ def comm_bytes(masks, placement, strategy: str, *, head_dim: int, dtype_bytes: i
     return strategy_spec(strategy).comm_bytes(masks, placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
 
 
-def _call(q, k, v, meta, group, spec, config, transport, global_mask) -> tuple[Call, str | None]:
-    """The call on ``meta``'s shapes (guessed until resolved), and a deferred error."""
-    shapes = meta.shapes
-    N = shapes.total_blocks
-    full_mask, error = None, None
-    if spec.sparse:
-        if global_mask is not None and tuple(global_mask.shape) != (shapes.batch, shapes.heads, N, N):
-            # raised once the shapes are confirmed (they may be a guess here)
-            error = (f"_global_mask has shape {tuple(global_mask.shape)}; the inputs need "
-                     f"{(shapes.batch, shapes.heads, N, N)} ({N} blocks)")
-            full_mask = torch.ones(shapes.batch, shapes.heads, N, N, dtype=torch.bool, device=q.device)
-        elif global_mask is not None:
-            full_mask = global_mask.to(q.device, torch.bool)
-        elif config.dense:
-            full_mask = torch.ones(shapes.batch, shapes.heads, N, N, dtype=torch.bool, device=q.device)
-        else:
-            full_mask = meta.mask
-    return Call(q, k, v, shapes, config, group, transport, full_mask=full_mask), error
-
-
 def sp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,26 +84,25 @@ def sp_attention(
     transport = get_transport(config.transport, group, q.device, config.timeout_s)
     timer = _timer
     mask_phase = timer.phase("mask") if timer is not None else contextlib.nullcontext()
-    graphed = captured.eligible(q, spec, config, computed, strategy)
+    # auto stages sparsp's payloads with the figures it chooses from (strategies/auto.py)
+    planned, auto = (strategy_spec(PLANNED), True) if strategy == AUTO else (spec, False)
+    graphed = captured.eligible(q, planned, config, computed)
     with torch.no_grad():
         mask_phase.__enter__()
         with record_function("sparsp.metadata"):
             meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=not graphed)
         while True:  # once, unless the geometry changed: see plan.gather_metadata
             with record_function("sparsp.plan"):
-                # the stage from the gathered rows to the counts: a CUDA graph per geometry
-                # (captured.py), else eager
-                replay = captured.replayed(q, k, v, meta, group, spec, config, transport) if graphed else None
+                # from the gathered rows to the counts: a CUDA graph per geometry (captured.py)
+                replay = (captured.replayed(q, k, v, meta, group, planned, config, transport, auto=auto)
+                          if graphed else None)
                 if replay is not None:
                     (call, staged), error = replay, None
                 else:
                     if graphed:
                         meta.mask = meta.block_mask(config)
-                    if strategy == AUTO:  # --- strategy="auto" (strategies/auto.py): needs the mask
-                        spec = strategy_spec(choose(meta, q, group, config, transport, _global_mask))
-                    call, error = _call(q, k, v, meta, group, spec, config, transport, _global_mask)
-                    selections = spec.plan(call) if spec.plan is not None else {}
-                    staged = meta.stage(selections, call.kept_counts())
+                    call, staged, error = captured.stage(q, k, v, meta, group, planned, config,
+                                                         transport, _global_mask, auto=auto)
             with record_function("sparsp.resolve"):
                 resolved = meta.finish(staged)  # the one host sync
             if resolved is not None:
@@ -132,9 +111,13 @@ def sp_attention(
             meta = remask(meta, group, config, computed) or \
                 gather_metadata(q, k, v, group, config, strategy, sparse=computed)
         mask_phase.__exit__(None, None, None)
-        call.timer = timer
         if error is not None:
             raise ValueError(error)
+        if auto:  # the choice, from the figures of the same host read
+            spec = strategy_spec(choose_from(resolved[1][TAIL], call.shapes, q, group, config, transport))
+            if spec.name != planned.name:
+                call = call.without_plan(spec)
+        call.timer = timer
         call.set_resolved(*resolved)
         # slot windows sized for the worst case, a full shard per peer (collective only when growing)
         transport.reserve(call.shapes.capacity_rows * 2 * call.shapes.head_dim * q.element_size())

@@ -1,9 +1,11 @@
 """``strategy="auto"``: per call, the strategy the cost model predicts fastest (issue 12).
 
 After the call's metadata all-gather every rank holds the whole block mask (``plan.py``), so
-it knows every rank's demand on every peer. ``choose`` measures that demand (kept token pairs
-per pair of ranks, demanded K/V per pair, kept pairs per head: ``simulate.model.measure``, a
-few reductions and ONE extra host transfer of O(G² + H) integers), turns it into each
+it knows every rank's demand on every peer. ``figures`` measures that demand on the device
+(kept token pairs per pair of ranks, demanded K/V per pair, kept pairs per head:
+``simulate.model.demand_figures``, a few reductions); the O(G² + H) integers ride in the call's
+one host read, beside the counts of ``sparsp``'s payloads (``PLANNED``: auto's plan stage
+prepares them whatever it picks, ``captured.stage``). ``choose_from`` turns them into each
 candidate's per-rank, per-round work (``simulate.model.work``: the byte rules of
 ``sparsp.demand``) and schedules that on a machine profile (``simulate.timeline.timeline``: the
 cost model of ``sparsp simulate``, contention included). The fastest prediction wins:
@@ -52,6 +54,10 @@ log = logging.getLogger("sparsp")
 AUTO = "auto"
 CANDIDATES = ("ring", "ulysses", "sparsp")
 """What auto chooses among, in order of preference when predictions are within ``MARGIN``."""
+PLANNED = "sparsp"
+"""The one candidate with a plan: auto's plan stage prepares its payloads before the host read,
+with the mask figures the choice needs, so the call still has one host read whatever it picks
+(``ring`` and ``ulysses`` need no plan)."""
 MARGIN = 0.02
 """Relative margin within which a prediction counts as a tie (the model is coarser than that)."""
 DIGITS = 3
@@ -137,39 +143,50 @@ def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int,
     # auto computes the mask for every candidate: the same mask work and metadata all-gather
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)
     gathered = gather_bytes(d, head_dim=head_dim, sparse=True)
+    # ... and the same plan stage (PLANNED's, with auto's figures): the same host ops
+    staged = work(PLANNED, d, head_dim=head_dim, dtype_bytes=dtype_bytes).host_ops
     times = {}
     for s in names:
         w = replace(work(s, d, head_dim=head_dim, dtype_bytes=dtype_bytes), mask_bytes=masking,
-                    gather_bytes=gathered)
+                    gather_bytes=gathered, host_ops=staged)
         times[s] = round(timeline(w, profile, transport=figure, head_dim=head_dim,
                                   prefetch=prefetch).latency_ms, 4)
     best = min(times.values())
     return next(s for s in names if times[s] <= best * (1 + MARGIN)), times
 
 
-def choose(meta, q: torch.Tensor, group, config, transport, global_mask=None) -> str:
-    """The strategy for this call (same on every rank); see the module docstring.
+def _blocks_of(sh: Shapes, device):
+    from ..simulate.model import Blocks
 
-    ``meta``: the call's ``plan.Metadata`` (its whole mask when computed); ``global_mask``: the
-    test override of ``sp_attention`` (replaces the mask when its shape fits)."""
+    key = (sh.seq_lens, sh.block_size, str(device))
+    blocks = _blocks.get(key)
+    if blocks is None:  # device constants made once per geometry (a host-to-device copy syncs)
+        blocks = Blocks.of_call(sh.seq_lens, sh.block_size, device)
+        _blocks[key] = blocks
+    return blocks
+
+
+def figures(mask: torch.Tensor, sh: Shapes) -> torch.Tensor:
+    """The demand figures ``choose_from`` needs, on the mask's device (device ops only: the call
+    copies them to the host with its counts, in its one host read). ``mask`` bool [B, H, N, N]:
+    the call's whole mask."""
+    from ..simulate.model import demand_figures
+
+    B, H, N = sh.batch, sh.heads, sh.total_blocks
+    return demand_figures(mask.reshape(B * H, N, N), _blocks_of(sh, mask.device), batch=B)
+
+
+def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, transport) -> str:
+    """The strategy for this call (same on every rank) from ``figures`` read on the host; see
+    the module docstring."""
     global _last
-    from ..simulate.model import Blocks, measure
+    from ..simulate.model import demand_of
 
-    sh: Shapes = meta.shapes
     B, H, G, N = sh.batch, sh.heads, sh.world_size, sh.total_blocks
     names = candidates(H, G)
     if len(names) == 1:
         return names[0]
-    mask = meta.mask
-    if global_mask is not None and tuple(global_mask.shape) == (B, H, N, N):
-        mask = global_mask.to(q.device, torch.bool)
-    if mask is None or tuple(mask.shape) != (B, H, N, N):  # dense config: every block kept
-        mask = torch.ones(B, H, N, N, dtype=torch.bool, device=q.device)
-    blocks = _blocks.get((sh.seq_lens, sh.block_size, str(q.device)))
-    if blocks is None:  # device constants made once per geometry (a host-to-device copy syncs)
-        blocks = Blocks.of_call(sh.seq_lens, sh.block_size, q.device)
-        _blocks[(sh.seq_lens, sh.block_size, str(q.device))] = blocks
-    exact = measure(mask.reshape(B * H, N, N), blocks, batch=B)
+    exact = demand_of(host, _blocks_of(sh, q.device), B * H, N, batch=B)
     d = exact.rounded(DIGITS)
     profile = profile_for(transport.name, G)
     key = (profile.name, id(profile), transport.name, names, sh.head_dim, q.element_size(),
@@ -197,5 +214,6 @@ def choose(meta, q: torch.Tensor, group, config, transport, global_mask=None) ->
     return choice
 
 
-__all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "candidates", "choose", "decide", "forget",
+__all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "PLANNED", "candidates", "choose_from", "decide",
+           "figures", "forget",
            "last_decision", "profile_for", "use_profile"]

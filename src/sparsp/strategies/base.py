@@ -170,7 +170,8 @@ class Call:
     def __post_init__(self) -> None:
         self.kernel = get_kernel(self.config.kernel, self.q.device)
         self._q_hm: torch.Tensor | None = None
-        self._local_lists: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kernel block lists
+        self.consumes: dict = {}  # plan key -> origin: payloads this rank computes on whole
         self.out = None
         self.lse = None
         self.scale = self.q.shape[-1] ** -0.5
@@ -180,6 +181,17 @@ class Call:
         self._demand: torch.Tensor | None = None
         key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
         self._geo = _GEOMETRIES.setdefault(key, _Geometry())
+
+    def without_plan(self, spec) -> "Call":
+        """This call run by ``spec``, a strategy without a plan (auto's choice after the host
+        read): the same inputs and shapes; a sparse ``spec`` keeps the mask, its demand and the
+        local block lists, a dense one drops them."""
+        assert spec.plan is None, f"{spec.name} has a plan: its payloads were not staged"
+        other = Call(self.q, self.k, self.v, self.shapes, self.config, self.group, self.transport,
+                     full_mask=self.full_mask if spec.sparse else None)
+        if spec.sparse:
+            other._demand, other._lists = self._demand, self._lists
+        return other
 
     @property
     def q_hm(self) -> torch.Tensor:
@@ -304,13 +316,15 @@ class Call:
         merge work. ``None``: every head."""
         if self.full_mask is not None and self.kept.get(origin, 1) == 0:
             return  # no local query block reads a block of origin (known from the host copy)
-        rows, q, ids = self.rows_for(origin), self.q_hm, lay.block_ids
-        if heads is not None:
-            h0, h1 = heads
-            rows, q = rows[:, h0:h1], q[:, h0:h1]
-            ids = head_slice(ids, self.shapes.batch, heads)
+        q = self.q_hm
         with self.phase("compute"):
-            kv_num, kv_idx = kernel_indices(rows, ids, self.width)
+            if heads is None:
+                kv_num, kv_idx = self.lists(origin, lay.block_ids)
+            else:
+                h0, h1 = heads
+                q = q[:, h0:h1]
+                kv_num, kv_idx = kernel_indices(self.rows_for(origin)[:, h0:h1],
+                                                head_slice(lay.block_ids, self.shapes.batch, heads), self.width)
             buf = KVBuffer.from_payload(payload, rows=lay.num_rows, block_start=lay.block_start,
                                         block_len=lay.block_len, num_aligned=lay.num_aligned,
                                         block_size=lay.block_size, head_dim=self.q.shape[-1])
@@ -354,14 +368,22 @@ class Call:
             o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
         self.merge(o, l)
 
+    def lists(self, origin: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's block lists of the local queries over blocks of ``origin`` held with
+        buffer ids ``ids`` [B·H, n_origin] (a layout's ``block_ids``), made once per call. They
+        need only the mask and ids known before the host sync, so the plan stage
+        (``captured.stage``) makes those of the local shard and of every payload in
+        ``consumes``."""
+        key = (origin, ids.data_ptr(), tuple(ids.shape))
+        got = self._lists.get(key)
+        if got is None:
+            got = self._lists[key] = kernel_indices(self.rows_for(origin), ids, self.width)
+        return got
+
     def local_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's block lists of the local queries over this rank's own blocks (from the
-        mask and the geometry alone: ``captured.py`` makes them inside the plan stage)."""
-        if self._local_lists is None:
-            sh = self.shapes
-            ids = LocalKV.ids_for(sh.num_blocks[self.rank], self.bh, self.q.device)
-            self._local_lists = kernel_indices(self.rows_for(self.rank), ids, self.width)
-        return self._local_lists
+        """``lists`` of this rank's own blocks (``LocalKV``'s ids)."""
+        ids = LocalKV.ids_for(self.shapes.num_blocks[self.rank], self.bh, self.q.device)
+        return self.lists(self.rank, ids)
 
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""

@@ -3,7 +3,7 @@
 Between the metadata all-gather and the call's one host read, every rank turns the gathered
 summaries into the whole block mask, the strategy's payload selections, the layouts awaiting
 their counts and the vector of counts the host reads (``plan.Metadata.stage``), and the
-block lists of the local kernel (``Call.local_lists``). None of it
+kernels' block lists of the local shard and of every payload computed whole (``Call.lists``). None of it
 reads the host, and its shapes are fixed by the geometry (group, shapes, summary capacity,
 strategy, config, dtype, device, transport). At LTX size it is ~200 small ops: the host takes
 ~2 ms to queue what the device runs in a fraction of that, and the call waits for the host.
@@ -17,9 +17,10 @@ overwritten by the next replay, which the compute stream orders after every kern
 call that read them. A stage that cannot be captured (an op that syncs the host, e.g.) is
 logged once and runs eagerly from then on.
 
-Not captured: ``strategy="auto"`` (its choice reads the mask's statistics on the host), a
-``sim_threshold`` config (key smoothing adds collectives before the mask), test masks
-(``_global_mask``) and dense configs (no mask to compute).
+``strategy="auto"`` runs ``sparsp``'s stage with the figures its choice needs (``auto.figures``)
+in the same host read, captured alike. Not captured: a ``sim_threshold`` config (key
+smoothing adds collectives before the mask), test masks (``_global_mask``) and dense configs
+(no mask to compute).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import Metadata, Staged, table_of
+from .auto import figures
 from .base import Call
 
 log = logging.getLogger("sparsp")
@@ -40,8 +42,8 @@ class _Stage:
     graph: torch.cuda.CUDAGraph
     rows: torch.Tensor  # the static input: a copy of the gathered rows
     mask: torch.Tensor  # graph outputs: the whole mask, the demand (None: the plan read none),
-    demand: torch.Tensor | None  # the local kernel's block lists
-    local_lists: tuple[torch.Tensor, torch.Tensor]
+    demand: torch.Tensor | None  # the kernels' block lists (Call.lists)
+    lists: dict
     staged: Staged
 
 
@@ -54,26 +56,54 @@ def forget() -> None:
     _STAGES.clear()
 
 
-def eligible(q: torch.Tensor, spec, config, computed: bool, strategy: str) -> bool:
+def eligible(q: torch.Tensor, spec, config, computed: bool) -> bool:
     """Whether this call's stage may be captured (see the module docstring)."""
     return (config.cuda_graphs and q.device.type == "cuda" and computed and spec is not None
-            and spec.sparse and strategy == spec.name and config.sim_threshold is None)
+            and spec.sparse and config.sim_threshold is None)
 
 
-def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport):
-    """The stage on ``rows``: (the call, its staged counts). Device ops only."""
+def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=None, *,
+          auto: bool = False) -> tuple[Call, Staged, str | None]:
+    """The plan stage of a call on ``meta`` (its mask made): the ``Call`` of ``spec``, its staged
+    counts (``Metadata.stage``) and a deferred error (raised once the shapes are confirmed).
+    Device ops only, the same on the eager path and in a captured graph. ``auto``: ``spec`` is
+    ``auto.PLANNED``'s and the figures ``auto.choose_from`` reads ride with the counts."""
+    shapes = meta.shapes
+    N = shapes.total_blocks
+    full_mask, error = None, None
+    if spec.sparse:
+        whole = (shapes.batch, shapes.heads, N, N)
+        if global_mask is not None and tuple(global_mask.shape) != whole:
+            error = f"_global_mask has shape {tuple(global_mask.shape)}; the inputs need {whole} ({N} blocks)"
+            full_mask = torch.ones(whole, dtype=torch.bool, device=q.device)
+        elif global_mask is not None:
+            full_mask = global_mask.to(q.device, torch.bool)
+        elif config.dense:
+            full_mask = torch.ones(whole, dtype=torch.bool, device=q.device)
+        else:
+            full_mask = meta.mask
+    call = Call(q, k, v, shapes, config, group, transport, full_mask=full_mask)
+    selections = spec.plan(call) if spec.plan is not None else {}
+    tail = figures(full_mask, shapes) if auto else None
+    staged = meta.stage(selections, call.kept_counts(), tail=tail)
+    # the kernels' block lists: mask + ids known before the sync
+    call.local_lists()
+    for key, origin in call.consumes.items():
+        call.lists(origin, staged.pending[key].ids)
+    return call, staged, error
+
+
+def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport, auto: bool):
+    """``stage`` on the gathered ``rows`` (the captured function)."""
     m = Metadata(meta.shapes, table_of(rows), rows, None, meta.capacity, meta.counts, meta.timeout_s)
     m.mask = m.block_mask(config)
-    call = Call(q, k, v, m.shapes, config, group, transport, full_mask=m.mask)
-    selections = spec.plan(call) if spec.plan is not None else {}
-    staged = m.stage(selections, call.kept_counts())
-    call.local_lists()  # the local kernel's block lists: mask + geometry only
+    call, staged, _ = stage(q, k, v, m, group, spec, config, transport, auto=auto)
     return call, staged
 
 
-def _capture(q, k, v, meta: Metadata, group, spec, config, transport) -> _Stage:
+def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool) -> _Stage:
     rows = meta.rows.clone()
-    args = (q, k, v, meta, rows, group, spec, config, transport)
+    args = (q, k, v, meta, rows, group, spec, config, transport, auto)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: library handles and workspaces before capture
@@ -84,13 +114,14 @@ def _capture(q, k, v, meta: Metadata, group, spec, config, transport) -> _Stage:
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         call, staged = _stage(*args)
     # the capture's Call is dropped: it holds that call's q, k, v
-    return _Stage(graph, rows, call.full_mask, call._demand, call.local_lists(), staged)
+    return _Stage(graph, rows, call.full_mask, call._demand, call._lists, staged)
 
 
-def replayed(q, k, v, meta: Metadata, group, spec, config, transport) -> tuple[Call, Staged] | None:
+def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
+             auto: bool = False) -> tuple[Call, Staged] | None:
     """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
-    key = (id(group), meta.shapes, meta.capacity, spec.name, config, q.dtype, str(q.device),
+    key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
            transport.name)
     if key not in _STAGES:
         _STAGES[key] = None  # the first call: eager, which fills the stage's constants
@@ -100,7 +131,7 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport) -> tuple[C
         return None
     if st is None:
         try:
-            st = _capture(q, k, v, meta, group, spec, config, transport)
+            st = _capture(q, k, v, meta, group, spec, config, transport, auto)
         except Exception as e:  # a capture error leaves the eager path intact
             log.warning("sparsp: CUDA graph capture of the plan stage failed (%s: %s); this "
                         "geometry runs it eagerly", type(e).__name__, e)
@@ -110,7 +141,7 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport) -> tuple[C
     st.rows.copy_(meta.rows)
     st.graph.replay()
     call = Call(q, k, v, meta.shapes, config, group, transport, full_mask=st.mask)
-    call._demand, call._local_lists = st.demand, st.local_lists
+    call._demand, call._lists = st.demand, dict(st.lists)
     return call, st.staged
 
 

@@ -87,6 +87,8 @@ def plan(call: Call) -> dict:
             units = _units(call, k, owner, consumer)
             if len(units) == 1:
                 out[(name, k)] = (sel, owner)
+                if name == "recv":  # computed whole: its block lists can be made before the sync
+                    call.consumes[(name, k)] = owner
                 continue
             for i, heads in enumerate(units):
                 out[(name, k, i)] = (_restrict(sel, call.shapes.batch, heads), owner)
