@@ -30,4 +30,5 @@ for model in ${MODELS:-ltx-video}; do
     echo "== e2e $model $fabric rc=$?"; grep -E '^(1gpu|diffusers|ring|sparsp|ulysses|auto)|Error' "$log" | cut -c1-160 | head -n 12
   done
 done
-tar -czf "$OUT/e2e.tgz" bench/results/e2e-*-"$today".json bench/results/e2e-*-"$today".png -C "$OUT" logs 2>/dev/null
+# (E2E_ARGS="--no-cuda-graphs --out bench/results/eager" keeps an eager run apart; it is packed too)
+tar -czf "$OUT/e2e.tgz" $(ls bench/results/e2e-*-"$today".* bench/results/*/e2e-*-"$today".* 2>/dev/null) -C "$OUT" logs

@@ -75,10 +75,7 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
     B, S, H, D = x.shape
     n = math.ceil(S / block_size)
     pad = n * block_size - S
-    lengths = torch.full((n,), block_size, dtype=torch.long)
-    if pad:
-        lengths[-1] = block_size - pad
-    denom = _lengths_on(lengths, x.device)[None, None, :, None]
+    lengths, denom = _block_lengths(S, block_size, x.device)
     if center is None and not similarity:
         # the common case: block sums straight from x's own layout, accumulated in float32,
         # without a float32 copy of x (a full-size tensor per call at video sizes)
@@ -87,8 +84,7 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
         if pad:
             sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
         mean = sums.permute(0, 2, 1, 3) / denom
-        sim = torch.zeros(mean.shape[:-1], dtype=mean.dtype, device=mean.device)
-        return PooledBlocks(mean, sim, _lengths_on(lengths, x.device, torch.long))
+        return PooledBlocks(mean, _zeros(mean.shape[:-1], mean.device), lengths)
     xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
     if center is not None:
         xf = xf - center.float()[:, :, None, :]
@@ -101,21 +97,36 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
         unit = torch.nn.functional.normalize(blocks, dim=-1)  # zero rows stay zero
         sim = (unit.sum(dim=3) / denom).square().sum(dim=-1)
     else:
-        sim = torch.zeros(mean.shape[:-1], dtype=mean.dtype, device=mean.device)
-    return PooledBlocks(mean, sim, _lengths_on(lengths, x.device, torch.long))
+        sim = _zeros(mean.shape[:-1], mean.device)
+    return PooledBlocks(mean, sim, lengths)
 
 
-_LENGTHS: dict[tuple, torch.Tensor] = {}
+_CACHE: dict[tuple, object] = {}
 
 
-def _lengths_on(lengths: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
-    """``lengths`` on ``device``, cached: a pageable host-to-device copy syncs the stream."""
-    key = (tuple(lengths.tolist()), str(device), dtype)
-    t = _LENGTHS.get(key)
-    if t is None:
-        t = lengths.to(device, dtype)
-        _LENGTHS[key] = t
-    return t
+def _block_lengths(S: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real tokens per block of a slice of ``S`` tokens: long [n] and float32 [1, 1, n, 1]
+    (the pooling's divisor), on ``device``, made once per (S, block_size, device): a pageable
+    host-to-device copy syncs the stream, and the per-call ops count (read-only, shared)."""
+    key = ("lengths", S, block_size, str(device))
+    got = _CACHE.get(key)
+    if got is None:
+        n = math.ceil(S / block_size)
+        lengths = torch.full((n,), block_size, dtype=torch.long)
+        lengths[-1] = S - (n - 1) * block_size
+        got = (lengths.to(device), lengths.to(device, torch.float32)[None, None, :, None])
+        _CACHE[key] = got
+    return got
+
+
+def _zeros(shape, device) -> torch.Tensor:
+    """float32 zeros of ``shape`` on ``device``: the ``sim`` of summaries pooled without
+    similarity, made once per shape (read-only, shared)."""
+    key = ("zeros", tuple(shape), str(device))
+    got = _CACHE.get(key)
+    if got is None:
+        got = _CACHE[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+    return got
 
 
 def summarize(q: torch.Tensor, k: torch.Tensor, block_size: int, *, center: torch.Tensor | None = None,

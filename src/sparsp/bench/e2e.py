@@ -66,6 +66,9 @@ def add_arguments(p) -> None:
     p.add_argument("--transport", default=None, choices=["auto", "nccl", "ipc", "host"],
                    help="sparsp transport (default: auto on nvlink, host on host)")
     p.add_argument("--kernel", default="auto", choices=["auto", "torch", "flex"], help="sparsp kernel")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run sparsp's plan stage eagerly (SparspConfig(cuda_graphs=False)); rows say "
+                        "cuda_graphs: false (write them to another --out to plot them apart)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu (gloo smoke run)")
     p.add_argument("--tiny", action="store_true", help="a tiny config and latent (CPU smoke test of the plumbing)")
@@ -202,7 +205,7 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport):
             model.set_attention_backend(backend)
         row["attention_backend"] = backend
         config = SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, transport=fabric_transport,
-                              kernel=args.kernel)
+                              kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs)
         if name == "1gpu-sparse":
             sparsp.parallelize(model, config=config, strategy="sparsp", emulate_ranks=1)
             row.update(cdf=args.cdf)
@@ -267,7 +270,8 @@ def main(args) -> int:
     rows = []
     for name in args.strategy:
         base = {"model": args.model, "ranks": 1 if name in ONE_GPU else world, "fabric": args.fabric,
-                "strategy": name, "weights": args.weights, "steps": args.steps, "device": device.type}
+                "strategy": name, "weights": args.weights, "steps": args.steps, "device": device.type,
+                "cuda_graphs": not args.no_cuda_graphs}
         error = None
         try:
             row = {**base, **_run_strategy(name, args, rank, world, device, dtype, transport)}

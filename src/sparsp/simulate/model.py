@@ -57,18 +57,18 @@ INPUT_PASSES = 3
 # ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
 # call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
 # G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind.
-MASK_OPS = {"dense": (59, 0, 0), "sparse": (137, 13, 0), "direct": (146, 122, 0),
-            "relay": (175, 65, 4)}
+MASK_OPS = {"dense": (59, 0, 0), "sparse": (127, 13, 0), "direct": (136, 122, 0),
+            "relay": (165, 65, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered summaries
 # to the counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the
 # stage's ops become two (a copy of the gathered rows, the graph launch); what remains is the
 # header, pooling and all-gather before it and the host read after it (``opcount``'s
 # ``GRAPHED_MASK_OPS``). Dense strategies compute no mask and run no graph.
-GRAPHED_MASK_OPS = {"dense": (59, 0, 0), "sparse": (64, 0, 0), "direct": (64, 5, 0),
-                    "relay": (65, 4, 0)}
+GRAPHED_MASK_OPS = {"dense": (59, 0, 0), "sparse": (54, 0, 0), "direct": (54, 5, 0),
+                    "relay": (55, 4, 0)}
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 136 eager, 63 graphed.
-ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 136}, {"direct": 63}
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 126 eager, 53 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 126}, {"direct": 53}
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
 # selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
