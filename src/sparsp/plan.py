@@ -246,7 +246,8 @@ class Metadata:
         """The call's one host synchronisation: ``finish(stage(selections, extra))``."""
         return self.finish(self.stage(selections, extra))
 
-    def stage(self, selections: dict, extra: dict | None = None, tail: torch.Tensor | None = None) -> "Staged":
+    def stage(self, selections: dict, extra: dict | None = None,
+              tail: torch.Tensor | None = None) -> "Staged":
         """Everything of ``resolve`` that runs on the device (no host sync, static shapes per
         geometry: what ``strategies/captured.py`` replays as a CUDA graph).
 
@@ -448,4 +449,5 @@ def _block_lengths(shapes: Shapes, device) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "table_of", "forget_shapes", "gather_metadata", "remask", "strategy_code"]
+__all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "forget_shapes", "gather_metadata", "remask",
+           "strategy_code", "table_of"]

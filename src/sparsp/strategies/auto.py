@@ -214,6 +214,5 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
     return choice
 
 
-__all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "PLANNED", "candidates", "choose_from", "decide",
-           "figures", "forget",
-           "last_decision", "profile_for", "use_profile"]
+__all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "PLANNED", "candidates", "choose_from",
+           "decide", "figures", "forget", "last_decision", "profile_for", "use_profile"]

@@ -323,8 +323,8 @@ class Call:
             else:
                 h0, h1 = heads
                 q = q[:, h0:h1]
-                kv_num, kv_idx = kernel_indices(self.rows_for(origin)[:, h0:h1],
-                                                head_slice(lay.block_ids, self.shapes.batch, heads), self.width)
+                ids = head_slice(lay.block_ids, self.shapes.batch, heads)
+                kv_num, kv_idx = kernel_indices(self.rows_for(origin)[:, h0:h1], ids, self.width)
             buf = KVBuffer.from_payload(payload, rows=lay.num_rows, block_start=lay.block_start,
                                         block_len=lay.block_len, num_aligned=lay.num_aligned,
                                         block_size=lay.block_size, head_dim=self.q.shape[-1])

@@ -3,8 +3,8 @@
 Between the metadata all-gather and the call's one host read, every rank turns the gathered
 summaries into the whole block mask, the strategy's payload selections, the layouts awaiting
 their counts and the vector of counts the host reads (``plan.Metadata.stage``), and the
-kernels' block lists of the local shard and of every payload computed whole (``Call.lists``). None of it
-reads the host, and its shapes are fixed by the geometry (group, shapes, summary capacity,
+kernels' block lists of the local shard and of every payload computed whole (``Call.lists``).
+None of it reads the host, and its shapes are fixed by the geometry (group, shapes, summary capacity,
 strategy, config, dtype, device, transport). At LTX size it is ~200 small ops: the host takes
 ~2 ms to queue what the device runs in a fraction of that, and the call waits for the host.
 Captured once, the stage costs one copy of the gathered rows and one graph launch.
@@ -39,12 +39,14 @@ log = logging.getLogger("sparsp")
 
 @dataclass
 class _Stage:
+    """One geometry's captured stage: its static input and the graph's outputs."""
+
     graph: torch.cuda.CUDAGraph
     rows: torch.Tensor  # the static input: a copy of the gathered rows
-    mask: torch.Tensor  # graph outputs: the whole mask, the demand (None: the plan read none),
-    demand: torch.Tensor | None  # the kernels' block lists (Call.lists)
-    lists: dict
-    staged: Staged
+    mask: torch.Tensor  # the whole mask
+    demand: torch.Tensor | None  # every rank's demand (None: the plan read none)
+    lists: dict  # the kernels' block lists (``Call.lists``)
+    staged: Staged  # the pending layouts and the counts vector the host reads
 
 
 _FAILED = object()
