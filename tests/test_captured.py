@@ -104,3 +104,25 @@ def test_replayed_stage_gives_the_eager_output(lens):
 def test_failed_capture_stays_eager():
     results = run_distributed(_worker, 2, [64, 48], [("sparsp", {}), ("auto", {})], False, timeout=120)
     assert all(stages == 0 for _, stages, _ in results)
+
+
+def _lru_worker(rank, world):
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.strategies import captured, close_transports
+
+    _emulate(True)
+    captured.MAX_STAGES = 3
+    q, k, v = structured_inputs(5, 1, 96, 4, 16)
+    x = [t[:, 48 * rank:48 * (rank + 1)].contiguous() for t in (q, k, v)]
+    for cdf in (0.5, 0.6, 0.7, 0.8, 0.9):  # a new config, so a new stage, every time
+        cfg = SparspConfig(cdf_threshold=cdf, block_size=16, transport="nccl", kernel="torch")
+        for _ in range(2):
+            sp_attention(*x, strategy="sparsp", config=cfg)
+    kept = len(captured._STAGES)
+    close_transports()
+    return kept
+
+
+def test_stages_are_bounded():
+    """A caller sweeping configs does not accumulate graphs: the least recently used go."""
+    assert run_distributed(_lru_worker, 2, timeout=120) == [3, 3]

@@ -50,7 +50,9 @@ class SparspConfig:
     CUDA graph per geometry, captured on the geometry's second call: an LTX-size call issues
     ~200 small ops there, which the host needs longer to queue than the device to run. Keeps
     the stage's buffers (some MB at LTX size, up to ~1 GB at HunyuanVideo size) on the device
-    until ``close_transports()``. Off, or on the CPU: eager, the same arithmetic."""
+    until ``close_transports()``, for at most ``captured.MAX_STAGES`` (32) geometries and
+    configs (the least recently used go first). Off, or on the CPU: eager, the same
+    arithmetic."""
 
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)

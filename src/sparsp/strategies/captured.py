@@ -26,6 +26,7 @@ smoothing adds collectives before the mask), test masks (``_global_mask``) and d
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,11 @@ class _Stage:
 
 
 _FAILED = object()
-_STAGES: dict[tuple, object] = {}  # key -> _Stage, _FAILED, or None (seen once, eagerly)
+_STAGES: OrderedDict[tuple, object] = OrderedDict()  # key -> _Stage, _FAILED, or None (seen once)
+MAX_STAGES = 32
+"""Geometries (and configs) whose stage is remembered; past this the least recently used is
+dropped with its graph and memory pool (a caller sweeping thresholds per call makes a new
+key each time)."""
 
 
 def forget() -> None:
@@ -127,7 +132,10 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
            transport.name)
     if key not in _STAGES:
         _STAGES[key] = None  # the first call: eager, which fills the stage's constants
+        while len(_STAGES) > MAX_STAGES:
+            _STAGES.popitem(last=False)
         return None
+    _STAGES.move_to_end(key)
     st = _STAGES[key]
     if st is _FAILED:
         return None
