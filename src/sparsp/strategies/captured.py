@@ -15,7 +15,9 @@ on a side stream (lazy library handles) and replays; later calls replay. The gra
 (mask, demand, selections, pending layouts, counts) live in its private pool and are
 overwritten by the next replay, which the compute stream orders after every kernel of the
 call that read them. A stage that cannot be captured (an op that syncs the host, e.g.) is
-logged once and runs eagerly from then on.
+logged once and runs eagerly from then on. A capture costs what ``torch.cuda.graph`` does on
+entry — a device synchronize and emptying the device and pinned-host allocator caches — once
+per geometry, on its second call (a warm-up step of a denoising loop).
 
 ``strategy="auto"`` runs ``sparsp``'s stage with the figures its choice needs (``auto.figures``)
 in the same host read, captured alike. Not captured: a ``sim_threshold`` config (key
