@@ -75,7 +75,7 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
     B, S, H, D = x.shape
     n = math.ceil(S / block_size)
     pad = n * block_size - S
-    lengths, denom = _block_lengths(S, block_size, x.device)
+    lengths, denom = block_lengths(S, block_size, x.device)
     if center is None and not similarity:
         # the common case: block sums straight from x's own layout, accumulated in float32,
         # without a float32 copy of x (a full-size tensor per call at video sizes)
@@ -84,7 +84,7 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
         if pad:
             sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
         mean = sums.permute(0, 2, 1, 3) / denom
-        return PooledBlocks(mean, _zeros(mean.shape[:-1], mean.device), lengths)
+        return PooledBlocks(mean, cached_zeros(mean.shape[:-1], mean.device), lengths)
     xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
     if center is not None:
         xf = xf - center.float()[:, :, None, :]
@@ -97,14 +97,14 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
         unit = torch.nn.functional.normalize(blocks, dim=-1)  # zero rows stay zero
         sim = (unit.sum(dim=3) / denom).square().sum(dim=-1)
     else:
-        sim = _zeros(mean.shape[:-1], mean.device)
+        sim = cached_zeros(mean.shape[:-1], mean.device)
     return PooledBlocks(mean, sim, lengths)
 
 
 _CACHE: dict[tuple, object] = {}
 
 
-def _block_lengths(S: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def block_lengths(S: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Real tokens per block of a slice of ``S`` tokens: long [n] and float32 [1, 1, n, 1]
     (the pooling's divisor), on ``device``, made once per (S, block_size, device): a pageable
     host-to-device copy syncs the stream, and the per-call ops count (read-only, shared)."""
@@ -119,9 +119,9 @@ def _block_lengths(S: int, block_size: int, device) -> tuple[torch.Tensor, torch
     return got
 
 
-def _zeros(shape, device) -> torch.Tensor:
-    """float32 zeros of ``shape`` on ``device``: the ``sim`` of summaries pooled without
-    similarity, made once per shape (read-only, shared)."""
+def cached_zeros(shape, device) -> torch.Tensor:
+    """float32 zeros of ``shape`` on ``device``, made once per shape (read-only, shared): the
+    ``sim`` of summaries pooled without similarity, the padding of the metadata row."""
     key = ("zeros", tuple(shape), str(device))
     got = _CACHE.get(key)
     if got is None:

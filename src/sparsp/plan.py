@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .config import SparspConfig
 from .groups import all_gather_flat, stream_ordered, to_host, wait
-from .masks import PooledBlocks, key_sum, select_blocks, summarize
+from .masks import PooledBlocks, block_lengths, cached_zeros, key_sum, select_blocks, summarize
 from .packing import Layout, prepare
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -137,16 +137,6 @@ def _constant(values: tuple[int, ...], device) -> torch.Tensor:
     t = _CONSTANTS.get(key)
     if t is None:
         t = torch.tensor(values, dtype=torch.long).to(device)
-        _CONSTANTS[key] = t
-    return t
-
-
-def _zeros(n: int, device) -> torch.Tensor:
-    """float32 zeros [n] on ``device``, made once per size (the padding of the metadata row)."""
-    key = ("zeros", n, str(device))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = torch.zeros(n, dtype=torch.float32, device=device)
         _CONSTANTS[key] = t
     return t
 
@@ -358,7 +348,8 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
         body = data[:cap]
-        mine = torch.cat([header.view(torch.float32), body, _zeros(cap - body.numel(), q.device)])
+        pad = cached_zeros((cap - body.numel(),), q.device)
+        mine = torch.cat([header.view(torch.float32), body, pad])
         everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):
@@ -385,18 +376,16 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     return meta
 
 
-def remask(meta: Metadata, group, config: SparspConfig, sparse: bool) -> Metadata | None:
+def remask(meta: Metadata, group) -> Metadata | None:
     """After ``resolve`` returned None: the same gathered data cut with the true shapes (no
-    collective), or None when the summaries did not fit: the group's capacity grows (every
-    rank read the same headers) and the caller gathers again."""
+    collective; the mask left for ``Metadata.block_mask``), or None when the summaries did not
+    fit: the group's capacity grows (every rank read the same headers) and the caller gathers
+    again."""
     if meta.needed > meta.capacity:
         _STATE[(id(group), str(meta.rows.device))].capacity = meta.needed
         return None
-    shapes = meta.true_shapes()
-    out = Metadata(shapes, meta.table, meta.rows, None, meta.capacity, meta.counts, meta.timeout_s)
-    if sparse:
-        out.mask = _mask(out, shapes, config, None)
-    return out
+    return Metadata(meta.true_shapes(), meta.table, meta.rows, None, meta.capacity, meta.counts,
+                    meta.timeout_s, meta.center)
 
 
 def _global_tokens(S: int, group, config: SparspConfig) -> int:
@@ -411,7 +400,7 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
     """The whole block mask from every rank's summaries (cut with ``shapes``)."""
     B, H, D, G = shapes.batch, shapes.heads, shapes.head_dim, shapes.world_size
     off = _HEADER_SLOTS + 1
-    lens = _block_lengths(shapes, meta.rows.device)
+    lens = [block_lengths(S, shapes.block_size, meta.rows.device)[0] for S in shapes.seq_lens]
     N = shapes.total_blocks
     if any(_summary_size(B, H, D, n) > meta.capacity for n in shapes.num_blocks):
         # the summaries did not fit (or the shapes are a wrong guess): resolve redoes the call,
@@ -433,20 +422,6 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
         pk_all = pk_all.centered(center)
     return select_blocks(pq_all, pk_all, cdf_threshold=config.cdf_tensor(H),
                          sim_threshold=config.sim_tensor(H))
-
-
-def _block_lengths(shapes: Shapes, device) -> list[torch.Tensor]:
-    key = ("lengths", shapes.seq_lens, shapes.block_size, str(device))
-    out = _CONSTANTS.get(key)
-    if out is None:
-        out = []
-        for p, n in enumerate(shapes.num_blocks):
-            L = torch.full((n,), shapes.block_size, dtype=torch.long)
-            if shapes.has_tail(p):
-                L[-1] = shapes.seq_lens[p] - (n - 1) * shapes.block_size
-            out.append(L.to(device))
-        _CONSTANTS[key] = out
-    return out
 
 
 __all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "forget_shapes", "gather_metadata", "remask",

@@ -90,7 +90,8 @@ def sp_attention(
     with torch.no_grad():
         mask_phase.__enter__()
         with record_function("sparsp.metadata"):
-            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=not graphed)
+            # the mask is the plan stage's (captured.stage), with or without a graph
+            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=False)
         while True:  # once, unless the geometry changed: see plan.gather_metadata
             with record_function("sparsp.plan"):
                 # from the gathered rows to the counts: a CUDA graph per geometry (captured.py)
@@ -99,17 +100,15 @@ def sp_attention(
                 if replay is not None:
                     (call, staged), error = replay, None
                 else:
-                    if graphed:
-                        meta.mask = meta.block_mask(config)
                     call, staged, error = captured.stage(q, k, v, meta, group, planned, config,
                                                          transport, _global_mask, auto=auto)
             with record_function("sparsp.resolve"):
                 resolved = meta.finish(staged)  # the one host sync
             if resolved is not None:
                 break
-            graphed = False  # the geometry changed: the true shapes' mask is made eagerly
-            meta = remask(meta, group, config, computed) or \
-                gather_metadata(q, k, v, group, config, strategy, sparse=computed)
+            graphed = False  # the geometry changed: the true shapes' stage runs eagerly
+            meta = remask(meta, group) or \
+                gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=False)
         mask_phase.__exit__(None, None, None)
         if error is not None:
             raise ValueError(error)

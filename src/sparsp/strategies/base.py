@@ -185,7 +185,7 @@ class Call:
     def without_plan(self, spec) -> "Call":
         """This call run by ``spec``, a strategy without a plan (auto's choice after the host
         read): the same inputs and shapes; a sparse ``spec`` keeps the mask, its demand and the
-        local block lists, a dense one drops them."""
+        kernel block lists, a dense one drops them."""
         assert spec.plan is None, f"{spec.name} has a plan: its payloads were not staged"
         other = Call(self.q, self.k, self.v, self.shapes, self.config, self.group, self.transport,
                      full_mask=self.full_mask if spec.sparse else None)

@@ -73,7 +73,8 @@ def eligible(q: torch.Tensor, spec, config, computed: bool) -> bool:
 
 def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=None, *,
           auto: bool = False) -> tuple[Call, Staged, str | None]:
-    """The plan stage of a call on ``meta`` (its mask made): the ``Call`` of ``spec``, its staged
+    """The plan stage of a call on ``meta`` (its whole mask made here if ``meta`` has none):
+    the ``Call`` of ``spec``, its staged
     counts (``Metadata.stage``) and a deferred error (raised once the shapes are confirmed).
     Device ops only, the same on the eager path and in a captured graph. ``auto``: ``spec`` is
     ``auto.PLANNED``'s and the figures ``auto.choose_from`` reads ride with the counts."""
@@ -90,6 +91,8 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
         elif config.dense:
             full_mask = torch.ones(whole, dtype=torch.bool, device=q.device)
         else:
+            if meta.mask is None:  # the whole mask from the gathered summaries
+                meta.mask = meta.block_mask(config)
             full_mask = meta.mask
     call = Call(q, k, v, shapes, config, group, transport, full_mask=full_mask)
     selections = spec.plan(call) if spec.plan is not None else {}
@@ -105,7 +108,6 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
 def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport, auto: bool):
     """``stage`` on the gathered ``rows`` (the captured function)."""
     m = Metadata(meta.shapes, table_of(rows), rows, None, meta.capacity, meta.counts, meta.timeout_s)
-    m.mask = m.block_mask(config)
     call, staged, _ = stage(q, k, v, m, group, spec, config, transport, auto=auto)
     return call, staged
 
