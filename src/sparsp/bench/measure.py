@@ -19,7 +19,8 @@ def link_gbps(fabric: str, results: Path) -> float | None:
     best = None
     for path in sorted(glob.glob(str(Path(results) / "transport-all-*.json"))):
         for r in json.loads(Path(path).read_text()).get("rows", []):
-            if r.get("fabric") == fabric and r.get("bytes") == 256 << 20 and not r.get("under_load"):
+            if (r.get("fabric") == fabric and r.get("bytes") == 256 << 20 and not r.get("under_load")
+                    and r.get("inflight", 1) == 1):  # single exchanges (not pipelined)
                 best = max(best or 0.0, float(r["gbps"]))
     return best
 

@@ -20,13 +20,14 @@ def summarize(paths: list[str]) -> str:
                 lines.append(f"  {r['fabric']:7s} {r['strategy']:12s} {r['transport']:9s} {r.get('placement', ''):10s} "
                              f"{r['cdf']:5.2f} {r['median_ms']:10.2f} {r['bytes_moved'] / 2**30:10.3f} {r['density']:8.3f}")
         elif doc["kind"] == "transport":
-            lines.append(f"  {'transport':10s} {'fabric':7s} {'MiB':>8s} {'GB/s':>8s} {'load':>5s} {'slowdown':>9s}")
+            lines.append(f"  {'transport':10s} {'fabric':7s} {'MiB':>8s} {'GB/s':>8s} {'load':>5s} "
+                         f"{'inflight':>8s} {'slowdown':>9s}")
             for r in doc["rows"]:
-                if r["bytes"] < 2**24 and not r["under_load"]:
-                    continue  # the short table keeps 16 MiB and up
+                if r["bytes"] < 2**24 and not (r["bytes"] == 2**22 and not r["under_load"]):
+                    continue  # the short table keeps 4 MiB (unloaded) and 16 MiB and up
                 slow = "" if r["attention_slowdown"] is None else f"{100 * r['attention_slowdown']:+.1f}%"
                 lines.append(f"  {r['transport']:10s} {r['fabric']:7s} {r['bytes'] / 2**20:8.0f} {r['gbps']:8.1f} "
-                             f"{'yes' if r['under_load'] else 'no':>5s} {slow:>9s}")
+                             f"{'yes' if r['under_load'] else 'no':>5s} {r.get('inflight', 1):8d} {slow:>9s}")
         else:
             lines.append(f"  {len(doc['rows'])} rows")
     return "\n".join(lines)

@@ -14,9 +14,17 @@ gbps = payload bytes per direction / s / 1e9.
 
 The gate (``--gate-ms``, as NVIDIA's nvbandwidth does with a blocking kernel) is a short spin
 kernel queued before the start event: the host queues publish and fetch while it runs, so the
-timing measures the transfer on the GPU rather than how fast Python issues it. The fence's
-host barrier lines the ranks up first, so both GPUs leave the gate together. ``--gate-ms 0``
-measures with the issue latency included.
+timing measures the transfer on the GPU rather than how fast Python issues it. After the gate a
+4-byte NCCL all-reduce on the same stream lines the two GPUs up (``--no-align`` drops it): the
+ranks' hosts reach the gate tens of microseconds apart, and without it the slower rank's lag is
+counted as transfer time (ipc at 4 MiB: 110 µs per exchange unaligned, 73 µs aligned, on the
+2×H200 box). ``--gate-ms 0`` measures with the issue latency included.
+
+Pipelined rows (``--pipeline N``, default the window of 3 slots; ``inflight`` = N): N exchanges
+are queued before the first is waited for, as a chunked payload stream is, so each message's
+fixed cost (flag handshake, copy launch) overlaps the previous message's bytes; the row's
+time is the pipeline's divided by N. Single exchanges (``inflight`` = 1) pay that fixed cost
+in full; both are reported.
 
 Under load, an attention kernel (``scaled_dot_product_attention``, bf16, DESIGN's 32k tokens
 × 24×128 heads) runs on a second stream of the same GPU while back-to-back exchanges fill its
@@ -65,6 +73,10 @@ def add_arguments(p) -> None:
                    help="times each size's median is measured; the row keeps all of them")
     p.add_argument("--gate-ms", type=float, default=1.0,
                    help="spin kernel before each timed exchange so the host has queued it (0: off)")
+    p.add_argument("--no-align", action="store_true",
+                   help="skip the 4-byte all-reduce after the gate that starts both GPUs together")
+    p.add_argument("--pipeline", type=int, default=None,
+                   help="exchanges in flight in the pipelined rows (default: --window; 0: none)")
     p.add_argument("--no-load", action="store_true", help="skip the under-attention-load runs")
     p.add_argument("--attn-tokens", type=int, default=32768)
     p.add_argument("--attn-heads", type=int, default=24)
@@ -94,36 +106,57 @@ def _fabric(name: str, peer_access: bool) -> str:
 
 
 class _Exchange:
-    """One timed 2-way exchange of ``n`` bytes with ``peer`` through ``t``."""
+    """Timed 2-way exchanges of ``n`` bytes with ``peer`` through ``t``: ``inflight`` of them
+    queued before the first is waited for (1: a single exchange)."""
 
-    def __init__(self, t, peer: int, src: torch.Tensor, dst: torch.Tensor, gate) -> None:
+    def __init__(self, t, peer: int, src: torch.Tensor, dst: torch.Tensor, gate,
+                 inflight: int = 1) -> None:
         self.t, self.peer, self.src, self.dst, self.gate = t, peer, src, dst, gate
+        self.inflight = inflight
+
+    def _packed(self, n: int) -> torch.Tensor:
+        buf = self.t.send_buffer(self.peer, n, torch.uint8)
+        if buf.device != self.src.device:  # nccl's send_buffer may not know our device
+            buf = torch.empty(n, dtype=torch.uint8, device=self.src.device)
+        buf.copy_(self.src[:n])  # the pack: a strategy's work whatever the transport
+        return buf
 
     def start(self, n: int):
         """Fence, pack (untimed), then publish and fetch: the transfer is in flight."""
         t = self.t
         t.fence()
-        buf = t.send_buffer(self.peer, n, torch.uint8)
-        if buf.device != self.src.device:  # nccl's send_buffer may not know our device
-            buf = torch.empty(n, dtype=torch.uint8, device=self.src.device)
-        buf.copy_(self.src[:n])  # the pack: a strategy's work whatever the transport, untimed
+        buf = self._packed(n)
         self.gate()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        t.publish(self.peer, buf)
-        handle = t.fetch(self.peer, self.dst[:n])  # the round's end: nccl issues both here
-        return start, handle
+        handles = []
+        for i in range(self.inflight):  # later packs are timed: a pipeline packs as it goes
+            t.publish(self.peer, buf if i == 0 else self._packed(n))
+            handles.append(t.fetch(self.peer, self.dst[:n]))  # nccl issues both here
+        return start, handles
 
     def finish(self, pending) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        start, handle = pending
-        handle.wait()
-        self.t.release(self.peer)
+        start, handles = pending
+        for handle in handles:
+            handle.wait()
+            self.t.release(self.peer)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         return start, end
 
     def __call__(self, n: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return self.finish(self.start(n))
+
+
+def _aligned(gate, device):
+    """``gate``, then a 4-byte all-reduce on the current stream: both GPUs start together."""
+    one = torch.ones(1, device=device)
+
+    def run() -> None:
+        gate()
+        dist.all_reduce(one)
+
+    return run
 
 
 def _gate(ms: float, device):
@@ -179,6 +212,10 @@ def run(args) -> dict:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
     if args.repeats < 1 or args.gate_ms < 0:
         raise SystemExit("--repeats must be >= 1 and --gate-ms >= 0")
+    pipeline = args.window if args.pipeline is None else args.pipeline
+    if pipeline < 0 or pipeline > args.window:
+        raise SystemExit(f"--pipeline must be between 0 and the window ({args.window}): each "
+                         "exchange in flight holds a slot until the peer releases it")
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed("nccl")
@@ -204,6 +241,8 @@ def run(args) -> dict:
         if console:
             console.print(f"attention alone: {attn_alone:.2f} ms")
     gate = _gate(args.gate_ms, device)
+    if not args.no_align:
+        gate = _aligned(gate, device)
     rows = []
     for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
         options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
@@ -216,32 +255,20 @@ def run(args) -> dict:
         t.reserve(top)
         fabric = _fabric(name, peer_access)
         exchange = _Exchange(t, peer, src, dst, gate)
+        piped = _Exchange(t, peer, src, dst, gate, inflight=pipeline) if pipeline > 1 else None
         for n in sizes:
-            for i in range(args.warmup):
-                _, end = exchange(n)
-                end.synchronize()
-                if i == 0 and not torch.equal(dst[:n], expect[:n]):
-                    raise RuntimeError(f"{name}: rank {rank} received wrong bytes at size {n}")
-            repeats = []
-            for _ in range(args.repeats):
-                times = []
-                for _ in range(args.iters):
-                    start, end = exchange(n)
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                repeats.append(median(_slowest(times, device)))
-            ms = median(repeats)
-            row = {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
-                   "under_load": False, "attention_slowdown": None, "median_ms": ms,
-                   "iters": args.iters, "gbps_repeats": [n / r / 1e6 for r in repeats],
-                   "gate_ms": args.gate_ms, "mechanism": t.describe()}
+            row = _timed(exchange, n, expect, args, device, name, fabric, t)
             rows.append(row)
+            if piped is not None:
+                rows.append(_timed(piped, n, expect, args, device, name, fabric, t))
             if attn is not None:
-                rows.append(_under_load(exchange, n, ms, attn, attn_stream, attn_alone, args,
-                                        device, name, fabric))
+                rows.append(_under_load(exchange, n, row["median_ms"], attn, attn_stream,
+                                        attn_alone, args, device, name, fabric))
             if console:
                 loaded = rows[-1] if attn is not None else None
                 console.print(f"{name:5s} {fabric:6s} {_fmt(n):>9s}: {row['gbps']:7.2f} GB/s"
+                              + (f", {pipeline} in flight {rows[len(rows) - 1 - (attn is not None)]['gbps']:7.2f}"
+                                 if piped is not None else "")
                               + (f", under load {loaded['gbps']:7.2f} GB/s, attention "
                                  f"{100 * loaded['attention_slowdown']:+.1f} %" if loaded else ""))
         t.close()
@@ -251,6 +278,31 @@ def run(args) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return doc
+
+
+def _timed(exchange: _Exchange, n: int, expect, args, device, name: str, fabric: str, t) -> dict:
+    """The row of ``exchange`` at ``n`` bytes: per-message time, the slowest rank's, median of
+    ``--iters``, taken ``--repeats`` times (bytes checked on the first warm-up)."""
+    for i in range(args.warmup):
+        _, end = exchange(n)
+        end.synchronize()
+        if i == 0 and not torch.equal(exchange.dst[:n], expect[:n]):
+            raise RuntimeError(f"{name}: rank {dist.get_rank()} received wrong bytes at size {n} "
+                               f"({exchange.inflight} in flight)")
+    repeats = []
+    for _ in range(args.repeats):
+        times = []
+        for _ in range(args.iters):
+            start, end = exchange(n)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / exchange.inflight)
+        repeats.append(median(_slowest(times, device)))
+    ms = median(repeats)
+    return {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
+            "under_load": False, "attention_slowdown": None, "median_ms": ms,
+            "iters": args.iters, "gbps_repeats": [n / r / 1e6 for r in repeats],
+            "gate_ms": args.gate_ms, "aligned": not args.no_align,
+            "inflight": exchange.inflight, "mechanism": t.describe()}
 
 
 def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, device, name,
@@ -306,20 +358,24 @@ def _write(rows: list[dict], args, console) -> dict:
         mine = {(r["transport"], r["fabric"]) for r in rows}
         old["rows"] = [r for r in old["rows"] if (r["transport"], r["fabric"]) not in mine]
         path.write_text(json.dumps(old, indent=1))
+    one = lambda r: not r["under_load"] and r.get("inflight", 1) == 1  # noqa: E731
     path = write_result("transport", "all", rows, args.out)
     doc = json.loads(path.read_text())
     table = Table(title=f"transport bandwidth, {doc['machine']} (GB/s per direction, 2 ranks "
                         "exchanging)")
-    for col in ("transport", "fabric", "size", "GB/s", "repeats", "GB/s under load",
-                "attention"):
+    for col in ("transport", "fabric", "size", "GB/s", "repeats", "GB/s pipelined",
+                "GB/s under load", "attention"):
         table.add_column(col, justify="left" if col in ("transport", "fabric") else "right")
-    alone = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if not r["under_load"]}
+    alone = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if one(r)}
     loaded = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if r["under_load"]}
+    piped = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"]
+             if not r["under_load"] and r.get("inflight", 1) > 1}
     for key, r in alone.items():
-        lr = loaded.get(key)
+        lr, pr = loaded.get(key), piped.get(key)
         reps = r.get("gbps_repeats") or [r["gbps"]]
         table.add_row(r["transport"], r["fabric"], _fmt(r["bytes"]), f"{r['gbps']:.2f}",
                       f"{min(reps):.1f}–{max(reps):.1f}",
+                      f"{pr['gbps']:.2f} ({pr['inflight']})" if pr else "",
                       f"{lr['gbps']:.2f}" if lr else "",
                       f"{100 * lr['attention_slowdown']:+.1f} %" if lr else "")
     console.print(table)
@@ -340,12 +396,15 @@ def plot(path: Path) -> Path:
     series = dict.fromkeys((r["transport"], r["fabric"]) for r in doc["rows"])
     for i, (name, fabric) in enumerate(series):
         color = f"C{i}"
-        for loaded, style in ((False, "-o"), (True, "--x")):
+        kinds = ((lambda r: not r["under_load"] and r.get("inflight", 1) == 1, "-o", ""),
+                 (lambda r: not r["under_load"] and r.get("inflight", 1) > 1, ":s", " pipelined"),
+                 (lambda r: r["under_load"], "--x", " under attention"))
+        for keep, style, label in kinds:
             rs = sorted((r for r in doc["rows"] if (r["transport"], r["fabric"]) == (name, fabric)
-                         and r["under_load"] == loaded), key=lambda r: r["bytes"])
+                         and keep(r)), key=lambda r: r["bytes"])
             if rs:
                 ax.plot([r["bytes"] for r in rs], [r["gbps"] for r in rs], style, color=color,
-                        ms=4, label=f"{name} ({fabric})" + (" under attention" if loaded else ""))
+                        ms=4, label=f"{name} ({fabric}){label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")  # 64 KiB messages and 512 MiB ones differ by orders of magnitude
     ax.set(xlabel="message bytes per direction", ylabel="GB/s per direction",

@@ -255,7 +255,8 @@ def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
     fits = {}
     by_name: dict[str, list] = {}
     for r in transport_rows:
-        if r.get("fabric") == profile.bench_fabric and not r.get("under_load") and r.get("median_ms"):
+        if (r.get("fabric") == profile.bench_fabric and not r.get("under_load") and r.get("median_ms")
+                and r.get("inflight", 1) == 1):  # the fit is per single message
             by_name.setdefault(r["transport"], []).append((float(r["bytes"]), float(r["median_ms"])))
     for name, pts in by_name.items():
         latency, gbps = fit_transport(sorted(pts))
