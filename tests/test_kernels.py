@@ -120,12 +120,12 @@ def packed_buffer(k, v, selected, bs, *, slack_rows=0):
     """A KVBuffer holding the ``selected`` (bool [B*H, n]) blocks of shard ``k, v (B, S, H, D)``,
     built as the strategies build payloads (sparsp.packing + KVBuffer.from_payload), in a
     buffer with ``slack_rows`` unused rows (a fixed-capacity slot). Returns (kv, block_ids)."""
-    from sparsp.packing import head_major, layout, pack
+    from sparsp.packing import layout, pack
 
     B, S, H, D = k.shape
     lay = layout(selected, S, bs)
     flat = torch.zeros((lay.num_rows + slack_rows) * 2 * D, dtype=k.dtype, device=k.device)
-    pack(head_major(k), head_major(v), lay, flat)
+    pack(k, v, lay, H, flat)
     kv = KVBuffer.from_payload(flat, rows=lay.num_rows, block_start=lay.block_start,
                                block_len=lay.block_len, num_aligned=lay.num_aligned,
                                block_size=bs, head_dim=D)

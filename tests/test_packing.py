@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from sparsp.kernels import kernel_indices, merge_pair, update_out_and_lse
-from sparsp.packing import halves, head_major, layout, pack, prepare
+from sparsp.packing import halves, layout, pack, prepare
 
 
 def _reference_rows(selected: torch.Tensor, seq_len: int, bs: int, heads: int) -> torch.Tensor:
-    """Head-major token rows (``packing.head_major``) in packed order, block by block in
-    Python: full blocks row-major, then the short tail blocks."""
+    """Token rows in packed order, block by block in Python: full blocks row-major, then the
+    short tail blocks."""
     BH, n = selected.shape
     tail_len = seq_len - (n - 1) * bs
     tail = tail_len < bs
@@ -24,15 +24,8 @@ def _reference_rows(selected: torch.Tensor, seq_len: int, bs: int, heads: int) -
     for bh, j in order:
         b, h = divmod(bh, heads)
         length = tail_len if (tail and j == n - 1) else bs
-        rows += [((b * heads + h) * seq_len + j * bs + t) for t in range(length)]
+        rows += [(b * seq_len + j * bs + t) * heads + h for t in range(length)]
     return torch.tensor(rows, dtype=torch.long)
-
-
-def _unflatten(rows: torch.Tensor, B: int, H: int, S: int):
-    """(b, h, s) of every head-major row index."""
-    for r in rows.tolist():
-        bh, s = divmod(r, S)
-        yield (*divmod(bh, H), s)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -43,25 +36,23 @@ def test_prepared_rows_equal_block_by_block_rows(seed):
     S = int(torch.randint(1, 70, (1,), generator=g))
     n = math.ceil(S / bs)
     selected = torch.rand(B * H, n, generator=g) < 0.2 + 0.6 * (seed / 12)
-    pending = prepare(selected, S, bs, rows=True)
+    pending = prepare(selected, S, bs, heads=H)
     lay = pending.finish(int(pending.num_selected), int(pending.num_short))
     want = _reference_rows(selected, S, bs, H)
-    assert torch.equal(lay.token_rows(), want)
+    assert torch.equal(lay.token_rows(H), want)
     assert lay.num_rows == want.numel()
     # the layout made without token rows derives the same rows and offsets after the sync
     plain = layout(selected, S, bs)
-    assert torch.equal(plain.token_rows(), want)
+    assert torch.equal(plain.token_rows(H), want)
     assert torch.equal(plain.block_start, lay.block_start) and torch.equal(plain.block_len, lay.block_len)
     # and the payload packed from either holds the same K/V rows
     k = torch.randn(B, S, H, 3, generator=g)
     v = torch.randn(B, S, H, 3, generator=g)
     out = torch.empty(B * H * n * bs * 2 * 3)
-    written = pack(head_major(k), head_major(v), lay, out)
+    written = pack(k, v, lay, H, out)
     kk, vv = halves(out, lay, 3)
     assert written == 2 * want.numel() * 3
-    # row by row from the token-major tensors: block (b, h, j) holds k[b, j·bs + t, h]
-    for r, (b, h, s) in enumerate(_unflatten(want, B, H, S)):
-        assert torch.equal(kk[r], k[b, s, h]) and torch.equal(vv[r], v[b, s, h])
+    assert torch.equal(kk, k.reshape(-1, 3)[want]) and torch.equal(vv, v.reshape(-1, 3)[want])
 
 
 def test_kernel_indices_list_kept_blocks_ascending():

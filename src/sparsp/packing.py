@@ -19,7 +19,7 @@ import torch
 
 from .kernels.buffer import canonical_block_ids
 
-__all__ = ["Layout", "Pending", "halves", "head_major", "layout", "pack", "prepare"]
+__all__ = ["Layout", "Pending", "halves", "layout", "pack", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,12 @@ class Layout:
     def num_blocks(self) -> int:
         return self.block_start.numel()
 
-    def token_rows(self, source: "Layout | None" = None) -> torch.Tensor:
+    def token_rows(self, heads: int, source: "Layout | None" = None) -> torch.Tensor:
         """Source row of every packed row, in packed order.
 
-        Without ``source``: rows of the owner's K/V in head-major order, (B, H, S, ·) flattened
-        to (B·H·S, ·) (``head_major``): a block is then ``block_size`` consecutive rows, so the
-        pack gathers contiguous runs instead of one ``head_dim`` row per token spread ``H``
-        rows apart. With ``source``: rows of a
-        payload packed in ``source``'s layout — a relay forwarding a subset of what it received
-        (``source.selected`` must cover ``self.selected``).
+        Without ``source``: rows of the owner's (B, S, H, ·) tensor flattened to (B·S·H, ·).
+        With ``source``: rows of a payload packed in ``source``'s layout — a relay forwarding a
+        subset of what it received (``source.selected`` must cover ``self.selected``).
         """
         if source is None and self.rows is not None:
             return self.rows
@@ -66,14 +63,10 @@ class Layout:
                 assert (src_ids >= 0).all(), "forwarding a block the relay never received"
             return torch.repeat_interleave(source.block_start[src_ids], lens,
                                            output_size=self.num_rows) + within
-        return torch.repeat_interleave(bh * S + j * bs, lens, output_size=self.num_rows) + within
-
-
-def head_major(x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) → its rows in (B, H, S) order, [B·H·S, D] (one copy): what ``pack`` gathers
-    from (``Layout.token_rows``)."""
-    B, S, H, D = x.shape
-    return x.transpose(1, 2).reshape(B * H * S, D)
+        s = torch.repeat_interleave(j * bs, lens, output_size=self.num_rows) + within
+        b = torch.repeat_interleave(bh // heads, lens, output_size=self.num_rows)
+        h = torch.repeat_interleave(bh % heads, lens, output_size=self.num_rows)
+        return (b * S + s) * heads + h
 
 
 _ARANGE: dict[tuple, torch.Tensor] = {}
@@ -116,8 +109,8 @@ class Pending:
                       self.selected, self.seq_len, self.block_size, rows)
 
 
-def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, rows: bool = False) -> Pending:
-    """Everything of ``layout`` that needs no host count; with ``rows`` also the token rows
+def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int | None = None) -> Pending:
+    """Everything of ``layout`` that needs no host count; with ``heads`` also the token rows
     the producer packs (``Layout.token_rows``), made from the inverse of the block ids."""
     BH, n = selected.shape
     tail = seq_len % block_size != 0
@@ -132,8 +125,8 @@ def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, rows: bool
     full = pos < n_full
     starts = torch.where(full, pos * block_size, n_full * block_size + (pos - n_full) * tail_len)
     lens = torch.where(full, block_size, tail_len)
-    token_rows = None
-    if rows:
+    rows = None
+    if heads is not None:
         # inverse of the ids: the flat (bh, j) of every buffer block (slot ``cap`` takes the
         # blocks that are not selected)
         inv = torch.zeros(cap + 1, dtype=torch.long, device=device)
@@ -144,39 +137,39 @@ def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, rows: bool
         blk = torch.where(in_full, r // block_size, n_full + rr // tail_len).clamp_(max=cap)
         off = torch.where(in_full, r % block_size, rr % tail_len)
         src = inv[blk]
-        token_rows = (src // n) * seq_len + (src % n) * block_size + off  # head-major (token_rows)
-    return Pending(ids, starts, lens, token_rows, n_sel, n_short, selected, seq_len, block_size)
+        bh, j = src // n, src % n
+        rows = ((bh // heads) * seq_len + j * block_size + off) * heads + bh % heads
+    return Pending(ids, starts, lens, rows, n_sel, n_short, selected, seq_len, block_size)
 
 
 def layout(selected: torch.Tensor, seq_len: int, block_size: int,
-           counts: tuple[int, int] | None = None, *, rows: bool = False) -> Layout:
+           counts: tuple[int, int] | None = None, *, heads: int | None = None) -> Layout:
     """The packed layout of ``selected`` (bool [BH, n]) — the same on both ends.
 
     ``counts`` = (selected blocks, selected short blocks) when the caller already knows them
     on the host (``sparsp.plan`` copies every count of a call to the host at once); without
-    them they are read from ``selected``, a host synchronisation on GPU. ``rows``: also make
+    them they are read from ``selected``, a host synchronisation on GPU. ``heads``: also make
     the producer's token rows (``prepare``).
     """
-    pending = prepare(selected, seq_len, block_size, rows=rows)
+    pending = prepare(selected, seq_len, block_size, heads=heads)
     if counts is None:
         counts = (int(pending.num_selected), int(pending.num_short))
     return pending.finish(*counts)
 
 
-def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, out: torch.Tensor,
+def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, heads: int, out: torch.Tensor,
          source: Layout | None = None) -> int:
     """Gather the selected blocks into the flat ``out``: K rows, then V rows, in packed order.
 
-    ``k, v`` are the owner's K/V as ``head_major`` rows [B·H·S, D] (a caller packing several
-    payloads from one shard makes them once), or with ``source`` the [rows, D] halves of a
+    ``k, v`` are the owner's (B, S, H, D) tensors, or with ``source`` the [rows, D] halves of a
     payload packed in that layout (a relay forwarding a subset). Returns the elements written
     (``2 · rows · D``).
     """
     D = k.shape[-1]
-    rows = lay.token_rows(source).to(k.device)
+    rows = lay.token_rows(heads, source).to(k.device)
     n = lay.num_rows * D
-    torch.index_select(k, 0, rows, out=out[:n].view(-1, D))
-    torch.index_select(v, 0, rows, out=out[n: 2 * n].view(-1, D))
+    torch.index_select(k.reshape(-1, D), 0, rows, out=out[:n].view(-1, D))
+    torch.index_select(v.reshape(-1, D), 0, rows, out=out[n: 2 * n].view(-1, D))
     return 2 * n
 
 

@@ -250,7 +250,7 @@ class Metadata:
         for key, (sel, p) in selections.items():
             # everything of the layout that needs no count is queued now, before the sync
             # (a payload this rank packs also gets its token rows)
-            pend = prepare(sel, sh.seq_lens[p], sh.block_size, rows=p == sh.rank)
+            pend = prepare(sel, sh.seq_lens[p], sh.block_size, heads=sh.heads if p == sh.rank else None)
             pending[key] = pend
             counts += [pend.num_selected, pend.num_short]
         extra = extra or {}

@@ -183,13 +183,13 @@ def _sparse_kernels(names, device) -> list[str]:
 def _packed(k, v, bs: int):
     """Every block of the (1, S, H, D) keys packed into one payload buffer, as strategies do."""
     from ..kernels import KVBuffer
-    from ..packing import head_major, layout, pack
+    from ..packing import layout, pack
 
     _, S, H, D = k.shape
     selected = torch.ones(H, math.ceil(S / bs), dtype=torch.bool, device=k.device)
     lay = layout(selected, S, bs)
     flat = torch.empty(lay.num_rows * 2 * D, dtype=k.dtype, device=k.device)
-    pack(head_major(k), head_major(v), lay, flat)
+    pack(k, v, lay, H, flat)
     kv = KVBuffer.from_payload(flat, rows=lay.num_rows, block_start=lay.block_start,
                                block_len=lay.block_len, num_aligned=lay.num_aligned,
                                block_size=bs, head_dim=D)

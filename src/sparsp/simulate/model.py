@@ -57,8 +57,8 @@ INPUT_PASSES = 3
 # ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
 # call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
 # G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind.
-MASK_OPS = {"dense": (59, 0, 0), "sparse": (127, 13, 0), "direct": (136, 118, 0),
-            "relay": (161, 65, 4)}
+MASK_OPS = {"dense": (59, 0, 0), "sparse": (127, 13, 0), "direct": (136, 122, 0),
+            "relay": (165, 65, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered summaries
 # to the counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the
 # stage's ops become two (a copy of the gathered rows, the graph launch); what remains is the
@@ -72,14 +72,13 @@ ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 126}, {"direct": 53}
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
 # selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
-# payloads (sent, received) cut into u units: −14 + 83·(u − 1) ops more than unchunked (235 at
-# u = 4; 73, 247, 943 at u = 2, 4, 12 before the head-major pack rows took 2 ops off each
-# prepared unit), i.e. per payload −7 once it is cut (the whole received payload's kernel
-# block lists, made in the stage, are then made per chunk after the sync) and 41.5 per unit
+# payloads (sent, received) cut into u = 2, 4, 12 units: 73, 247, 943 ops more than unchunked
+# = −14 + 87·(u − 1), i.e. per payload −7 once it is cut (the whole received payload's kernel
+# block lists, made in the stage, are then made per chunk after the sync) and 43.5 per unit
 # more. Graphed, the units' selections are inside the graph: 5, 15, 55 more = 2.5 per payload
 # and unit (the host slicing of each unit's layout). The chunk rule (``chunks.unit_count``)
 # still charges the eager count until the chunked drain is measured with graphs.
-MASK_CUT_OPS, MASK_UNIT_OPS = -7, 41.5
+MASK_CUT_OPS, MASK_UNIT_OPS = -7, 43.5
 GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 2.5
 # Merge traffic per output element (``Call.merge``, ``kernels.merge.merge_pair``): the first
 # partial is kept as the kernel returned it (0); a later one is merged in one fused pass that

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import SparspConfig
 from ..demand import remote_demand
 from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, merge_pair, reads_token_major
-from ..packing import Layout, head_major, layout, pack
+from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
 from .registry import strategy_names, strategy_spec
@@ -170,7 +170,6 @@ class Call:
     def __post_init__(self) -> None:
         self.kernel = get_kernel(self.config.kernel, self.q.device)
         self._q_hm: torch.Tensor | None = None
-        self._kv_hm: tuple[torch.Tensor, torch.Tensor] | None = None  # pack_local's K/V rows
         self._lists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kernel block lists
         self.consumes: dict = {}  # plan key -> origin: payloads this rank computes on whole
         self.out = None
@@ -290,13 +289,9 @@ class Call:
         return lay
 
     def pack_local(self, lay: Layout, out: torch.Tensor) -> int:
-        """Pack this rank's selected K/V blocks into ``out``; returns elements written. The
-        shard's head-major K/V rows (``packing.head_major``) are made by the call's first pack
-        and serve every payload of the call."""
+        """Pack this rank's selected K/V blocks into ``out``; returns elements written."""
         with self.phase("pack"):
-            if self._kv_hm is None:
-                self._kv_hm = (head_major(self.k), head_major(self.v))
-            return pack(*self._kv_hm, lay, out)
+            return pack(self.k, self.v, lay, self.shapes.heads, out)
 
     def rows_for(self, origin: int) -> torch.Tensor:
         """This rank's mask rows against ``origin``'s blocks: bool [B, H, n_local, n_origin]

@@ -56,7 +56,7 @@ def run(call: Call) -> None:
             if k == 1:
                 call.pack_local(send, buf)
             else:
-                pack(*halves(cur, cur_lay, D), send, buf, source=cur_lay)
+                pack(*halves(cur, cur_lay, D), send, sh.heads, buf, source=cur_lay)
         t.publish(nxt, buf)
         recv = call.layouts[("recv", k)]
         nbuf = bufs[k % 2]

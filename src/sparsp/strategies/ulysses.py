@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import KVBuffer, kernel_indices, update_out_and_lse
-from ..packing import head_major, layout, pack
+from ..packing import layout, pack
 from .base import Call
 from .registry import register_strategy
 
@@ -60,7 +60,7 @@ def run(call: Call) -> None:
         sel = torch.ones(B * hp, n, dtype=torch.bool, device=q.device)
         lay = layout(sel, d - c, bs, counts=(B * hp * n, B * hp if sh.has_tail(p) else 0))
         buf = torch.empty(lay.num_rows * 2 * D, dtype=q.dtype, device=q.device)
-        pack(head_major(got[p][:, :, :, 1]), head_major(got[p][:, :, :, 2]), lay, buf)
+        pack(got[p][:, :, :, 1].contiguous(), got[p][:, :, :, 2].contiguous(), lay, hp, buf)
         kv.append((lay, KVBuffer.from_payload(buf, rows=lay.num_rows, block_start=lay.block_start,
                                               block_len=lay.block_len, num_aligned=lay.num_aligned,
                                               block_size=bs, head_dim=D)))
