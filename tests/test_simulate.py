@@ -243,18 +243,22 @@ def test_validation_rows_from_an_attention_file(tmp_path):
     rows = [dict(ROW, fabric="host", strategy="sparsp", transport="host", compute_ms=4.0),
             dict(ROW, fabric="nvlink", strategy="ring-sparse", transport="ipc", placement="contiguous",
                  median_ms=8.0),
-            dict(ROW, fabric="host", strategy="sparsp", transport="nccl", ranks=4),  # not a 2-GPU row
+            dict(ROW, fabric="host", strategy="sparsp", transport="nccl", ranks=4),  # a 4-GPU row
             dict(ROW, fabric="nvlink", strategy="sparsp", transport="tcp")]  # no such transport
     cache = MaskCache()
     out, notes = validate([_attention_file(tmp_path, rows)], cache=cache)
-    assert len(out) == 2 and len(notes) == 2
-    assert any("4 ranks" in n for n in notes) and any("no transport 'tcp'" in n for n in notes)
+    assert len(out) == 3 and len(notes) == 1
+    assert any("no transport 'tcp'" in n for n in notes)
     geom = geometry("ltx-video")
     for v, row in zip(out, rows):
-        assert {"model", "fabric", "strategy", "predicted_ms", "measured_ms"} <= set(v)
-        want = simulate_one(cache.get(geom, 0.9), geom, row["strategy"], 2, PROFILES[f"h200x2-{row['fabric']}"],
+        assert {"model", "ranks", "fabric", "strategy", "predicted_ms", "measured_ms"} <= set(v)
+        G = row["ranks"]
+        # rows of more GPUs than the 2×H200 profile holds: the same box widened to G GPUs
+        profile = PROFILES[f"h200x2-{row['fabric']}"].widened(G)
+        assert profile.gpus >= G and (G > 2) == (profile is not PROFILES[f"h200x2-{row['fabric']}"])
+        want = simulate_one(cache.get(geom, 0.9), geom, row["strategy"], G, profile,
                             placement=row["placement"], transport=row["transport"])["predicted_ms"]
-        assert v["predicted_ms"] == want and v["measured_ms"] == row["median_ms"]
+        assert v["predicted_ms"] == want and v["measured_ms"] == row["median_ms"] and v["ranks"] == G
         assert v["error"] == pytest.approx(want / row["median_ms"] - 1, abs=1e-4)
     assert out[0]["measured_compute_ms"] == 4.0
     with pytest.raises(ValueError, match="expected a sparsp bench result of kind attention"):
@@ -405,12 +409,16 @@ def test_validation_skips_ablation_1gpu_and_unknown_rows_and_summarises(tmp_path
             dict(ROW, fabric="nvlink", strategy="zigzag", transport="nccl")]
     out, notes = validate([_attention_file(tmp_path, rows)], cache=MaskCache())
     assert [v["strategy"] for v in out] == ["sparsp"]
-    assert any("ablation step" in n for n in notes) and any("1 ranks" in n for n in notes)
+    assert any("ablation step" in n for n in notes) and any("1 rank(s), not a multi-GPU row" in n for n in notes)
     assert any("'zigzag' is not a registered strategy" in n for n in notes)
     assert {"model", "fabric", "strategy", "predicted_ms", "measured_ms", "error", "commit"} <= set(out[0])
     s = validation_summary([{"fabric": "host", "error": 0.1}, {"fabric": "host", "error": -0.2},
-                            {"fabric": "nvlink", "error": 0.0}])
+                            {"fabric": "nvlink", "error": 0.0},
+                            {"fabric": "nvlink", "error": 0.3, "ranks": 4}])
+    # the top level counts the 2-GPU rows (the profiles' own machine); other G apart
     assert s["rows"] == 3 and s["within"] == 2 and s["host"] == {"rows": 2, "within": 1, "median_error": -0.05}
+    assert s["ranks_4"] == {"rows": 1, "within": 0, "median_error": 0.3,
+                            "nvlink": {"rows": 1, "within": 0, "median_error": 0.3}}
 
 
 def test_discovery_takes_the_newest_file_per_model_and_machine(tmp_path):

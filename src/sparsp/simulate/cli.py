@@ -114,19 +114,22 @@ def print_tables(doc: dict, console) -> None:
     for s in doc["skipped"]:
         console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")
     if doc.get("validation") is not None:
-        v = Table(title="validation: 2-GPU attention rows (never used for fitting)")
-        for col in ("model", "fabric", "strategy", "transport", "predicted ms", "measured ms", "error"):
-            v.add_column(col, justify="right" if "ms" in col or col == "error" else "left")
+        v = Table(title="validation: attention rows (never used for fitting)")
+        for col in ("model", "G", "fabric", "strategy", "transport", "predicted ms", "measured ms", "error"):
+            v.add_column(col, justify="right" if "ms" in col or col in ("error", "G") else "left")
         for r in doc["validation"]:
-            v.add_row(r["model"], r["fabric"], r["strategy"], r["transport"], f"{r['predicted_ms']:.1f}",
-                      f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f} %")
+            v.add_row(r["model"], str(r.get("ranks", 2)), r["fabric"], r["strategy"], r["transport"],
+                      f"{r['predicted_ms']:.1f}", f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f} %")
         console.print(v)
         summary = doc.get("validation_summary") or {}
-        if summary.get("rows"):
-            per = "; ".join(f"{f} {summary[f]['within']}/{summary[f]['rows']}" for f in summary
-                            if isinstance(summary[f], dict))
-            console.print(f"within {100 * summary['tolerance']:.0f} %: {summary['within']} of "
-                          f"{summary['rows']} rows ({per}); median error {100 * summary['median_error']:+.1f} %")
+        groups = [("2 GPUs", summary)] + [(f"{k[6:]} GPUs", summary[k]) for k in summary
+                                          if k.startswith("ranks_")]
+        for label, part in groups:
+            if part.get("rows"):
+                per = "; ".join(f"{f} {part[f]['within']}/{part[f]['rows']}" for f in part
+                                if isinstance(part[f], dict) and not f.startswith("ranks_"))
+                console.print(f"{label}, within {100 * summary['tolerance']:.0f} %: {part['within']} of "
+                              f"{part['rows']} rows ({per}); median error {100 * part['median_error']:+.1f} %")
         for src, commit in (doc.get("validation_sources") or {}).items():
             console.print(f"source {src} (commit {commit or 'uncommitted'})")
         for note in doc.get("validation_notes", [])[:10]:

@@ -4,7 +4,8 @@ Masks are ``sparsp analyze``'s (``workloads.synthetic_masks``, same seed) on the
 attention benchmark runs (video tokens only unless ``text``), and every strategy runs with the
 placement it registered for the benchmarks (``placement="auto"``). ``--calibrate`` fits a
 profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
-2-GPU row of ``bench attention`` results with the 2×H200 profiles and never fits on them.
+strategy row of ``bench attention`` results with the 2×H200 profiles (widened to the row's G,
+``Profile.widened``) and never fits on them.
 """
 
 from __future__ import annotations
@@ -387,8 +388,9 @@ def _commit(path: Path) -> str | None:
 
 
 def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress=None) -> tuple[list, list]:
-    """Predict every 2-GPU row of ``bench attention`` result files with the 2×H200 profiles
-    (calibrated on ``calibrate_paths`` when given — never on these rows) → (rows, notes)."""
+    """Predict every strategy row of ``bench attention`` result files with the 2×H200 profiles
+    (calibrated on ``calibrate_paths`` when given — never on these rows; widened to the row's G
+    for rows of more GPUs) → (rows, notes)."""
     cache = cache or MaskCache()
     profiles, notes = {}, []
     for fabric in ("nvlink", "host"):
@@ -408,8 +410,8 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
             if progress is not None:
                 progress.advance(task)
             where = f"{path.name} row {i}"
-            if int(row.get("ranks", 0)) != 2:
-                notes.append(f"{where}: {row.get('ranks')} ranks, not a 2-GPU row")
+            if int(row.get("ranks", 0)) < 2:
+                notes.append(f"{where}: {row.get('ranks')} rank(s), not a multi-GPU row")
                 continue
             if row.get("ablation"):
                 notes.append(f"{where}: ablation step {row['ablation']!r}, not a strategy row")
@@ -423,8 +425,8 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
                 notes.append(f"{where}: not predicted ({e})")
                 continue
             measured = float(row["median_ms"])
-            entry = {"model": row["model"], "fabric": row["fabric"], "strategy": row["strategy"],
-                     "transport": row["transport"], "cdf": row["cdf"],
+            entry = {"model": row["model"], "ranks": int(row["ranks"]), "fabric": row["fabric"],
+                     "strategy": row["strategy"], "transport": row["transport"], "cdf": row["cdf"],
                      "predicted_ms": pred["predicted_ms"], "measured_ms": measured,
                      "error": round(pred["predicted_ms"] / measured - 1.0, 4),
                      "predicted_compute_ms": pred["compute_ms"], "bottleneck": pred["bottleneck"],
@@ -442,14 +444,22 @@ TOLERANCE = 0.15
 
 
 def validation_summary(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
-    """How many rows the model predicts within ``tolerance``, per fabric and in all."""
+    """How many rows the model predicts within ``tolerance``, in all and per fabric: of the
+    2-GPU rows (the profiles' own machine) at the top level, of rows of G GPUs under
+    ``"ranks_G"``."""
     def count(rs):
         return {"rows": len(rs), "within": sum(abs(r["error"]) <= tolerance for r in rs),
                 "median_error": round(statistics.median(r["error"] for r in rs), 4) if rs else None}
 
-    out = {"tolerance": tolerance, **count(rows)}
-    for fabric in sorted({r["fabric"] for r in rows}):
-        out[fabric] = count([r for r in rows if r["fabric"] == fabric])
+    def counts(rs):
+        out = count(rs)
+        for fabric in sorted({r["fabric"] for r in rs}):
+            out[fabric] = count([r for r in rs if r["fabric"] == fabric])
+        return out
+
+    out = {"tolerance": tolerance, **counts([r for r in rows if r.get("ranks", 2) == 2])}
+    for G in sorted({r.get("ranks", 2) for r in rows} - {2}):
+        out[f"ranks_{G}"] = counts([r for r in rows if r.get("ranks") == G])
     return out
 
 
@@ -467,8 +477,10 @@ def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     masks = cache.get(geom, float(row["cdf"]))
     # the benchmark's sparsp chose its chunks with the built-in profile of its fabric
     # (``chunks.fabric``: no $SPARSP_PROFILE), not with the calibrated one
-    return simulate_one(masks, geom, row["strategy"], 2, profile, placement=row.get("placement", "auto"),
-                        transport=row["transport"], chunking=get_profile(f"h200x2-{row['fabric']}"))
+    G = int(row["ranks"])
+    return simulate_one(masks, geom, row["strategy"], G, profile.widened(G),
+                        placement=row.get("placement", "auto"), transport=row["transport"],
+                        chunking=get_profile(f"h200x2-{row['fabric']}").widened(G))
 
 
 # --- outputs -----------------------------------------------------------------------------------

@@ -212,8 +212,8 @@ class Demand:
     def rounded(self, digits: int = 2) -> "Demand":
         """Every figure to ``digits`` significant digits (a cache key for ``strategy="auto"``,
         whose choice must not hinge on a few blocks)."""
-        def r(x: int) -> int:
-            return int(float(f"{x:.{digits - 1}e}")) if x else 0
+        def r(x: int) -> int:  # round half to even at the digit kept, as a decimal rounding does
+            return round(x, digits - len(str(abs(x)))) if x else 0
 
         def rows(t):
             return None if t is None else tuple(tuple(r(x) for x in row) for row in t)

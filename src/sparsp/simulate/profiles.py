@@ -189,6 +189,15 @@ class Profile:
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a sparsp profile: {e}") from None
 
+    def widened(self, ranks: int) -> "Profile":
+        """This box grown to hold ``ranks`` GPUs with the same per-GPU figures: whole sockets and
+        switches are added (itself when it already holds them). How ``strategy="auto"`` and the
+        validation of rows measured on more GPUs than a profile describes predict them."""
+        if ranks <= self.gpus:
+            return self
+        unit = self.sockets * self.gpus_per_switch
+        return replace(self, name=f"{self.name}-x{ranks}", gpus=unit * math.ceil(ranks / unit))
+
     def scaled(self, factor: float) -> "Profile":
         """Every bandwidth capacity times ``factor`` (calibration keeps their ratios)."""
         def s(x):

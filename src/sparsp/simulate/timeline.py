@@ -19,6 +19,7 @@ and the sender's pack (bytes / device memory bandwidth), then its bytes flow.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -100,9 +101,11 @@ def fair_rates(flows: dict[int, tuple[tuple[str, float], ...]], caps: dict[str, 
     return rate
 
 
+@functools.lru_cache(maxsize=64)
 def exchange_gbps(profile: Profile) -> float:
     """What the model gives two GPUs exchanging at once (the ``bench transport`` setup), GB/s
-    per direction, at efficiency 1."""
+    per direction, at efficiency 1. Cached per profile (a frozen, hashable value): every
+    ``timeline`` asks for it, and ``strategy="auto"`` runs one per candidate per new demand."""
     caps = capacities(profile, 2)
     rates = fair_rates({0: route(profile, 0, 1, caps), 1: route(profile, 1, 0, caps)}, caps)
     return min(rates.values())

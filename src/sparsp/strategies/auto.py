@@ -39,7 +39,6 @@ debug level whenever they change); ``last_decision()`` returns the latest one.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -126,10 +125,7 @@ def profile_for(transport: str, ranks: int):
         env = os.environ.get(PROFILE_ENV, "").strip()
         prof = get_profile(env) if env else get_profile(
             "h200x2-nvlink" if transport == "ipc" else "h200x2-host")
-    if ranks > prof.gpus:  # widen: the same per-GPU figures, whole sockets and switches
-        unit = prof.sockets * prof.gpus_per_switch
-        prof = replace(prof, name=f"{prof.name}-x{ranks}", gpus=unit * math.ceil(ranks / unit))
-    return prof
+    return prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
 
 
 def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int, dtype_bytes: int,
