@@ -1,11 +1,15 @@
 """Print a short table of benchmark result files: ``python -m sparsp.bench.report FILE...``;
-``--plot OUT.png`` also draws the attention files' summary (``summary_plot``)."""
+``--plot OUT.png`` also draws the attention files' summary (``summary_plot``), ``--scaling
+OUT.png`` latency and speedup versus the number of GPUs from attention files of several
+machines (``scaling_plot``, the paper's Figures 17–18 from measured rows)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+from .common import save_figure
 
 
 def summarize(paths: list[str]) -> str:
@@ -83,32 +87,108 @@ def summary_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.set(ylabel="speedup over one GPU (cuDNN/FA4 dense)", title=f"fabric {fab}, cdf {cdf}")
-        ax.legend(fontsize=7, ncol=2)
+        if ax.get_legend_handles_labels()[0]:  # a fabric without one-GPU rows draws no bars
+            ax.legend(fontsize=7, ncol=2)
     machine = docs[0]["machine"] if docs else ""
     fig.suptitle(f"one attention layer, {machine}")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)
+
+
+SCALING = ("ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
+
+
+def scaling_points(paths: list[str], cdf: float = 0.9) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
+    """``(model, fabric) → strategy → {G: median ms}`` from attention files of any group sizes
+    (each strategy's fastest transport; ``1gpu-dense`` / ``1gpu-sparse`` at G = 1, the fastest
+    of their rows across the files). ``ValueError`` when a file is not an attention result."""
+    points: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("kind") != "attention":
+            raise ValueError(f"{path}: not a bench attention result (kind {doc.get('kind')!r})")
+        for (fabric, strategy), r in best_rows(doc["rows"], cdf).items():
+            G = 1 if strategy.startswith("1gpu") else int(r["ranks"])
+            series = points.setdefault((r["model"], fabric), {}).setdefault(strategy, {})
+            series[G] = min(series.get(G, float("inf")), float(r["median_ms"]))
+    return points
+
+
+def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
+    """Latency (top) and speedup over ``1gpu-dense`` (bottom) versus G per strategy, one column
+    per model, NVLink solid and the host fabric dashed; the one-GPU sparse row as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = scaling_points(paths, cdf)
+    models = sorted({m for m, _ in points})
+    if not models:
+        raise ValueError(f"no attention rows at cdf {cdf} in the files given")
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
+    for col, model in enumerate(models):
+        lat, spd = axes[0][col], axes[1][col]
+        for fabric, style in (("nvlink", "-o"), ("host", "--s")):
+            series = points.get((model, fabric))
+            if not series:
+                continue
+            dense = series.get("1gpu-dense", {}).get(1)
+            for j, strategy in enumerate(SCALING):
+                pts = sorted(series.get(strategy, {}).items())
+                if not pts:
+                    continue
+                label = f"{strategy} ({fabric})"
+                lat.plot([g for g, _ in pts], [ms for _, ms in pts], style, color=f"C{j}", ms=4, label=label)
+                if dense:
+                    spd.plot([g for g, _ in pts], [dense / ms for _, ms in pts], style, color=f"C{j}", ms=4,
+                             label=label)
+            one = series.get("1gpu-sparse", {}).get(1)
+            if one:
+                lat.scatter([1], [one], marker="*", color="k", s=50, zorder=3,
+                            label=f"1gpu-sparse ({fabric})" if fabric == "nvlink" else None)
+                if dense:
+                    spd.scatter([1], [dense / one], marker="*", color="k", s=50, zorder=3)
+        ranks = sorted({g for (m, _), s in points.items() if m == model for v in s.values() for g in v})
+        for ax in (lat, spd):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ranks, [str(g) for g in ranks])
+            ax.grid(True, alpha=0.3)
+        lat.set_yscale("log")
+        lat.set(title=model, ylabel="ms per attention call" if col == 0 else None)
+        spd.set(xlabel="GPUs", ylabel="speedup over one GPU dense" if col == 0 else None)
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"one attention layer versus GPUs, cdf {cdf} (NVLink solid, host fabric dashed)")
+    return save_figure(fig, out, dpi=110)
+
+
+def _option(args: list[str], flag: str) -> tuple[str | None, str | None]:
+    """Pop ``flag VALUE`` from ``args``: (value, error)."""
+    if flag not in args:
+        return None, None
+    i = args.index(flag)
+    if i + 1 >= len(args):
+        return None, f"{flag} needs an output path"
+    value = args[i + 1]
+    del args[i: i + 2]
+    return value, None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
-    plot_to = None
-    if "--plot" in args:
-        i = args.index("--plot")
-        if i + 1 >= len(args):
-            print("--plot needs an output path", file=sys.stderr)
-            return 2
-        plot_to = args[i + 1]
-        del args[i: i + 2]
+    plot_to, error = _option(args, "--plot")
+    scaling_to, error2 = _option(args, "--scaling")
+    if error or error2:
+        print(error or error2, file=sys.stderr)
+        return 2
     if not args:
-        print("usage: python -m sparsp.bench.report [--plot OUT.png] RESULT.json ...", file=sys.stderr)
+        print("usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...",
+              file=sys.stderr)
         return 2
     print(summarize(args))
     if plot_to:
         print(f"wrote {summary_plot(args, Path(plot_to))}")
+    if scaling_to:
+        print(f"wrote {scaling_plot(args, Path(scaling_to))}")
     return 0
 
 
