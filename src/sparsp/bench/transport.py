@@ -258,17 +258,13 @@ def run(args) -> dict:
         piped = _Exchange(t, peer, src, dst, gate, inflight=pipeline) if pipeline > 1 else None
         for n in sizes:
             row = _timed(exchange, n, expect, args, device, name, fabric, t)
-            rows.append(row)
-            if piped is not None:
-                rows.append(_timed(piped, n, expect, args, device, name, fabric, t))
-            if attn is not None:
-                rows.append(_under_load(exchange, n, row["median_ms"], attn, attn_stream,
-                                        attn_alone, args, device, name, fabric))
+            piped_row = None if piped is None else _timed(piped, n, expect, args, device, name, fabric, t)
+            loaded = None if attn is None else _under_load(exchange, n, row["median_ms"], attn, attn_stream,
+                                                           attn_alone, args, device, name, fabric)
+            rows += [r for r in (row, piped_row, loaded) if r is not None]
             if console:
-                loaded = rows[-1] if attn is not None else None
                 console.print(f"{name:5s} {fabric:6s} {_fmt(n):>9s}: {row['gbps']:7.2f} GB/s"
-                              + (f", {pipeline} in flight {rows[len(rows) - 1 - (attn is not None)]['gbps']:7.2f}"
-                                 if piped is not None else "")
+                              + (f", {pipeline} in flight {piped_row['gbps']:7.2f}" if piped_row else "")
                               + (f", under load {loaded['gbps']:7.2f} GB/s, attention "
                                  f"{100 * loaded['attention_slowdown']:+.1f} %" if loaded else ""))
         t.close()

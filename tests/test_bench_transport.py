@@ -1,0 +1,86 @@
+"""``bench transport``'s exchange logic on the CPU, with a recording transport and stand-in CUDA
+events: a pipelined exchange queues all its messages before it waits for the first, and every
+fetch is waited for and released once (the GPU runs are on the device machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsp.bench import transport as bt
+
+
+class _Event:
+    clock = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = None
+
+    def record(self, stream=None) -> None:
+        _Event.clock += 1.0
+        self.t = _Event.clock
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.t - self.t
+
+
+class _Recorder:
+    """A transport that logs the protocol calls and copies published bytes to the fetcher."""
+
+    def __init__(self) -> None:
+        self.log, self.sent = [], []
+
+    def fence(self):
+        self.log.append("fence")
+
+    def send_buffer(self, peer, n, dtype):
+        self.log.append("send_buffer")
+        return torch.empty(n, dtype=dtype)
+
+    def publish(self, peer, buf):
+        self.log.append("publish")
+        self.sent.append(buf.clone())
+
+    def fetch(self, peer, out):
+        self.log.append("fetch")
+        out.copy_(self.sent.pop(0))
+        log = self.log
+
+        class Handle:
+            def wait(self):
+                log.append("wait")
+
+        return Handle()
+
+    def release(self, peer):
+        self.log.append("release")
+
+
+@pytest.mark.parametrize("inflight", [1, 3])
+def test_exchange_queues_every_message_before_waiting(monkeypatch, inflight):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    t = _Recorder()
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    gates = []
+    ex = bt._Exchange(t, 1, src, dst, lambda: gates.append(len(t.log)), inflight=inflight)
+    start, end = ex(16)
+    assert torch.equal(dst[:16], src[:16])
+    # fence, one pack before the gate, then per message publish + fetch (later packs timed)
+    assert t.log[:2] == ["fence", "send_buffer"] and gates == [2]
+    queued = t.log[2:2 + 3 * inflight - 1]
+    assert queued.count("publish") == inflight and queued.count("fetch") == inflight
+    assert "wait" not in queued
+    assert t.log[-2 * inflight:] == ["wait", "release"] * inflight
+    assert start.elapsed_time(end) > 0
+
+
+def test_pipeline_must_fit_the_window():
+    parser = __import__("argparse").ArgumentParser()
+    bt.add_arguments(parser)
+    args = parser.parse_args(["--pipeline", "4", "--window", "3"])
+    with pytest.raises(SystemExit, match="--pipeline must be between 0 and the window"):
+        bt.run(args)
