@@ -10,7 +10,9 @@ payload moves, with one collective and one host synchronisation per call.
    concatenated summaries), hence every rank's demand on every peer
    (``sparsp.demand.remote_demand``): no demand exchange. The shapes that cut the gathered
    summaries are those of the last call of this local geometry;
-2. ``Metadata.resolve``: the one host synchronisation. It copies the header table and every
+2. ``Metadata.stage`` then ``Metadata.finish``: the one host synchronisation. ``stage``
+   queues on the device everything that needs no host value (``strategies/captured.py``
+   replays it as a CUDA graph); ``finish`` copies the header table and every
    count the strategy's layouts need (selected and short blocks per payload, kept blocks per
    origin) to the host in one transfer, raises the same ``ValueError`` on every rank when the
    headers disagree (batch, heads, head dim, dtype, block size, strategy) or hold NaN/Inf
@@ -20,7 +22,7 @@ payload moves, with one collective and one host synchronisation per call.
    mask (``remask``) or the gather: only the first call of a geometry pays for that.
 
 On NCCL the all-gather is waited for on the stream, not on the host: the host goes on
-queueing the mask while the device gathers, and ``resolve``'s host read polls an event with the
+queueing the mask while the device gathers, and ``finish``'s host read polls an event with the
 call's timeout, so a peer that never answers is still a ``TimeoutError`` naming the metadata
 all-gather. Exact NaN/Inf counts (for the error message) are gathered only when a flag is set.
 
@@ -220,26 +222,20 @@ TAIL = ("tail",)
 class Metadata:
     """What the call's metadata all-gather brought: every rank's header (device) and summary
     data, the shapes they describe (guessed from the last call of this local geometry until
-    ``resolve`` confirms them) and, for sparse strategies, the whole block mask
-    ``mask`` bool [B, H, N, N] (N = all ranks' blocks, rank order)."""
+    ``finish`` confirms them); ``block_mask`` makes the whole block mask from them."""
 
     shapes: Shapes
     table: torch.Tensor  # int64 [G, _HEADER_SLOTS + 1] on the device
     rows: torch.Tensor  # float32 [G, header + capacity]: what each rank sent
-    mask: torch.Tensor | None
     capacity: int
     counts: object = None  # () -> exact NaN/Inf counts [G, 3] (the error path's collective)
     timeout_s: float = 300.0
     center: torch.Tensor | None = None  # the global key mean, when similarity smoothed the keys
 
-    def resolve(self, selections: dict, extra: dict | None = None):
-        """The call's one host synchronisation: ``finish(stage(selections, extra))``."""
-        return self.finish(self.stage(selections, extra))
-
     def stage(self, selections: dict, extra: dict | None = None,
               tail: torch.Tensor | None = None) -> "Staged":
-        """Everything of ``resolve`` that runs on the device (no host sync, static shapes per
-        geometry: what ``strategies/captured.py`` replays as a CUDA graph).
+        """The device half of the call's host synchronisation (no host sync, static shapes per
+        geometry: what ``strategies/captured.py`` replays as a CUDA graph); ``finish`` reads it.
 
         ``selections[key] = (selected bool [BH, n_p], p)``: blocks of rank p's shard a payload
         holds → ``layouts[key]``. ``extra[key]``: 0-dim integer tensors wanted on the host →
@@ -285,18 +281,19 @@ class Metadata:
         return layouts, values
 
     def block_mask(self, config: SparspConfig) -> torch.Tensor:
-        """The whole block mask from the gathered summaries (device ops only)."""
+        """The whole block mask from the gathered summaries (device ops only): bool [B, H, N, N],
+        N = all ranks' blocks in rank order."""
         return _mask(self, self.shapes, config, self.center)
 
     def true_shapes(self) -> Shapes:
-        """The shapes the gathered headers describe (after ``resolve`` read them)."""
+        """The shapes the gathered headers describe (after ``finish`` read them)."""
         sh = self.shapes
         return Shapes(sh.rank, sh.world_size, sh.batch, sh.heads, sh.head_dim, sh.block_size,
                       tuple(self._host_table[:, 0].tolist()))
 
     @property
     def needed(self) -> int:
-        """The largest summary any rank sent (after ``resolve`` read the headers)."""
+        """The largest summary any rank sent (after ``finish`` read the headers)."""
         return int(self._host_table[:, _HEADER_SLOTS].max())
 
 
@@ -310,16 +307,15 @@ def _summary_size(B: int, H: int, D: int, n: int) -> int:
 
 
 def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, config: SparspConfig,
-                    strategy: str, *, sparse: bool, mask: bool = True) -> Metadata:
-    """The call's metadata all-gather and, for sparse strategies, the whole mask.
+                    strategy: str, *, sparse: bool) -> Metadata:
+    """The call's metadata all-gather (the whole mask is ``Metadata.block_mask``'s).
 
     Every rank sends ``header | summaries`` padded to the group's capacity, so the collective's
     size never depends on other ranks' shapes (a rank's slice may change while a peer's does
     not). The shapes used to cut the gathered summaries are those of the last call of this
-    local geometry; ``Metadata.resolve`` checks them. Only the first call of a group (or one
+    local geometry; ``Metadata.finish`` checks them. Only the first call of a group (or one
     whose summaries outgrow the capacity, or whose shapes were guessed wrong) costs a second
-    collective or host read. ``mask=False`` leaves ``meta.mask`` for the caller
-    (``Metadata.block_mask``).
+    collective or host read.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, S, H, D = q.shape
@@ -354,7 +350,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):
             # NCCL: the stream waits, the host goes on queueing the mask; the call's one host
-            # read (``resolve``, ``to_host``) carries the timeout
+            # read (``Metadata.finish``, ``to_host``) carries the timeout
             work.wait()
         else:
             wait(work, config.timeout_s, "geometry check (metadata all-gather)")
@@ -370,21 +366,18 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                 continue  # the summaries did not fit: gather again at the group's new capacity
         break
     state.shapes[local_key] = guess
-    meta = Metadata(guess, table, rows, None, cap, counts, config.timeout_s, center)
-    if sparse and mask:
-        meta.mask = meta.block_mask(config)
-    return meta
+    return Metadata(guess, table, rows, cap, counts, config.timeout_s, center)
 
 
 def remask(meta: Metadata, group) -> Metadata | None:
-    """After ``resolve`` returned None: the same gathered data cut with the true shapes (no
+    """After ``finish`` returned None: the same gathered data cut with the true shapes (no
     collective; the mask left for ``Metadata.block_mask``), or None when the summaries did not
     fit: the group's capacity grows (every rank read the same headers) and the caller gathers
     again."""
     if meta.needed > meta.capacity:
         _STATE[(id(group), str(meta.rows.device))].capacity = meta.needed
         return None
-    return Metadata(meta.true_shapes(), meta.table, meta.rows, None, meta.capacity, meta.counts,
+    return Metadata(meta.true_shapes(), meta.table, meta.rows, meta.capacity, meta.counts,
                     meta.timeout_s, meta.center)
 
 
@@ -403,8 +396,8 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
     lens = [block_lengths(S, shapes.block_size, meta.rows.device)[0] for S in shapes.seq_lens]
     N = shapes.total_blocks
     if any(_summary_size(B, H, D, n) > meta.capacity for n in shapes.num_blocks):
-        # the summaries did not fit (or the shapes are a wrong guess): resolve redoes the call,
-        # any mask of the right size serves until then
+        # the summaries did not fit (or the shapes are a wrong guess): finish says so and the
+        # call redoes it; any mask of the right size serves until then
         return torch.ones(B, H, N, N, dtype=torch.bool, device=meta.rows.device)
     pqs, pks, sums = [], [], []
     for p, n in enumerate(shapes.num_blocks):

@@ -279,7 +279,7 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
         strategy = auto.last_decision().strategy
     meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=strategy_spec(strategy).sparse)
     sh = meta.shapes
-    mask = None if meta.mask is None else meta.mask[:, :, sh.blocks_of(sh.rank)]
+    mask = meta.block_mask(cfg)[:, :, sh.blocks_of(sh.rank)] if strategy_spec(strategy).sparse else None
     d = torch.tensor([0.0 if mask is None else float(mask.sum()), 1.0 if mask is None else mask.numel()],
                      dtype=torch.float64, device=device)
     if mask is None:
@@ -321,9 +321,10 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, group, dense, gbp
         from ..plan import gather_metadata
 
         meta = gather_metadata(q, k, v, group, cfg, "sparsp", sparse=True)
-        kept = kept_flops(meta.mask, meta.shapes)
+        whole = meta.block_mask(cfg)
+        kept = kept_flops(whole, meta.shapes)
         rows.append(_one_row(geom, args, cdf, "1gpu-sparse", args.kernel, median(times),
-                             kept / (dense[0] * 1e9), float(meta.mask.float().mean()), gbps, dense))
+                             kept / (dense[0] * 1e9), float(whole.float().mean()), gbps, dense))
         del q, k, v
         torch.cuda.empty_cache()
     dist.barrier()

@@ -9,7 +9,7 @@ on the code as it is, so the constants can be recounted whenever the mask phase 
 
 Every ``__torch_dispatch__`` call is one op (views included: each costs the host a dispatch).
 Phases are the benchmark's (``strategies.base.PhaseTimer``): ``mask`` = the metadata
-all-gather, the whole mask, the strategy's plan and ``Metadata.resolve`` up to its host read;
+all-gather, the whole mask, the strategy's plan and ``Metadata.stage`` / ``finish`` up to its host read;
 ``pack``, ``compute``, ``merge``; ``other`` = the rest (transport calls, the output cast). Only
 ``mask`` is CPU-faithful: on the CPU the kernel is the ``torch`` reference and the merge runs
 eagerly, where a GPU runs one FA4 launch and one fused merge. Each call is counted after a

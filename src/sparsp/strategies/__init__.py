@@ -91,7 +91,7 @@ def sp_attention(
         mask_phase.__enter__()
         with record_function("sparsp.metadata"):
             # the mask is the plan stage's (captured.stage), with or without a graph
-            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=False)
+            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
         while True:  # once, unless the geometry changed: see plan.gather_metadata
             with record_function("sparsp.plan"):
                 # from the gathered rows to the counts: a CUDA graph per geometry (captured.py)
@@ -108,7 +108,7 @@ def sp_attention(
                 break
             graphed = False  # the geometry changed: the true shapes' stage runs eagerly
             meta = remask(meta, group) or \
-                gather_metadata(q, k, v, group, config, strategy, sparse=computed, mask=False)
+                gather_metadata(q, k, v, group, config, strategy, sparse=computed)
         mask_phase.__exit__(None, None, None)
         if error is not None:
             raise ValueError(error)

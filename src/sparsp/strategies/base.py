@@ -6,7 +6,7 @@ comparison between strategies measures only how K/V moves.
 
 A strategy has two phases (``registry.register_strategy``): ``plan(call)`` names the payload
 selections it will move (device tensors; nothing is read on the host), the call resolves them
-in its one host synchronisation (``plan.Metadata.resolve``), then ``run(call)`` moves and
+in its one host synchronisation (``plan.Metadata.stage`` / ``finish``), then ``run(call)`` moves and
 computes with ``call.layouts``.
 """
 
@@ -258,7 +258,7 @@ class Call:
         return self.demand[consumer][..., self.shapes.blocks_of(owner)].reshape(self.bh, -1)
 
     def kept_counts(self) -> dict:
-        """0-dim tensors: kept block pairs of my rows against each origin (for ``resolve``)."""
+        """0-dim tensors: kept block pairs of my rows against each origin (for the host read, ``Metadata.stage``)."""
         if self.full_mask is None:
             return {}
         return {("kept", p): self.mask[..., self.shapes.blocks_of(p)].sum() for p in range(self.world)}

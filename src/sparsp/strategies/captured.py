@@ -73,7 +73,7 @@ def eligible(q: torch.Tensor, spec, config, computed: bool) -> bool:
 
 def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=None, *,
           auto: bool = False) -> tuple[Call, Staged, str | None]:
-    """The plan stage of a call on ``meta`` (its whole mask made here if ``meta`` has none):
+    """The plan stage of a call on ``meta`` (the whole mask made here from its summaries):
     the ``Call`` of ``spec``, its staged
     counts (``Metadata.stage``) and a deferred error (raised once the shapes are confirmed).
     Device ops only, the same on the eager path and in a captured graph. ``auto``: ``spec`` is
@@ -90,10 +90,8 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
             full_mask = global_mask.to(q.device, torch.bool)
         elif config.dense:
             full_mask = torch.ones(whole, dtype=torch.bool, device=q.device)
-        else:
-            if meta.mask is None:  # the whole mask from the gathered summaries
-                meta.mask = meta.block_mask(config)
-            full_mask = meta.mask
+        else:  # the whole mask from the gathered summaries
+            full_mask = meta.block_mask(config)
     call = Call(q, k, v, shapes, config, group, transport, full_mask=full_mask)
     selections = spec.plan(call) if spec.plan is not None else {}
     tail = figures(full_mask, shapes) if auto else None
@@ -107,7 +105,7 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
 
 def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport, auto: bool):
     """``stage`` on the gathered ``rows`` (the captured function)."""
-    m = Metadata(meta.shapes, table_of(rows), rows, None, meta.capacity, meta.counts, meta.timeout_s)
+    m = Metadata(meta.shapes, table_of(rows), rows, meta.capacity, meta.counts, meta.timeout_s, meta.center)
     call, staged, _ = stage(q, k, v, m, group, spec, config, transport, auto=auto)
     return call, staged
 
