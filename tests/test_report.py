@@ -65,6 +65,7 @@ def test_report_cli(files, tmp_path, capsys):
     assert main([*files, "--scaling"]) == 2
     assert "--scaling needs an output path" in capsys.readouterr().err
     assert main([]) == 2
+    assert main(["--help"]) == 0 and "--scaling OUT.png" in capsys.readouterr().out
     transport = tmp_path / "transport-all-x-2026-11-30.json"
     transport.write_text(json.dumps({"kind": "transport", "machine": "x", "date": "d", "rows": []}))
     with pytest.raises(ValueError, match="not a bench attention result"):

@@ -175,6 +175,10 @@ def _option(args: list[str], flag: str) -> tuple[str | None, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
+    if "-h" in args or "--help" in args:
+        print(f"usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...\n\n"
+              f"{__doc__}")
+        return 0
     plot_to, error = _option(args, "--plot")
     scaling_to, error2 = _option(args, "--scaling")
     if error or error2:
