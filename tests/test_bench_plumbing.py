@@ -272,3 +272,12 @@ def test_result_path_names_the_gpus(tmp_path, monkeypatch, fixed_day):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200 NVL")
     assert common.result_path("e2e", "wan", tmp_path) == tmp_path / "e2e-wan-2xH200NVL-2025-03-04.json"
+
+
+def test_time_interleaved_runs_the_rows_round_robin(monkeypatch):
+    order = []
+    monkeypatch.setattr(common, "time_ms", lambda fn, *, warmup, iters, device: [fn()] * iters)
+    fns = [lambda i=i: order.append(i) or float(10 + i) for i in range(3)]
+    times = common.time_interleaved(fns, warmup=2, iters=4, device=torch.device("cpu"))
+    assert times == [[10.0] * 4, [11.0] * 4, [12.0] * 4]
+    assert order == [0, 1, 2] * (2 + 4)  # warm-up rounds, then timed rounds, each in turn

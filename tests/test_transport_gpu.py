@@ -114,3 +114,45 @@ def test_auto_picks_ipc_with_peer_access():
     names = run_distributed(_auto, 2, timeout=300, backend="nccl")
     expected = "ipc" if torch.cuda.can_device_access_peer(0, 1) else "host"
     assert names == [expected, expected]
+
+
+def _silent_peer(rank: int, world: int, name: str) -> dict:
+    """Rank 0 fetches a payload rank 1 never publishes, with the wait left to the GPU."""
+    import time
+
+    import torch.distributed as dist
+
+    from sparsp.transport.select import make_transport
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    t = make_transport(name, None, device=device, timeout_s=2.0)
+    t.reserve(4 * MiB)
+    t.fence()
+    got = {"describe": t.describe()}
+    if rank == 0:
+        out = torch.zeros(MiB, dtype=torch.uint8, device=device)
+        t0 = time.monotonic()
+        t.fetch(1, out).wait()  # only orders the stream: returns at once
+        torch.ones(1, device=device).add_(1)  # later work queued behind the blocked wait
+        got["wait_s"] = time.monotonic() - t0
+        try:
+            t.settle()
+        except TimeoutError as e:
+            got["error"] = str(e)
+        got["settle_s"] = time.monotonic() - t0
+        torch.cuda.synchronize(device)  # the stream was let go: this returns
+        got["sync_s"] = time.monotonic() - t0
+    dist.barrier()
+    t.close()
+    return got
+
+
+@pytest.mark.parametrize("name", ["ipc", "host"])
+def test_silent_peer_raises_in_settle_and_frees_the_stream(name):
+    got = run_distributed(_silent_peer, 2, name, timeout=120, backend="nccl")[0]
+    print(got)
+    assert "stream waits" in got["describe"], got
+    assert got["wait_s"] < 0.5, got  # no host poll in wait()
+    assert "from peer 1" in got["error"] and "not published" in got["error"], got
+    assert 2.0 <= got["settle_s"] < 4.0 and got["sync_s"] < got["settle_s"] + 2.0, got

@@ -262,9 +262,30 @@ def _failures(rank: int, world: int, tag: str) -> None:
         waited = time.monotonic() - t0
         assert ahead < 0.5 and waited > 0.9, (ahead, waited)
 
-    # epoch 5: after all this, a plain all-to-all still works
+    # epoch 5: settle(), the host check of waits left to the GPU (what a CUDA fetch with
+    # stream waits registers): a published payload passes at once; one never published raises
+    # naming peer, slot and epoch, and the awaited value is stored so a blocked stream runs on
     t.fence()
-    _exchange(t, rank, world, 333, torch.bfloat16, 5)
+    if rank == 1:
+        _send(t, 0, 50, torch.float32, 5, 0)
+    elif rank == 0:
+        t._await_on_gpu(1, 0, 0, 1, t.epoch)  # rank 1's first payload: published below
+        t._await_on_gpu(2, 0, 0, 1, t.epoch)  # rank 2 never sends one
+        t.timeout_s = short
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"peer 2: slot 0 .*epoch 5 not published"):
+            t.settle()
+        assert short <= time.monotonic() - t0 < short + 1.0
+        index = t._layout.published(0, 0)
+        assert flag_reached(t._flags[2][index], encode_flag(t.epoch, 0, 1))  # unblocked
+        assert flag_reached(t._flags[1][index], encode_flag(t.epoch, 0, 1))  # really published
+        t.settle()  # nothing left to check
+        t.timeout_s = 30
+        _recv(t, 1, 50, torch.float32, 5, 0)
+
+    # epoch 6: after all this, a plain all-to-all still works
+    t.fence()
+    _exchange(t, rank, world, 333, torch.bfloat16, 6)
 
     # a fence that a peer never joins: the error names the missing peer
     if rank == 2:

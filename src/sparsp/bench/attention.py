@@ -8,7 +8,11 @@ geometry, placed as each strategy runs by default (its registration). Every stra
 same kernel. Per row:
 
 * ``median_ms``: CUDA events around the whole call (mask, plan, transfers, kernels, merge),
-  warm-up first, median of ≥ 10 iterations, the slowest rank each iteration;
+  warm-up first, median of ≥ 10 iterations, the slowest rank each iteration. The rows of one
+  cdf are timed *interleaved* (``timing``): each timed round runs one iteration of every row
+  in turn, so clock and thermal drift over the minutes a run takes reaches every row alike
+  (back-to-back timing of one row after another put 10 % between two runs of the same
+  configuration at LTX-Video size); ``--sequential`` times row after row;
 * the time split of one more call, timed phase by phase with CUDA events on the compute
   stream (``strategies.base.PhaseTimer``), the slowest rank's: ``mask_ms`` (metadata
   all-gather, whole mask, the host sync), ``pack_ms``, ``compute_ms`` (kernels), ``merge_ms``
@@ -46,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import init_distributed, median, time_ms, write_result
+from .common import init_distributed, median, time_interleaved, time_ms, write_result
 from .measure import count_syncs_and_collectives, dense_tflops, kept_flops, link_gbps
 
 FABRICS = ("nvlink", "host")
@@ -83,6 +87,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sequential", action="store_true",
+                   help="time each row's iterations back to back (default: interleaved, one "
+                        "iteration of every row of a cdf in turn, so drift reaches all rows alike)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="write, per row and rank, torch.profiler tables of one call (ops by device "
@@ -175,9 +182,9 @@ def main(args) -> int:
     rows, inputs, dense = [], {}, None
     one_gpu = dist.new_group([0]) if world > 1 else None
     for cdf in args.cdf:
+        timed = []  # (row without its times, the call): timed together below
         for strategy, kind, transport, ablation in _configs(args, world, geom.heads):
-            if kind not in inputs:
-                inputs.clear()  # one placement's inputs on the GPU at a time
+            if kind not in inputs:  # every placement's inputs stay: the rows are timed together
                 pl = make_placement(kind, geom, world)
                 inputs[kind] = (pl, make_inputs(geom, pl, rank, device, dtype, args.seed))
             pl, (q, k, v) = inputs[kind]
@@ -189,7 +196,8 @@ def main(args) -> int:
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
                                kernel=args.kernel, timeout_s=300.0, **chunking)
             t = get_transport(transport, None, device, cfg.timeout_s)
-            call = lambda: sp_attention(q, k, v, strategy=strategy, config=cfg)  # noqa: E731
+            call = (lambda q=q, k=k, v=v, strategy=strategy, cfg=cfg:
+                    sp_attention(q, k, v, strategy=strategy, config=cfg))
             call()
             t.fence()
             t.reset_counters()
@@ -199,7 +207,6 @@ def main(args) -> int:
             most = moved.clone()
             dist.all_reduce(moved)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            times = time_ms(call, warmup=args.warmup, iters=args.iters, device=device)
             split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
             stem = None if args.profile is None else args.profile / (
                 f"{geom.name}-{args.fabric}-{strategy}-{t.name}-{kind}-cdf{cdf}"
@@ -207,28 +214,38 @@ def main(args) -> int:
             syncs, colls = count_syncs_and_collectives(call, stem)
             c_ms = _max(flops, device) / (dense[0] * 1e9)
             t_ms = int(most.item()) / (gbps * 1e6)
-            med = median(times)
             row = {"model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
                    "head_dim": geom.head_dim, "ranks": world, "fabric": args.fabric, "cdf": cdf,
                    "strategy": strategy, "transport": t.name, "placement": kind,
-                   "kernel": args.kernel, "median_ms": round(med, 3), "min_ms": round(min(times), 3),
-                   "iters": len(times), "bytes_moved": int(moved.item()),
+                   "kernel": args.kernel, "median_ms": None, "min_ms": None, "iters": None,
+                   "timing": "sequential" if args.sequential else "interleaved",
+                   "bytes_moved": int(moved.item()),
                    "bytes_max_rank": int(most.item()), "density": mask_density,
                    **{key: round(split.get(key, 0.0), 3) for key in SPLIT},
                    "transfer_ms": round(split.get("transfer_ms", 0.0), 3),
                    "host_syncs": syncs, "collectives": colls, "link_gbps": round(gbps, 2),
                    "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
                    "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
-                   "bound_ms": round(max(c_ms, t_ms), 3),
-                   "efficiency": round(max(c_ms, t_ms) / med, 3), "ablation": ablation,
+                   "bound_ms": round(max(c_ms, t_ms), 3), "efficiency": None, "ablation": ablation,
                    "cuda_graphs": cfg.cuda_graphs,
                    "auto_choice": chosen if strategy == "auto" else None}
+            timed.append((row, call))
+        calls = [call for _, call in timed]
+        if args.sequential:
+            all_times = [time_ms(c, warmup=args.warmup, iters=args.iters, device=device) for c in calls]
+        else:
+            all_times = time_interleaved(calls, warmup=args.warmup, iters=args.iters, device=device)
+        for (row, _), times in zip(timed, all_times):
+            med = median(times)
+            row.update(median_ms=round(med, 3), min_ms=round(min(times), 3), iters=len(times),
+                       efficiency=round(row["bound_ms"] / med, 3))
             rows.append(row)
             if console:
-                console.print(f"{strategy:12s} {kind:10s} {t.name:5s} cdf {cdf}: {med:.2f} ms "
-                              f"(bound {row['bound_ms']:.2f}, eff {row['efficiency']:.2f}); split "
+                console.print(f"{row['strategy']:12s} {row['placement']:10s} {row['transport']:5s} "
+                              f"cdf {cdf}: {med:.2f} ms (bound {row['bound_ms']:.2f}, eff "
+                              f"{row['efficiency']:.2f}); split "
                               + ", ".join(f"{key[:-3]} {row[key]:.1f}" for key in SPLIT)
-                              + f"; {syncs} syncs, {colls} collectives")
+                              + f"; {row['host_syncs']} syncs, {row['collectives']} collectives")
         if not args.no_1gpu:
             rows += _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, one_gpu, dense, gbps)
     if rank == 0:

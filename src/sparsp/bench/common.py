@@ -64,6 +64,19 @@ def time_ms(fn, *, warmup: int, iters: int, device: torch.device) -> list[float]
     return times
 
 
+def time_interleaved(fns, *, warmup: int, iters: int, device: torch.device) -> list[list[float]]:
+    """``time_ms`` of several functions, one iteration of each in turn (round robin): drift in
+    clocks or temperature over the run reaches every function alike. Times per function."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(iters):
+        for got, fn in zip(times, fns):
+            got += time_ms(fn, warmup=0, iters=1, device=device)
+    return times
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -123,6 +123,9 @@ def sp_attention(
         transport.fence()
         with record_function("sparsp.run"):
             spec.run(call)
+        # the transfers the GPU waits for on its own: the host checks their flags now, with the
+        # timeout, so a dead peer raises in this call (transport/slots.py, settle)
+        transport.settle()
     return call.result()
 
 

@@ -17,6 +17,8 @@ once per attention call and then once per peer and round:
                                  nothing but the payload crosses the wire
     h.wait()                     ``out`` is valid on the current stream
     release(peer)                the consumer no longer needs the producer's slot
+    settle()                     once per call, after it is queued: the host checks, with the
+                                 timeout, the transfers whose ``wait()`` only ordered a stream
 
 Rules a strategy follows so that every transport works:
 
@@ -30,8 +32,8 @@ Rules a strategy follows so that every transport works:
 - each peer's sends and fetches happen in the same order on both ends (the k-th fetch from p
   gets p's k-th publish to us).
 
-Errors: a peer that is dead or silent makes the waiting call raise ``TimeoutError`` naming
-the peer after ``timeout_s``; nothing hangs. Bad arguments raise ``ValueError``.
+Errors: a peer that is dead or silent makes the waiting call (or, for a wait left to the
+GPU, ``settle``) raise ``TimeoutError`` naming the peer after ``timeout_s``; nothing hangs. Bad arguments raise ``ValueError``.
 
 Every transport counts the payload bytes it moves per peer (``bytes_sent``/
 ``bytes_received``), so tests hold the bytes actually moved against ``sparsp.demand``.
@@ -139,6 +141,12 @@ class Transport(abc.ABC):
     def describe(self) -> str:
         """One line for the log: what moves the bytes."""
         return self.name
+
+    def settle(self) -> None:
+        """Check on the host, with the timeout, every wait this rank left to the GPU (once per
+        attention call, after the call is queued). Default: there are none, every ``wait()``
+        checked its own transfer."""
+        return None
 
     def flush(self) -> None:
         """Issue now any send queued for a later ``fetch`` (default: none is ever queued).

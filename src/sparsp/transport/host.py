@@ -29,12 +29,18 @@ streams because D2H and H2D then run at once: DESIGN measured ≈33.5 GB/s each 
 
 Flag writes that must follow GPU work use ``cuStreamWriteValue32`` on the stream (no host
 round trip; cuda-python's ``cuda.bindings``), else a host thread that polls an event and then
-stores. The consumer waits for each chunk's flag on a host thread by default and issues the
-copy when it is there; ``stream_waits=True`` (or ``SPARSP_STREAM_WAITS=1``) queues
-``cuStreamWaitValue32`` instead. Host-side waiting is the default because a device-side wait
-has no timeout (a dead peer would hang the stream forever, instead of raising the
-``TimeoutError`` that names peer, slot and epoch) and, on a GPU whose streams share hardware
-queues, a blocked wait can stall unrelated work queued behind it.
+stores. The consumer queues ``cuStreamWaitValue32`` on each chunk's flag and the chunk's H2D
+behind it (``stream_waits``, the default where the driver has stream memory operations), so
+chunk j+1's H2D starts as soon as the producer's D2H of it is flagged, with no host thread
+between, and the handle's ``wait()`` only orders the caller's stream. The host checks those
+flags in ``settle`` with the timeout (once per attention call, after the call is queued, and
+in ``fence``/``close``): a dead peer raises the ``TimeoutError`` naming peer, slot and epoch,
+and ``settle`` first stores the awaited values so the blocked stream runs on. With
+``stream_waits=False`` (or ``SPARSP_STREAM_WAITS=0``) a host thread waits for each chunk's flag
+and then issues its copy. A device-side wait can stall other work only on a GPU whose streams
+share one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``); the strategies publish every
+payload of a round before they fetch, so even there each wait depends only on work a peer
+queued earlier.
 """
 
 
@@ -142,6 +148,8 @@ class HostTransport(SlotWindows):
                         self._wait_published(peer, slot, use, count, epoch)
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
                 done.record(self._h2d)
+            if device_waits:
+                self._await_on_gpu(peer, slot, use, len(chunks), epoch)
 
         task = None
         if self._worker is None:

@@ -26,10 +26,12 @@ The protocol on top:
   as the packing operation"); without cuda-python, an event and a host thread;
 - ``fetch`` queues ``cuStreamWaitValue32`` on that flag and then the peer copy: no host thread
   sits in the path (host polling cost ~0.3 ms per exchange on the 2×H200 box: 272 → 358 GB/s
-  at 256 MiB). The handle's ``wait()`` still polls the flag on the host with the timeout, so a
-  dead peer raises a ``TimeoutError`` naming peer, slot and epoch instead of hanging. Without
-  the stream operations (or with ``stream_waits=False``) a host worker thread waits for the
-  flag and issues the copy;
+  at 256 MiB), and the handle's ``wait()`` only makes the caller's stream wait for the copy,
+  so the kernel that reads the payload is queued at once and starts when the bytes land. The
+  host checks the flag later, with the timeout, in ``settle`` (once per attention call, after
+  the call is queued): a dead peer raises a ``TimeoutError`` naming peer, slot and epoch
+  instead of hanging. Without the stream operations (or with ``stream_waits=False``) a host
+  worker thread waits for the flag and issues the copy;
 - ``release`` writes the 'released' flag on the copy stream, i.e. after the copy completed.
 
 Flags, windows, epochs, barriers and timeouts are ``slots.SlotWindows``'s (flag pages are small
@@ -72,10 +74,6 @@ class IpcTransport(SlotWindows):
             raise ValueError(f"ipc copy={self._mode!r}: expected one of {COPY_MODES}")
         if resolve_device(device, group).type != "cuda":
             raise ValueError("the ipc transport moves CUDA tensors; use host or nccl on CPU")
-        # Device-side waits by default: the copy is queued behind cuStreamWaitValue32 at once, no
-        # host thread in the path (host polling measured ~0.3 ms per exchange on the H200s).
-        # A dead peer still raises: ``wait()`` polls the published flag with the timeout.
-        options.setdefault("stream_waits", True)
         super().__init__(group, timeout_s=timeout_s, device=device, **options)
 
     def _slot_area_bytes(self, slot_bytes: int) -> int:
@@ -204,17 +202,16 @@ class IpcTransport(SlotWindows):
                 self._copy_from(peer, slot, dst, flag)
                 done.record(copy)
 
-        def published() -> None:  # host check with the timeout: a dead peer raises, no hang
-            self._wait_published(peer, slot, use, 1, epoch)
-
         if self._ops is not None and self._ops.wait_ops:
-            # queue wait-for-flag and the copy now; the GPU starts it when the flag lands
+            # queue wait-for-flag and the copy now; the GPU starts it when the flag lands, and
+            # settle() checks the flag on the host with the timeout
             flag = self._devflags[peer] + 4 * self._layout.published(self.rank, slot)
             issue((flag, encode_flag(epoch, use, 1)))
-            return _PublishedHandle(self.device, done, published)
+            self._await_on_gpu(peer, slot, use, 1, epoch)
+            return CopyHandle(self.device, done)
 
         def host_issue() -> None:  # a worker thread polls the flag, then issues
-            published()
+            self._wait_published(peer, slot, use, 1, epoch)
             issue()
 
         return CopyHandle(self.device, done, self._worker.submit(host_issue))
@@ -230,20 +227,6 @@ class IpcTransport(SlotWindows):
         # FIFO after the fetch task that issued this slot's copy; on the copy stream, so
         # after the copy itself
         self._worker.submit(lambda: self._write_flag(peer, index, value, copy))
-
-
-class _PublishedHandle(CopyHandle):
-    """``wait()``: the peer published (host check, with timeout), then the stream waits."""
-
-    def __init__(self, device, event, published) -> None:
-        super().__init__(device, event, None)
-        self._published = published
-
-    def wait(self) -> None:
-        if self._published is not None:
-            self._published()
-            self._published = None
-        super().wait()
 
 
 def _auto(topo: Topology) -> str | None:

@@ -281,6 +281,10 @@ class PeerTransport(Transport):
         sub, lp = self._to(peer)
         self._guard(peer, "release of", sub.transport.release, lp)
 
+    def settle(self) -> None:
+        for sub in self._subs:
+            self._guard(None, f"settle of {sub.where(self.rank)}", sub.transport.settle)
+
     def flush(self) -> None:
         for sub in self._subs:
             self._guard(None, f"flushing {sub.name}", sub.transport.flush)

@@ -36,7 +36,8 @@ queued on the copy stream behind the copy, so "released" means "copied", not "co
 
 **What each side waits on.** The producer waits on 'released' words in its own flag page
 (``send_buffer``, only when it reuses a slot); the consumer waits on 'published' words in the
-producer's page (``fetch``, or the handle's ``wait`` where the GPU waits on the flag); every
+producer's page (``fetch`` on the CPU path and with host-side waits; ``settle`` where the GPU
+waits on the flag); every
 rank waits on every peer's barrier counter at export and twice in ``fence``; on CUDA, ``fence``
 and ``close`` also wait for the GPU work this rank queued (copies, flag writes).
 
@@ -49,8 +50,10 @@ counts. Slots fetched but not released are released implicitly: their copies are
 names this rank, the peer and the step: the slot, its use, the epoch and the value the flag
 holds for a flag wait; the peer that did not arrive for a barrier; the transfer ("fetch from
 peer p, slot s (epoch e)") for GPU work. A wait queued on the GPU (stream waits) has no timeout
-of its own, but the next ``fence`` waits for that work with one. A dead or silent peer raises;
-nothing hangs. Setup steps run through ``_agree``, so a failure on one rank raises on every
+of its own: ``settle`` (once per ``sp_attention`` call, after the call is queued; and in
+``fence`` and ``close``) checks each awaited flag on the host with one, and on a timeout stores
+the awaited values itself, so the blocked stream runs on, before it raises. A dead or silent
+peer raises; nothing hangs. Setup steps run through ``_agree``, so a failure on one rank raises on every
 rank instead of leaving the others waiting in a collective.
 
 The CUDA mechanics (stream writes and waits, copy streams, host threads) are described in the
@@ -72,7 +75,7 @@ import torch.distributed as dist
 from .base import DoneHandle, Transport
 from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
-from .flags import Backoff, FlagLayout, describe_flag, encode_flag, wait_flag
+from .flags import Backoff, FlagLayout, describe_flag, encode_flag, flag_reached, wait_flag
 from .shm import HEADER_BYTES, PAGE, ShmSegment, agree_tag, round_up, sweep_stale
 
 log = logging.getLogger("sparsp")
@@ -101,7 +104,8 @@ class SlotWindows(Transport):
     - ``chunk_bytes``: the chunk of a chunked copy, i.e. the step of the 'published' count;
     - ``tag``: shared-memory segment names (``shm.agree_tag``: default drawn per transport);
     - ``stream_waits``: queue ``cuStreamWaitValue32`` for flags instead of host-side waits
-      (default ``SPARSP_STREAM_WAITS``, off).
+      (default ``SPARSP_STREAM_WAITS``, on where the driver has stream memory operations);
+      the host then checks those flags in ``settle``, with the timeout.
     """
 
     name = "slots"
@@ -136,8 +140,9 @@ class SlotWindows(Transport):
         self._worker: Worker | None = None
         self._signaler: Worker | None = None
         self._ops: DeviceOps | None = None
+        self._awaiting: list[tuple[int, int, int, int, int]] = []  # settle(): device-side waits
         if stream_waits is None:
-            stream_waits = bool(_env_flag("SPARSP_STREAM_WAITS"))
+            stream_waits = _env_flag("SPARSP_STREAM_WAITS") is not False
         self._reset_state()
         try:
             with self._device_ctx():
@@ -249,9 +254,9 @@ class SlotWindows(Transport):
         """Copy ``out.numel()`` elements of the next slot ``peer`` publishes for us into ``out``.
 
         Waits for the 'published' flag: here on the CPU path (``timeout_s``); on the CUDA paths
-        in a worker thread (``timeout_s``) or on the GPU (stream waits; ``ipc``'s handle then
-        checks the flag on the host in ``wait()``). Every fetch needs one ``release(peer)``,
-        also a 0-element one.
+        on the GPU (stream waits, the default; the host checks the flag in ``settle``) or in a
+        worker thread (``timeout_s``). Every fetch needs one ``release(peer)``, also a
+        0-element one.
         """
         self._check_peer(peer)
         nbytes = out.numel() * out.element_size()
@@ -288,6 +293,7 @@ class SlotWindows(Transport):
         Slots fetched but not released are released implicitly (their copies are complete).
         """
         self._check_open()
+        self.settle()
         unpublished = [p for p, c in self._pending.items() if c is not None]
         if unpublished:
             raise RuntimeError(f"rank {self.rank}: fence with send_buffer(s) for peers "
@@ -298,6 +304,34 @@ class SlotWindows(Transport):
         self._reset_flags()
         self._barrier("fence flag reset")
         self._reset_state()
+
+    def settle(self) -> None:
+        """Check on the host that every payload a stream of ours waits for on the GPU was
+        published; ``TimeoutError`` (naming peer, slot, chunk, epoch) after ``timeout_s``.
+
+        With stream waits a fetch queues ``cuStreamWaitValue32`` and its copy, and the handle's
+        ``wait()`` only orders the caller's stream behind the copy: no host poll sits between
+        a payload landing and the kernel that reads it. Whether the peer is alive is checked
+        here instead: ``sp_attention`` calls this once per call, after the whole call is
+        queued, and ``fence`` and ``close`` call it too. Before raising, the awaited values are
+        stored into the flag words, so that no stream of ours stays blocked on a dead peer
+        (those copies then move stale bytes, of a call that raises). Never waits for a flag
+        that already holds its value, so a healthy call pays a few word reads.
+        """
+        awaiting, self._awaiting = self._awaiting, []
+        for i, (peer, slot, use, count, epoch) in enumerate(awaiting):
+            try:
+                self._wait_published(peer, slot, use, count, epoch)
+            except TimeoutError:
+                for p, s, u, c, e in awaiting[i:]:
+                    index = self._layout.published(self.rank, s)
+                    if not flag_reached(self._flags[p][index], encode_flag(e, u, c)):
+                        self._flags[p][index] = encode_flag(e, u, c)
+                raise
+
+    def _await_on_gpu(self, peer: int, slot: int, use: int, count: int, epoch: int) -> None:
+        """A stream of ours waits on the GPU for this 'published' value: ``settle`` checks it."""
+        self._awaiting.append((peer, slot, use, count, epoch))
 
     def reserve(self, nbytes: int) -> None:
         """Collective: make every slot hold at least ``nbytes`` (same value on every rank).
@@ -320,11 +354,12 @@ class SlotWindows(Transport):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._quiesce()
-        except Exception as e:  # noqa: BLE001 - a dead peer must not keep us from cleaning up
-            log.warning("sparsp: %s transport on rank %d closed with transfers pending: %s",
-                        self.name, self.rank, e)
+        for step in (self.settle, self._quiesce):  # settle first: it unblocks stuck streams
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - a dead peer must not keep us from cleaning up
+                log.warning("sparsp: %s transport on rank %d closed with transfers pending: %s",
+                            self.name, self.rank, e)
         self._teardown()
 
     def __enter__(self):
