@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, name: str, options: dict) -> dict:
 
 CASES = [
     ("ipc", {}),
-    ("ipc", {"copy": "pull"}),
+    ("ipc", {"copy": "push"}),
     ("ipc", {"stream_waits": False}),
     ("host", {}),
     ("host", {"stream_waits": True}),
@@ -97,7 +97,7 @@ def test_transport_moves_data_exactly(name, options):
         print(info["describe"])
         assert sum(info["sent"].values()) > 0
         if name == "ipc":  # the copy path asked for is the one that ran
-            want = "pull: " if options.get("copy") == "pull" else "push: "
+            want = "push: " if options.get("copy") == "push" else "pull: "
             assert want in info["describe"]
 
 
@@ -153,6 +153,7 @@ def test_silent_peer_raises_in_settle_and_frees_the_stream(name):
     got = run_distributed(_silent_peer, 2, name, timeout=120, backend="nccl")[0]
     print(got)
     assert "stream waits" in got["describe"], got
+    assert name != "ipc" or "pull: " in got["describe"], got  # the default copy path
     assert got["wait_s"] < 0.5, got  # no host poll in wait()
     assert "from peer 1" in got["error"] and "not published" in got["error"], got
     assert 2.0 <= got["settle_s"] < 4.0 and got["sync_s"] < got["settle_s"] + 2.0, got

@@ -5,18 +5,26 @@ Export: each rank allocates one device buffer holding, for every peer, ``window`
 IPC memory handle, exchanged with ``all_gather_object`` on the group: handles never leave the
 group. Which copy engine moves the bytes (``copy=`` or ``SPARSP_IPC_COPY``):
 
-- ``push`` (default): torch's CUDA tensor sharing (``reduce_tensor``) opens the window on the
-  owner's device, as torch rebuilds a shared CUDA tensor, and the fetch is a cross-device
-  ``copy_`` queued on a stream of that device: the *owner's* copy engine reads its local memory
-  and writes over NVLink into ``out``. The copy is fenced two-way with our copy stream. The
-  price: this process also holds a CUDA context on each peer GPU (G - 1 extra per GPU);
-- ``pull`` (needs cuda-python): ``cuIpcOpenMemHandle`` with lazy peer access maps the window
-  into *our own* context, and the fetch is one ``cuMemcpyDtoDAsync`` on our copy stream: our
-  copy engine reads the peer's memory. One context per GPU, no cross-device events.
+- ``pull`` (default where cuda-python is installed on every rank): ``cuIpcOpenMemHandle`` with
+  lazy peer access maps the window into *our own* context, and the fetch is one
+  ``cuMemcpyDtoDAsync`` on our copy stream: our copy engine reads the peer's memory. Every
+  process works on its own GPU only;
+- ``push`` (the fallback without cuda-python): torch's CUDA tensor sharing (``reduce_tensor``)
+  opens the window on the owner's device, as torch rebuilds a shared CUDA tensor, and the
+  fetch is a cross-device ``copy_`` queued on a stream of that device: the *owner's* copy
+  engine reads its local memory and writes over NVLink into ``out``, fenced two-way with our
+  copy stream. This process then holds a CUDA context on each peer GPU too, and work of two
+  contexts on one GPU is time-sliced, not concurrent: a push copy waits while the owner's own
+  process runs kernels on that GPU.
 
 Measured on 2×H200 (NV18, both GPUs exchanging 256 MiB, 3 runs each): push 368.2–370.3 GB/s,
-pull 346.0–353.7 GB/s; at 512 MiB 377.8–380.1 vs 361.7–364.2 (NVLink writes beat reads).
-Pull is the choice when G - 1 extra contexts per GPU cost too much memory.
+pull 346.0–353.7 GB/s alone (NVLink writes beat reads); under an attention kernel push 307.6,
+pull 324.5. Push was the default until the attention path, which always overlaps copies with
+kernels, was measured without the host poll in ``wait()``: ``sparsp`` over push ``ipc`` at
+LTX-Video size still showed 0.86 ms of exposed transfer against 0.22 over NCCL (2026-11-30),
+and the silent-peer GPU test hung with push (a copy queued on the stalled peer's GPU behind a
+flag, that peer's process in an NCCL barrier). Without cuda-python there are no stream waits
+either: push copies are then issued by a host thread once it saw the flag.
 
 The protocol on top:
 
@@ -69,7 +77,8 @@ class IpcTransport(SlotWindows):
         self._peer_windows: dict[int, torch.Tensor] = {}  # push: the peer's window
         self._peer_streams: dict[int, torch.cuda.Stream] = {}  # push: a stream per peer GPU
         self._copy: torch.cuda.Stream | None = None
-        self._mode = copy or os.environ.get("SPARSP_IPC_COPY", "push")
+        self._asked = copy or os.environ.get("SPARSP_IPC_COPY") or None
+        self._mode = self._asked or "pull"
         if self._mode not in COPY_MODES:
             raise ValueError(f"ipc copy={self._mode!r}: expected one of {COPY_MODES}")
         if resolve_device(device, group).type != "cuda":
@@ -92,7 +101,8 @@ class IpcTransport(SlotWindows):
 
         if not all(self._agree("allocating the slot window", allocate)) and \
                 self._mode == "pull":
-            log.warning("sparsp: ipc copy='pull' needs cuda-python on every rank; pushing")
+            if self._asked == "pull":  # asked for explicitly: say why it is not used
+                log.warning("sparsp: ipc copy='pull' needs cuda-python on every rank; pushing")
             self._mode = "push"
         # every rank says how it opens; a producer hands out what its consumers need
         wants = self._allgather(self._mode)
