@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.buffer import canonical_block_ids
-from .rows import gather_rows
 
 __all__ = ["Layout", "Pending", "halves", "layout", "pack", "prepare"]
 
@@ -169,8 +168,8 @@ def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, heads: int, out: torch.T
     D = k.shape[-1]
     rows = lay.token_rows(heads, source).to(k.device)
     n = lay.num_rows * D
-    gather_rows(k.reshape(-1, D), rows, out=out[:n].view(-1, D))
-    gather_rows(v.reshape(-1, D), rows, out=out[n: 2 * n].view(-1, D))
+    torch.index_select(k.reshape(-1, D), 0, rows, out=out[:n].view(-1, D))
+    torch.index_select(v.reshape(-1, D), 0, rows, out=out[n: 2 * n].view(-1, D))
     return 2 * n
 
 

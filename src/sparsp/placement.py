@@ -20,7 +20,6 @@ from functools import cached_property
 import torch
 
 from .geometry import VideoGeometry
-from .rows import gather_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,11 +82,11 @@ class Placement:
 
     def permute(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Original order → placed order along ``dim`` (hidden states, RoPE cos/sin, …)."""
-        return gather_rows(x, self._on(self.perm, x, dim), dim)
+        return x.index_select(dim, self._on(self.perm, x, dim))
 
     def unpermute(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Placed order → original order along ``dim``."""
-        return gather_rows(x, self._on(self.inverse, x, dim), dim)
+        return x.index_select(dim, self._on(self.inverse, x, dim))
 
     def _on(self, index: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
         n = x.shape[dim]

@@ -46,7 +46,6 @@ from ..config import SparspConfig
 from ..geometry import VideoGeometry
 from ..kernels import merge_partials
 from ..placement import PLACEMENTS, Placement, make_placement
-from ..rows import gather_rows
 from .plans import Split, SplitPlan, plan_for
 from .processors import PROCESSORS, VideoKVProcessor
 
@@ -174,15 +173,15 @@ class Runtime:
                 return x
             raise ValueError(f"sparsp: {what} (shape {tuple(x.shape)}) has no {lay.geometry.video_tokens} "
                              f"entries along dim {spec.dim} for the video tokens of {lay.geometry.describe()}")
-        return gather_rows(x, lay.on("video_ids", x.device), spec.dim)
+        return x.index_select(spec.dim, lay.on("video_ids", x.device))
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole video along ``dim`` in original order, from every rank's part."""
         lay = self.current
         if self.distributed:
             x = torch.cat(self._all_gather(x, dim, lay.video_parts), dim=dim)
-            return gather_rows(x, lay.on("video_order", x.device), dim)
-        return gather_rows(x, lay.on("video_order", x.device), dim)
+            return x.index_select(dim, lay.on("video_order", x.device))
+        return x.index_select(dim, lay.on("video_order", x.device))
 
     def _all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> list[torch.Tensor]:
         """Every rank's ``x`` (``sizes[r]`` entries along ``dim``), padded for the collective."""
@@ -206,7 +205,7 @@ class Runtime:
                              f"{len(lay.video_ids)} video + {text} text tokens")
         if text:
             idx = lay.on("attn_index", q.device)
-            q, k, v = (gather_rows(t, idx, 1) for t in (q, k, v))
+            q, k, v = (t.index_select(1, idx) for t in (q, k, v))
         if self.qk_override is not None:
             q, k = self.qk_override(lay, q)
         out = self._attention(q.contiguous(), k.contiguous(), v.contiguous(), lay)

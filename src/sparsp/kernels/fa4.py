@@ -44,7 +44,6 @@ from . import flex, torch_ref
 from .buffer import KVBuffer, fit_width, packed_result, sorted_lists, split_lists
 from .local import LocalKV
 from .merge import fold
-from ..rows import gather_rows
 
 __all__ = ["SUPPORTED_BLOCK_SIZES", "block_sparse_attention", "dense", "fa4_available",
            "import_error", "reads_token_major", "unsupported_reason"]
@@ -197,8 +196,8 @@ def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,
     if split.rows is not None:
         length = split.rows.shape[1]
         rows = split.rows.t().reshape(-1)  # token-major: (1, short_len, BH, D)
-        k_s = gather_rows(kv.k, rows).view(1, length, BH, D)
-        v_s = gather_rows(kv.v, rows).view(1, length, BH, D)
+        k_s = kv.k.index_select(0, rows).view(1, length, BH, D)
+        v_s = kv.v.index_select(0, rows).view(1, length, BH, D)
         s_num = split.has_short.to(torch.int32).reshape(1, BH, n_q)
         s_idx = torch.zeros(1, BH, n_q, 1, dtype=torch.int32, device=q.device)
         o4, l4 = _run(q4, k_s, v_s, s_num, s_idx, bs, scale)

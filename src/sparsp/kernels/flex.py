@@ -41,7 +41,6 @@ from . import torch_ref
 from .buffer import KVBuffer, fit_width, packed_result, split_lists
 from .local import LocalKV
 from .merge import fold
-from ..rows import gather_rows
 
 __all__ = ["FLEX_AVAILABLE", "block_sparse_attention", "compiled_entries", "dense", "flex_available"]
 
@@ -187,8 +186,8 @@ def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,
     if split.rows is not None:
         length = split.rows.shape[1]
         rows = split.rows.reshape(-1)
-        k_s = gather_rows(kv.k, rows).view(1, BH, length, D)
-        v_s = gather_rows(kv.v, rows).view(1, BH, length, D)
+        k_s = kv.k.index_select(0, rows).view(1, BH, length, D)
+        v_s = kv.v.index_select(0, rows).view(1, BH, length, D)
         s_num = split.has_short.to(torch.int32).reshape(1, BH, n_q)
         s_idx = torch.zeros(1, BH, n_q, 1, dtype=torch.int32, device=q.device)
         s_out, s_lse = _run(qf, k_s, v_s, s_num, s_idx, bs, scale, False)
