@@ -2,6 +2,7 @@
 validation, the CLI end to end and its errors (issue 12, part 3)."""
 
 import json
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -11,10 +12,10 @@ from sparsp.cli import main
 from sparsp.geometry import VideoGeometry
 from sparsp.placement import make_placement
 from sparsp.simulate import PROFILES, KernelFigure, Profile, TransportFigure, Work, get_profile, timeline
-from sparsp.simulate.job import (calibrate, exchange_gbps, fit_transport, geometry, MaskCache, simulate_one,
-                                 validate)
+from sparsp.simulate.calibrate import calibrate, fit_transport
+from sparsp.simulate.job import geometry, MaskCache, simulate_one, validate
 from sparsp.simulate.model import build_work, pair_flops
-from sparsp.simulate.timeline import bottleneck, capacities, fair_rates, route
+from sparsp.simulate.timeline import bottleneck, capacities, exchange_gbps, fair_rates, route
 from sparsp.strategies.registry import strategy_names, strategy_spec
 
 TFLOPS = 100.0  # kernel rate of the hand-made profiles: 1e11 FLOPs per ms
@@ -66,6 +67,45 @@ def test_fixed_cost_latency_and_pack_add_up():
     tl = timeline(work, prof, head_dim=128)
     fixed = 1.0 + 0.25  # call_ms + one collective (the metadata all-gather, on the device path)
     assert tl.latency_ms == pytest.approx(fixed + 0.5 + 1.0 + 10.0 + 1.0)
+
+
+def test_transfer_runs_at_the_loaded_share_while_a_kernel_runs():
+    # 40 MB at 10 GB/s: 4 ms alone; at the loaded share 0.5 while either end computes
+    prof = _profile(transports=(TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.0, loaded_efficiency=0.5),))
+    work = _uniform("direct", 2, 2.0, 40_000_000)
+    tl = timeline(work, prof, head_dim=128)
+    xfer = tl.of(0, "transfer")[0]
+    # 2 ms at half rate (1 ms of bytes), the other 3 ms at full rate once the local step ended
+    assert xfer.end == pytest.approx(5.0)
+    assert tl.latency_ms == pytest.approx(5.0 + 2.0)
+    # a transfer that outlasts no kernel is not slowed; no loaded figure = the figure alone
+    alone = timeline(work, _profile(), head_dim=128)
+    assert alone.of(0, "transfer")[0].end == pytest.approx(4.0)
+    assert TransportFigure(name="x", efficiency=0.7).under_load == 0.7
+    with pytest.raises(ValueError, match="loaded_efficiency must lie in"):
+        TransportFigure(name="x", loaded_efficiency=1.5)
+
+
+def test_no_kernel_starts_before_the_host_issued_it():
+    # after the sync (t = 0 here) the host issues 10 ops, launches kernel 0 (0.2 ms), issues up
+    # to op 110 and launches kernel 1 (1.3 ms), then 20 more ops (1.5 ms); steps of 1 ms
+    prof = _profile(op_ms=0.01, launch_ms=0.1)
+    work = replace(_uniform("direct", 2, 1.0, 0), run_ops=((10, 110, 20),) * 2)
+    tl = timeline(work, prof, head_dim=128)
+    steps = sorted(tl.of(0, "compute"), key=lambda t: t.round)
+    assert [(t.start, t.end) for t in steps] == [pytest.approx((0.2, 1.2)), pytest.approx((1.3, 2.3))]
+    assert tl.latency_ms == pytest.approx(2.3)
+    label, savings = bottleneck(work, prof, tl, head_dim=128)
+    assert savings["fixed"] == pytest.approx(0.3)  # the host's issue is a fixed cost
+    # ulysses: G² = 4 launches in its one step, the last at 1.6 + 0.4 ms; its share of the step
+    # (0.1 of 0.4 ms) still runs after it
+    work = replace(_uniform("all-to-all", 2, 0.4, 0), launches=((4,),) * 2, run_ops=((100, 160, 10),) * 2)
+    tl = timeline(work, prof, head_dim=128)
+    step = tl.of(0, "compute")[0]
+    assert (step.start, step.end) == (pytest.approx(1.1), pytest.approx(2.1))
+    # the host's last op ends the call at the earliest: 10 more ops after a free kernel
+    work = replace(_uniform("direct", 2, 0.0, 0), run_ops=((0, 0, 1000),) * 2)
+    assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(10.0 + 0.2)
 
 
 def test_all_to_all_does_not_overlap():
@@ -172,16 +212,25 @@ def test_work_bytes_and_flops_match_demand(G, kind):
 # --- calibration ----------------------------------------------------------------------------------
 
 
-def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl", 0.5, 15.0))):
+def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl", 0.5, 15.0)),
+                    loaded=(("host", 0.4, 24.0), ("nccl", 0.6, 9.0))):
+    """Rows of exact ``latency + bytes / GB/s`` per transport: single exchanges alone (``fits``),
+    pipelined ones (never fitted) and exchanges under an attention kernel (``loaded``)."""
     rows = []
     for name, latency, gbps in fits:
         for e in range(16, 30):
             b = 1 << e
             ms = latency + b / (gbps * 1e6)
             rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": b / ms / 1e6,
-                         "under_load": False, "median_ms": ms})
-            rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": 1.0, "under_load": True,
-                         "median_ms": 10 * ms})  # loaded rows must be ignored
+                         "under_load": False, "median_ms": ms, "inflight": 1})
+            rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": 1.0, "under_load": False,
+                         "median_ms": ms / 3, "inflight": 3})  # pipelined: not a single message
+    for name, latency, gbps in loaded:
+        for e in range(16, 30):
+            b = 1 << e
+            ms = latency + b / (gbps * 1e6)
+            rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": b / ms / 1e6, "under_load": True,
+                         "median_ms": ms, "attention_slowdown": 0.01 * (e % 3 - 1)})
     path = tmp_path / "transport.json"
     path.write_text(json.dumps({"kind": "transport", "machine": "test", "rows": rows}))
     return path
@@ -212,6 +261,13 @@ def test_calibrate_from_transport_and_kernel_results(tmp_path):
     assert report["transports"]["host"]["gbps"] == pytest.approx(30.0, rel=1e-3)
     assert prof.transport("host").latency_ms == pytest.approx(0.2, rel=1e-3)
     assert prof.transport("nccl").efficiency == pytest.approx(0.5, rel=1e-3)
+    # under load: each transport's own loaded rows, as a share of the fastest alone; the
+    # latency stays the gated single exchange's
+    assert prof.transport("host").loaded_efficiency == pytest.approx(24.0 / 30.0, rel=1e-3)
+    assert prof.transport("nccl").loaded_efficiency == pytest.approx(9.0 / 30.0, rel=1e-3)
+    assert prof.transport("nccl").latency_ms == pytest.approx(0.5, rel=1e-3)
+    assert report["transports"]["nccl"]["under_load"]["gbps"] == pytest.approx(9.0, rel=1e-3)
+    assert report["transports"]["nccl"]["under_load"]["latency_ms"] == pytest.approx(0.6, rel=1e-3)
     assert exchange_gbps(prof) == pytest.approx(30.0, rel=1e-3)  # the modelled 2-GPU exchange
     assert prof.duplex_gbps / prof.link_gbps == pytest.approx(base.duplex_gbps / base.link_gbps)
     assert prof.kernel(128).sparse_tflops == pytest.approx(300.0)
@@ -422,7 +478,8 @@ def test_validation_skips_ablation_1gpu_and_unknown_rows_and_summarises(tmp_path
 
 
 def test_discovery_takes_the_newest_file_per_model_and_machine(tmp_path):
-    from sparsp.simulate.job import discover_attention, discover_calibration
+    from sparsp.simulate.calibrate import discover_calibration
+    from sparsp.simulate.job import discover_attention
 
     for name in ("attention-ltx-video-2xH200-2026-11-30.json", "attention-ltx-video-2xH200-2026-12-01.json",
                  "attention-hunyuan-video-2xH200-2026-11-30.json", "transport-all-2xH200-2026-11-30.json",
@@ -481,19 +538,24 @@ def test_sparsp_drain_units_charge_mask_ops():
     assert relay.host_ops == (mask_ops("relay", 2),) * 2
 
 
-def test_mask_ops_follow_the_code():
-    """``MASK_OPS``, ``GRAPHED_MASK_OPS`` and the unit ops are the op counts of the current code
-    (``opcount``, G = 2): a change to the mask phase makes this fail until they are recounted."""
+def test_host_ops_follow_the_code():
+    """``MASK_OPS``, ``GRAPHED_MASK_OPS``, the unit ops and ``RUN_OPS`` are the op counts of the
+    current code (``opcount``, G = 2): a change to the mask phase, or to what the host issues
+    after the sync, makes this fail until they are recounted."""
     from sparsp.simulate import model
-    from sparsp.simulate.opcount import count, eager_ops, graphed_ops
+    from sparsp.simulate.opcount import count, eager_ops, graphed_ops, run_ops
 
-    got = count(2, [("ring", 1), ("ring-sparse", 1), ("sparsp", 1), ("ring-relay", 1), ("sparsp", 4)])
+    got = count(2, [("ring", 1), ("ring-sparse", 1), ("sparsp", 1), ("ring-relay", 1), ("sparsp", 4),
+                    ("ulysses", 1)])
     kinds = ("dense", "sparse", "direct", "relay", "direct")
     for graphed, ops, cut, unit in ((False, eager_ops, model.MASK_CUT_OPS, model.MASK_UNIT_OPS),
                                     (True, graphed_ops, model.GRAPHED_MASK_CUT_OPS, model.GRAPHED_MASK_UNIT_OPS)):
         want = [model.mask_ops(kind, 2, graphed) for kind in kinds]
         want[-1] += round(2 * (cut + 3 * unit))
-        assert [ops(kind, g) for kind, g in zip(kinds, got)] == want, graphed
+        assert [ops(kind, g) for kind, g in zip(kinds, got[:5])] == want, graphed
+    run_kinds = ("dense", "full-shards", "direct", "relay", None, "all-to-all")
+    assert {k: run_ops(g) for k, g in zip(run_kinds, got) if k} == {k: model.run_ops(k, 2) for k in run_kinds if k}
+    assert len(got[-1]["marks"]) == 4  # ulysses: one kernel call per (query slice, key slice)
 
 
 def _fa4_kernel_file(tmp_path):
@@ -521,8 +583,107 @@ def test_calibrate_takes_fa4_rows_of_the_strategies_layouts(tmp_path):
     assert prof.kernel(128).dense_tflops == pytest.approx(500.0)  # cuDNN
 
 
+def _shape_kernel_file(tmp_path):
+    """Two d128 shapes (24 heads over 1000 keys, 40 over 2000) on their own (cdf) and random
+    masks, fa4 and flex, local and packed, with each shape's dense rows."""
+    def row(shape, heads, keys, kernel, layout, mask, density, tflops):
+        return {"shape": shape, "heads": heads, "head_dim": 128, "q_rows": keys // 2, "k_rows": keys,
+                "block_size": 128, "kernel": kernel, "layout": layout, "mask": mask, "density": density,
+                "tflops_kept": tflops, "vs_cudnn": tflops / 500.0}
+
+    rows = []
+    for shape, heads, keys, scale in (("a", 24, 1000, 1.0), ("b", 40, 2000, 0.5)):
+        rows += [row(shape, heads, keys, "fa4", "local", "cdf 0.9", 0.2, 600 * scale),
+                 row(shape, heads, keys, "fa4", "local", "cdf 0.95", 0.4, 640 * scale),
+                 row(shape, heads, keys, "fa4", "packed", "cdf 0.9", 0.2, 500 * scale),
+                 row(shape, heads, keys, "fa4", "packed", "random 0.3", 0.3, 100 * scale),  # not its masks
+                 row(shape, heads, keys, "fa4", "dense", "dense", 1.0, 800 * scale),
+                 row(shape, heads, keys, "flex", "local", "cdf 0.9", 0.2, 50 * scale),  # not the kernel auto runs
+                 row(shape, heads, keys, "cudnn", "dense", "dense", 1.0, 500 * scale)]
+    path = tmp_path / "kernel-shapes.json"
+    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    return path
+
+
+def test_kernel_rate_takes_the_rows_of_the_matching_shape(tmp_path):
+    from sparsp.simulate import KernelPoint
+
+    prof, report = calibrate(PROFILES["h200x2-nvlink"], [_shape_kernel_file(tmp_path)])
+    # the per-head-dim fallback: the median of every sparse fa4 row in the strategies' layouts
+    assert prof.kernel(128).sparse_tflops == pytest.approx(statistics.median(
+        [600, 640, 500, 100, 300, 320, 250, 50]))
+    # points: fa4 on the benchmark's own masks and fa4's dense row, per shape; no random, no flex
+    assert {(p.shape, p.layout, p.density, p.tflops) for p in prof.kernel_points if p.heads == 24} == {
+        ("a", "local", 0.2, 600.0), ("a", "local", 0.4, 640.0), ("a", "packed", 0.2, 500.0),
+        ("a", "dense", 1.0, 800.0)}
+    assert report["kernels"]["128"]["shapes"]["b"]["packed"] == [[0.2, 250.0]]
+    rate = prof.kernel_rate
+    # the matching shape's own rows, per layout; linear in density, held below the first point
+    assert rate(128, heads=24, tokens=1000, layout="local", density=0.2) == pytest.approx(600.0)
+    assert rate(128, heads=24, tokens=1000, layout="local", density=0.3) == pytest.approx(620.0)
+    assert rate(128, heads=24, tokens=1000, layout="local", density=0.1) == pytest.approx(600.0)
+    assert rate(128, heads=40, tokens=2000, layout="local", density=0.2) == pytest.approx(300.0)
+    assert rate(128, heads=24, tokens=1000, layout="packed", density=0.2) == pytest.approx(500.0)
+    # towards the dense row at a full mask (the dense ring)
+    assert rate(128, heads=24, tokens=1000, layout="packed", density=0.6) == pytest.approx(500 + 300 * 0.5)
+    assert rate(128, heads=24, tokens=1000, layout="local", density=1.0) == pytest.approx(800.0)
+    # another shape, no density, or a head dim without points: the per-head-dim figure
+    for kw in (dict(heads=24, tokens=999, density=0.2), dict(heads=24, tokens=1000), dict(heads=0, tokens=0)):
+        assert rate(128, **kw) == prof.kernel(128).sparse_tflops
+    assert rate(64, heads=24, tokens=1000, density=0.2) == prof.kernel(64).sparse_tflops
+    # the profile round-trips through JSON with its points
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    assert get_profile(str(path)) == prof
+    with pytest.raises(ValueError, match="KernelPoint.layout"):
+        KernelPoint(shape="a", heads=1, head_dim=1, tokens=1, layout="odd", density=0.5, tflops=1.0)
+
+
+def test_steps_run_at_their_layout_and_the_ranks_density():
+    """A rank's step 0 (its own shard) runs at the ``local`` rate, received payloads at the
+    ``packed`` rate, both at the rank's density over the whole sequence; ulysses packs all."""
+    from sparsp.simulate import KernelPoint
+
+    pl = make_placement("contiguous", GEOM, 2)
+    masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(0)) < 0.5
+    w = build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim)
+    kept = pair_flops(masks, pl, GEOM.head_dim).sum(dim=1)
+    full = pair_flops(masks, pl, GEOM.head_dim, dense=True).sum(dim=1)
+    assert w.density == pytest.approx((kept / full).tolist())
+    assert (w.heads, w.tokens) == (GEOM.heads, GEOM.num_tokens)
+    assert [w.layout(i) for i in range(2)] == ["local", "packed"]
+    assert build_work(masks, pl, "ring", head_dim=GEOM.head_dim).density == (1.0, 1.0)
+    assert build_work(masks, pl, "ulysses", head_dim=GEOM.head_dim).layout(0) == "packed"
+
+    def point(layout, tflops):
+        return KernelPoint(shape="g", heads=GEOM.heads, head_dim=GEOM.head_dim, tokens=GEOM.num_tokens,
+                           layout=layout, density=0.5, tflops=tflops)
+
+    prof = _profile(kernels=(KernelFigure(head_dim=GEOM.head_dim, sparse_tflops=TFLOPS, dense_tflops=TFLOPS),),
+                    kernel_points=(point("local", 2 * TFLOPS), point("packed", TFLOPS / 2)))
+    tl = timeline(w, prof, head_dim=GEOM.head_dim)
+    steps = sorted(tl.of(0, "compute"), key=lambda t: t.round)
+    assert [t.end - t.start for t in steps] == pytest.approx(
+        [w.flops[0][0] / (2 * TFLOPS * 1e9), w.flops[0][1] / (TFLOPS / 2 * 1e9)])
+
+
+def test_ulysses_counts_its_copies():
+    from sparsp.simulate.model import (ULYSSES_FIRST_BYTES, ULYSSES_INPUT_BYTES, ULYSSES_MERGE_BYTES,
+                                       ULYSSES_PIECE_BYTES, ULYSSES_RESULT_BYTES)
+
+    assert (ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES) == (40, 12)
+    G = 2
+    pl = make_placement("contiguous", GEOM, G)
+    masks = torch.ones(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, dtype=torch.bool)
+    w = build_work(masks, pl, "ulysses", head_dim=GEOM.head_dim)
+    mine = GEOM.heads // G * GEOM.num_tokens * GEOM.head_dim  # my heads, every token
+    inputs = GEOM.heads * pl.tokens_per_rank[0] * GEOM.head_dim  # one of my q, k, v
+    merges = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
+    assert w.merge_bytes[0] == (round(mine * merges + inputs * (40 + 12 * (G - 1) / G)),)
+
+
 def test_discovery_prefers_the_kernel_file_covering_more_head_dims(tmp_path):
-    from sparsp.simulate.job import discover_calibration
+    from sparsp.simulate.calibrate import discover_calibration
 
     def kernel_file(name, dims):
         rows = [{"kernel": "fa4", "head_dim": d, "layout": "local", "density": 0.5, "tflops_kept": 1.0}

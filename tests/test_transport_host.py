@@ -269,10 +269,10 @@ def _failures(rank: int, world: int, tag: str) -> None:
     if rank == 1:
         _send(t, 0, 50, torch.float32, 5, 0)
     elif rank == 0:
+        t.timeout_s = short  # each wait's deadline: its registration + the timeout
+        t0 = time.monotonic()
         t._await_on_gpu(1, 0, 0, 1, t.epoch)  # rank 1's first payload: published below
         t._await_on_gpu(2, 0, 0, 1, t.epoch)  # rank 2 never sends one
-        t.timeout_s = short
-        t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"peer 2: slot 0 .*epoch 5 not published"):
             t.settle()
         assert short <= time.monotonic() - t0 < short + 1.0
@@ -280,6 +280,15 @@ def _failures(rank: int, world: int, tag: str) -> None:
         assert flag_reached(t._flags[2][index], encode_flag(t.epoch, 0, 1))  # unblocked
         assert flag_reached(t._flags[1][index], encode_flag(t.epoch, 0, 1))  # really published
         t.settle()  # nothing left to check
+        # the host blocked elsewhere past the deadline: the watchdog lets the stream go and
+        # the error waits for settle
+        index = t._layout.published(0, 1)
+        t._await_on_gpu(2, 1, 0, 1, t.epoch)
+        time.sleep(short + 0.5)
+        assert flag_reached(t._flags[2][index], encode_flag(t.epoch, 0, 1))  # released
+        with pytest.raises(TimeoutError, match=r"peer 2: slot 1 .*epoch 5 not published.*released"):
+            t.settle()
+        t.settle()  # reported once
         t.timeout_s = 30
         _recv(t, 1, 50, torch.float32, 5, 0)
 

@@ -28,8 +28,9 @@ same kernel. Per row:
   machine's ``bench transport`` result or ``--link-gbps``), ``bound_ms`` = max(C, T),
   ``efficiency`` = bound / median.
 
-One-GPU rows over the whole sequence (rank 0): ``1gpu-dense`` (the fastest dense kernel: what a
-user without sparsp runs) and ``1gpu-sparse`` (the strategies' kernel and mask on one GPU).
+One-GPU rows over the whole sequence (rank 0, timed in the same rounds as the strategies):
+``1gpu-dense`` (the fastest dense kernel: what a user without sparsp runs) and ``1gpu-sparse``
+(the strategies' kernel and mask on one GPU).
 ``--ablation`` adds rows that switch on one thing at a time from ``ring-sparse`` on contiguous
 placement over NCCL: periodic placement, direct routing (``ring-relay`` → ``sparsp``), the
 copy-engine transport (``ipc`` / ``host``), then, each added to that row, the chunked drain
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .common import init_distributed, median, time_interleaved, time_ms, write_result
-from .measure import count_syncs_and_collectives, dense_tflops, kept_flops, link_gbps
+from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 
 FABRICS = ("nvlink", "host")
 COPY_ENGINE = {"nvlink": "ipc", "host": "host"}  # sparsp's own transport on each fabric
@@ -230,12 +231,16 @@ def main(args) -> int:
                    "cuda_graphs": cfg.cuda_graphs,
                    "auto_choice": chosen if strategy == "auto" else None}
             timed.append((row, call))
+        if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
+            timed += _one_gpu_rows(args, geom, cdf, dtype, device, rank, one_gpu, dense, gbps)
         calls = [call for _, call in timed]
         if args.sequential:
             all_times = [time_ms(c, warmup=args.warmup, iters=args.iters, device=device) for c in calls]
         else:
             all_times = time_interleaved(calls, warmup=args.warmup, iters=args.iters, device=device)
         for (row, _), times in zip(timed, all_times):
+            if row is None:  # a one-GPU row: rank 0 reports it
+                continue
             med = median(times)
             row.update(median_ms=round(med, 3), min_ms=round(min(times), 3), iters=len(times),
                        efficiency=round(row["bound_ms"] / med, 3))
@@ -246,8 +251,6 @@ def main(args) -> int:
                               f"{row['efficiency']:.2f}); split "
                               + ", ".join(f"{key[:-3]} {row[key]:.1f}" for key in SPLIT)
                               + f"; {row['host_syncs']} syncs, {row['collectives']} collectives")
-        if not args.no_1gpu:
-            rows += _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, one_gpu, dense, gbps)
     if rank == 0:
         path = write_result("attention", geom.name, rows, args.out)
         table = Table(title=f"{geom.name}, {world} ranks, fabric {args.fabric}")
@@ -305,58 +308,46 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     return split, round(float(d[0] / d[1]), 4), kept_flops(mask, sh), strategy
 
 
-def _one_gpu_rows(args, geom, cdf, dtype, device, rank, world, group, dense, gbps) -> list[dict]:
-    """``1gpu-dense`` and ``1gpu-sparse`` over the whole sequence, on rank 0."""
+def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps) -> list[tuple]:
+    """``1gpu-dense`` and ``1gpu-sparse`` over the whole sequence, on rank 0: (row without its
+    times, call) for each, timed with the strategies' rows. Every rank gets the same number of
+    entries (the timing is collective); on the other ranks the row is None and the call does
+    nothing."""
     from .. import SparspConfig, sp_attention
     from ..placement import make_placement
-    from ..strategies.base import PhaseTimer  # noqa: F401  (same split as the strategies)
+    from ..plan import gather_metadata
 
-    rows = []
-    if rank == 0:
-        pl = make_placement("contiguous", geom, 1)
-        q, k, v = make_inputs(geom, pl, 0, device, dtype, args.seed)
-        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-        flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
-        best_dense, name = dense_tflops(q, k, v, args.kernel)
-        ms = flops / (best_dense * 1e9)
-        rows.append(_one_row(geom, args, cdf, "1gpu-dense", name, ms, flops / (dense[0] * 1e9), 1.0, gbps,
-                             dense))
-        cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl",
-                           kernel=args.kernel, timeout_s=300.0)
-        # sparsp on a group of one: the whole sequence, the strategies' kernel and mask, no packing
-        call = lambda: sp_attention(q, k, v, group=group, strategy="sparsp", config=cfg)  # noqa: E731
-        times = []
-        for _ in range(args.warmup):
-            call()
-        for _ in range(args.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        from ..plan import gather_metadata
-
-        meta = gather_metadata(q, k, v, group, cfg, "sparsp", sparse=True)
-        whole = meta.block_mask(cfg)
-        kept = kept_flops(whole, meta.shapes)
-        rows.append(_one_row(geom, args, cdf, "1gpu-sparse", args.kernel, median(times),
-                             kept / (dense[0] * 1e9), float(whole.float().mean()), gbps, dense))
-        del q, k, v
-        torch.cuda.empty_cache()
-    dist.barrier()
-    return rows
+    if rank != 0:
+        return [(None, lambda: None), (None, lambda: None)]
+    pl = make_placement("contiguous", geom, 1)
+    q, k, v = make_inputs(geom, pl, 0, device, dtype, args.seed)
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
+    _, name = dense_tflops(q, k, v, args.kernel)
+    dense_row = _one_row(geom, args, cdf, "1gpu-dense", name, flops / (dense[0] * 1e9), 1.0, gbps, dense)
+    cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl",
+                       kernel=args.kernel, timeout_s=300.0)
+    # sparsp on a group of one: the whole sequence, the strategies' kernel and mask, no packing
+    sparse = lambda: sp_attention(q, k, v, group=group, strategy="sparsp", config=cfg)  # noqa: E731
+    sparse()
+    meta = gather_metadata(q, k, v, group, cfg, "sparsp", sparse=True)
+    whole = meta.block_mask(cfg)
+    sparse_row = _one_row(geom, args, cdf, "1gpu-sparse", args.kernel,
+                          kept_flops(whole, meta.shapes) / (dense[0] * 1e9),
+                          float(whole.float().mean()), gbps, dense)
+    return [(dense_row, dense_call(q, k, v, name)), (sparse_row, sparse)]
 
 
-def _one_row(geom, args, cdf, strategy, kernel, ms, c_ms, density, gbps, dense) -> dict:
+def _one_row(geom, args, cdf, strategy, kernel, c_ms, density, gbps, dense) -> dict:
+    """A one-GPU row; ``median_ms``, ``min_ms``, ``iters`` and ``efficiency`` come with its times."""
     return {"model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads, "head_dim": geom.head_dim,
             "ranks": 1, "fabric": args.fabric, "cdf": cdf, "strategy": strategy, "transport": "none",
-            "placement": "none", "kernel": kernel, "median_ms": round(ms, 3), "min_ms": round(ms, 3),
-            "iters": args.iters, "bytes_moved": 0, "bytes_max_rank": 0, "density": round(density, 4),
+            "placement": "none", "kernel": kernel, "median_ms": None, "min_ms": None, "iters": None,
+            "timing": "sequential" if args.sequential else "interleaved", "bytes_moved": 0, "bytes_max_rank": 0, "density": round(density, 4),
             **{key: 0.0 for key in SPLIT}, "transfer_ms": 0.0, "host_syncs": None, "collectives": 0,
             "link_gbps": round(gbps, 2), "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
             "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": 0.0, "bound_ms": round(c_ms, 3),
-            "efficiency": round(c_ms / ms, 3), "ablation": None}
+            "efficiency": None, "ablation": None}
 
 
 def plot(path: Path) -> Path:

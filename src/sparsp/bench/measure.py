@@ -41,34 +41,46 @@ def kept_flops(mask: torch.Tensor | None, shapes) -> float:
     return float((mask.double().cpu() * per_pair).sum())
 
 
-def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
-    """TFLOP/s of the fastest dense kernel on (local queries × all keys) shapes of this head dim."""
+def _dense_candidates(q, k, v):
+    """(name, fn) of every dense kernel worth timing: cuDNN and flash SDPA, and FA4 if installed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
-    best, name = 0.0, "none"
-    candidates = [("cudnn", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
-                  ("flash", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))]
-    for label, ctx in candidates:
-        try:
-            with ctx():
-                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)  # noqa: E731
-                ms = _time_local(fn)
-        except RuntimeError:
-            continue
-        if flops / ms / 1e9 > best:
-            best, name = flops / ms / 1e9, label
+
+    def sdpa(backend):
+        def fn():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+        return fn
+
+    out = [("cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)), ("flash", sdpa(SDPBackend.FLASH_ATTENTION))]
     try:
         from ..kernels import fa4  # optional backend (flash-attn-4)
 
         if fa4.fa4_available(q.device):
-            ms = _time_local(lambda: fa4.dense(q, k, v))
-            if flops / ms / 1e9 > best:
-                best, name = flops / ms / 1e9, "fa4"
+            out.append(("fa4", lambda: fa4.dense(q, k, v)))
     except (ImportError, AttributeError, RuntimeError):
         pass
+    return out
+
+
+def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
+    """TFLOP/s of the fastest dense kernel on (local queries × all keys) shapes of this head dim."""
+    flops = 4.0 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3]
+    best, name = 0.0, "none"
+    for label, fn in _dense_candidates(q, k, v):
+        try:
+            ms = _time_local(fn)
+        except RuntimeError:
+            continue
+        if flops / ms / 1e9 > best:
+            best, name = flops / ms / 1e9, label
     return best, name
+
+
+def dense_call(q, k, v, name: str):
+    """The dense kernel ``name`` (one of ``dense_tflops``' candidates) on these tensors."""
+    return dict(_dense_candidates(q, k, v))[name]
 
 
 def _time_local(fn, iters: int = 10) -> float:

@@ -9,8 +9,9 @@ from pathlib import Path
 DESCRIPTION = (
     "Predict, on the CPU, the per-rank and per-round timing of every sequence-parallel strategy "
     "on a fabric profile, from the exact demand of `sparsp analyze` (synthetic masks) and a cost "
-    "model: kernel time per kept block, per-call fixed costs, link bandwidth and latency, and "
-    "contention where links share a path. Prints a table; writes DIR/simulate.json and PNGs of "
+    "model: kernel time per kept block, per-call fixed costs and the host's counted ops, link "
+    "bandwidth and latency (alone and while a kernel runs), and contention where links share a "
+    "path. Prints a table; writes DIR/simulate.json and PNGs of "
     "latency and speedup versus G. Profiles: h200x2-nvlink, h200x2-host (measured), "
     "pcie4-8gpu-p2p/-nop2p, pcie5-8gpu-p2p/-nop2p (public specifications), or a profile .json. "
     "Method and sources: docs/simulate.md."
@@ -38,11 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=1, help="sparsp rounds fetched ahead")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
     p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
-                   help="bench transport (and bench kernel) results to fit the profile to "
+                   help="bench transport (and bench kernel) results to fit the profile to: "
+                        "transports alone and under load, kernel rates per head dim and per shape "
                         "(no file: the newest transport-*.json and kernel-*.json in bench/results)")
     p.add_argument("--validate", type=Path, nargs="*", default=None, metavar="ATTENTION.json",
-                   help="bench attention results whose 2-GPU rows to predict "
-                        "(no file: bench/results/attention-*.json)")
+                   help="bench attention results whose multi-GPU strategy rows to predict, never "
+                        "fitted on (no file: the newest attention-*.json per model and machine in "
+                        "bench/results)")
     p.add_argument("--out", type=Path, default=Path("results/simulate"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -68,7 +71,7 @@ def main(args) -> int:
         if args.calibrate is not None and len(args.calibrate) > 2:
             raise ValueError("--calibrate takes a bench transport result and optionally a bench kernel result")
         if args.calibrate == []:
-            from .job import discover_calibration
+            from .calibrate import discover_calibration
 
             args.calibrate = discover_calibration()
         cfg = SimulateConfig(

@@ -23,9 +23,10 @@ from ..analysis import DTYPE_BYTES
 from ..geometry import PRESETS, VideoGeometry, preset
 from ..placement import make_placement
 from ..strategies.registry import strategy_names, strategy_spec
+from .calibrate import calibrate, newest, read_result
 from .model import build_work, pair_flops
-from .timeline import bottleneck, exchange_gbps, timeline
-from .profiles import KernelFigure, Profile, TransportFigure, get_profile
+from .timeline import bottleneck, timeline
+from .profiles import Profile, get_profile
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
 
@@ -208,141 +209,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     return doc
 
 
-# --- calibration -------------------------------------------------------------------------------
-
-
-def read_result(path: Path, kinds: tuple[str, ...]) -> dict:
-    """A ``sparsp bench`` result file of one of ``kinds``; ValueError names the file."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable result file: {e}") from None
-    if not isinstance(doc, dict) or doc.get("kind") not in kinds or not isinstance(doc.get("rows"), list):
-        got = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: expected a sparsp bench result of kind {' or '.join(kinds)}, got {got!r}")
-    return doc
-
-
-def fit_transport(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Fit ``ms = latency + bytes / bandwidth`` to (bytes, ms) points → (latency_ms, GB/s).
-
-    Weighted least squares with weight 1/ms per squared residual: between an absolute fit
-    (large messages decide everything, the latency comes out unreliable) and a relative one
-    (the many small sizes pull the bandwidth off: 485 instead of 370 GB/s for ``ipc``)."""
-    if len(points) < 2:
-        raise ValueError(f"a transport fit needs at least 2 message sizes, got {len(points)}")
-    a11 = a12 = a22 = b1 = b2 = 0.0  # normal equations of Σ (α + γ·bytes − ms)² / ms
-    for nbytes, ms in points:
-        w = 1.0 / ms
-        a11, a12, a22 = a11 + w, a12 + w * nbytes, a22 + w * nbytes * nbytes
-        b1, b2 = b1 + w * ms, b2 + w * nbytes * ms
-    det = a11 * a22 - a12 * a12
-    alpha, gamma = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1.0, 0.0)
-    if alpha < 0 or gamma <= 0:  # no latency term fits: bandwidth only
-        alpha, gamma = 0.0, b2 / a22
-    return alpha, 1e-6 / gamma
-
-
-def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
-    """Fit ``profile`` to ``bench transport`` rows (latency and bandwidth per transport, on the
-    profile's kind of fabric) and ``bench kernel`` rows (TFLOP/s per head dim). Bandwidth
-    capacities are scaled together so the modelled two-GPU exchange reproduces the fastest
-    measured transport; the others get their measured share as efficiency."""
-    report: dict = {"files": [str(p) for p in paths], "transports": {}, "kernels": {}}
-    transport_rows, kernel_rows = [], []
-    for p in paths:
-        doc = read_result(p, ("transport", "kernel"))
-        (transport_rows if doc["kind"] == "transport" else kernel_rows).extend(doc["rows"])
-    fits = {}
-    by_name: dict[str, list] = {}
-    for r in transport_rows:
-        if (r.get("fabric") == profile.bench_fabric and not r.get("under_load") and r.get("median_ms")
-                and r.get("inflight", 1) == 1):  # the fit is per single message
-            by_name.setdefault(r["transport"], []).append((float(r["bytes"]), float(r["median_ms"])))
-    for name, pts in by_name.items():
-        latency, gbps = fit_transport(sorted(pts))
-        worst = max(abs(latency + b / (gbps * 1e6) - ms) / ms for b, ms in pts)
-        fits[name] = (latency, gbps)
-        report["transports"][name] = {"latency_ms": round(latency, 4), "gbps": round(gbps, 2),
-                                      "sizes": len(pts), "max_rel_error": round(worst, 3)}
-    if transport_rows and not fits:
-        raise ValueError(f"no transport rows for fabric {profile.bench_fabric!r} (profile {profile.name}) "
-                         f"in {', '.join(map(str, paths))}")
-    if fits:
-        ref = max(fits, key=lambda n: fits[n][1])
-        factor = fits[ref][1] / exchange_gbps(profile)
-        profile = profile.scaled(factor)
-        report["bandwidth_scale"] = round(factor, 4)
-        known = {t.name for t in profile.transports}
-        figures = [TransportFigure(name=t.name, efficiency=min(1.0, fits[t.name][1] / fits[ref][1]),
-                                   latency_ms=fits[t.name][0]) if t.name in fits else t
-                   for t in profile.transports]
-        figures += [TransportFigure(name=n, efficiency=min(1.0, g / fits[ref][1]), latency_ms=a)
-                    for n, (a, g) in fits.items() if n not in known]
-        profile = replace(profile, transports=tuple(figures))
-        if "nccl" in fits:  # the call's small collectives (metadata all-gather, fence) ride on NCCL
-            profile = replace(profile, sync_ms=fits["nccl"][0])
-            report["sync_ms"] = round(fits["nccl"][0], 4)
-    if kernel_rows:
-        profile, report["kernels"] = _calibrate_kernels(profile, kernel_rows)
-    name = profile.name if profile.name.endswith("-calibrated") else f"{profile.name}-calibrated"
-    return replace(profile, name=name, sources=profile.sources + tuple(report["files"])), report
-
-
-SPARSE_KERNELS = ("fa4", "flex")
-"""The block-sparse kernels ``kernel="auto"`` runs, in its order of preference (``fa4`` on sm90
-GPUs with the ``sparsp[fa4]`` extra, else ``flex``): calibration takes the first one a
-``bench kernel`` file has rows of, per head dim."""
-STRATEGY_LAYOUTS = ("local", "packed")
-"""``bench kernel`` layouts the strategies run: the local shard as given (``LocalKV``) and a
-received payload (``KVBuffer``); rows without a ``layout`` (older files) count as both."""
-
-
-def _calibrate_kernels(profile: Profile, rows: list[dict]) -> tuple[Profile, dict]:
-    """Per head dim: the strategies' kernel (the first of ``SPARSE_KERNELS`` with rows there)
-    → median kept-block TFLOP/s over its sparse rows (density < 1) in the strategies' layouts
-    (``STRATEGY_LAYOUTS``); the dense reference → cuDNN (``tflops_kept / vs_cudnn``) where
-    given. Head dims without rows keep the profile's figures."""
-    figures = {k.head_dim: k for k in profile.kernels}
-    report = {}
-    for hd in sorted({int(r["head_dim"]) for r in rows if "head_dim" in r}):
-        mine = [r for r in rows if int(r.get("head_dim", -1)) == hd]
-        sparse, used = [], None
-        for kernel in SPARSE_KERNELS:
-            sparse = [float(r["tflops_kept"]) for r in mine if r.get("kernel") == kernel
-                      and r.get("tflops_kept") and float(r.get("density", 1.0)) < 1.0
-                      and r.get("layout", "local") in STRATEGY_LAYOUTS]
-            if sparse:
-                used = kernel
-                break
-        dense = [float(r["tflops_kept"]) / float(r["vs_cudnn"]) for r in mine
-                 if r.get("tflops_kept") and r.get("vs_cudnn")]
-        old = profile.kernel(hd)
-        fig = KernelFigure(head_dim=hd, sparse_tflops=statistics.median(sparse) if sparse else old.sparse_tflops,
-                           dense_tflops=statistics.median(dense) if dense else old.dense_tflops)
-        figures[hd] = fig
-        report[str(hd)] = {"sparse_kernel": used, "sparse_tflops": round(fig.sparse_tflops, 1),
-                           "dense_tflops": round(fig.dense_tflops, 1), "sparse_rows": len(sparse),
-                           "dense_rows": len(dense)}
-    return replace(profile, kernels=tuple(figures[h] for h in sorted(figures))), report
-
-
 # --- validation --------------------------------------------------------------------------------
-
-
-def newest(kind: str, root: Path = Path("bench/results"), *, per_subject: bool = False) -> list[Path]:
-    """The newest ``<kind>-<subject>-<machine>-<date>.json`` under ``root`` (ISO dates sort as
-    text): one per (subject, machine) with ``per_subject``, else one per machine."""
-    found: dict[tuple, Path] = {}
-    for path in sorted(Path(root).glob(f"{kind}-*.json")):
-        parts = path.stem.split("-")
-        if len(parts) < 6:  # kind, subject…, machine, YYYY, MM, DD
-            continue
-        machine, date = parts[-4], "-".join(parts[-3:])
-        key = ("-".join(parts[1:-4]), machine) if per_subject else (machine,)
-        if key not in found or date >= "-".join(found[key].stem.split("-")[-3:]):
-            found[key] = path
-    return sorted(found.values())
 
 
 def discover_attention(root: Path = Path("bench/results")) -> list[Path]:
@@ -351,30 +218,6 @@ def discover_attention(root: Path = Path("bench/results")) -> list[Path]:
     if not paths:
         raise ValueError(f"--validate found no attention-*.json under {root}; name the files")
     return paths
-
-
-def discover_calibration(root: Path = Path("bench/results")) -> list[Path]:
-    """The newest ``bench transport`` result under ``root``, and the ``bench kernel`` result of
-    the newest date that covers the most head dims (a one-GPU run over every preset shape
-    rather than a run of one shape), ties to the later name."""
-    transports = newest("transport", root)[-1:]
-    kernels = newest("kernel", root)
-    if kernels:
-        date = max("-".join(p.stem.split("-")[-3:]) for p in kernels)
-        kernels = [max((p for p in kernels if p.stem.endswith(date)), key=lambda p: (_head_dims(p), p.name))]
-    paths = transports + kernels
-    if not paths:
-        raise ValueError(f"--calibrate found no transport-*.json under {root}; name the files")
-    return paths
-
-
-def _head_dims(path: Path) -> int:
-    """How many head dims a ``bench kernel`` file has rows of (0 if unreadable)."""
-    try:
-        rows = json.loads(Path(path).read_text()).get("rows", [])
-        return len({r.get("head_dim") for r in rows if isinstance(r, dict)})
-    except (OSError, ValueError, AttributeError):
-        return 0
 
 
 def _commit(path: Path) -> str | None:

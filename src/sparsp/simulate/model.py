@@ -15,9 +15,10 @@ without changes here.
 
 Every rank first pays a fixed phase: ``call_ms`` plus the mask phase up to the call's one host
 sync, the longer of the host issuing its counted ops and the device's path (the metadata
-all-gather, the input passes, the mask selection). The constants below are counted from the
-code of the strategies and ``sparsp.plan`` (docs/simulate.md says how; ``opcount`` recounts
-the ops); nothing here is fitted to ``bench attention`` rows.
+all-gather, the input passes, the mask selection); after the sync the host issues the run
+phase's counted ops, which no kernel may outrun (``RUN_OPS``). The constants below are counted
+from the code of the strategies and ``sparsp.plan`` (docs/simulate.md says how; ``opcount``
+recounts the ops); nothing here is fitted to ``bench attention`` rows.
 """
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ GRAPHED_MASK_OPS = {"dense": (59, 0, 0), "sparse": (54, 0, 0), "direct": (54, 5,
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
 # attention``'s ``1gpu-sparse`` row: a plan without peers): 126 eager, 53 graphed.
 ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 126}, {"direct": 53}
+# Eager PyTorch ops the host issues after the host sync, in program order (``opcount``: every
+# op but the kernel's own, which on a GPU is one FA4 launch, ``Profile.launch_ms``): before the
+# first kernel call (the first pack, the first fetch, ulysses' all-to-all in and its copies),
+# before the last one (block lists, packs, fetches and merges between kernels), and after it
+# (the last merge, the output; ulysses' all-to-all out). Each as (constant, per peer, per
+# peer²), exact at G = 2, 3, 4, 6 but the ring's first: 40 at G = 2 (its one hop lands in the
+# output buffer), 41 from G = 3. No kernel starts before the host issued it (``timeline``).
+RUN_OPS = {"dense": ((40, 0, 0), (12, 57, 0), (26, 0, 0)),
+           "full-shards": ((40, 0, 0), (12, 58, 0), (26, 0, 0)),
+           "direct": ((15, 0, 0), (-20, 39, 0), (26, 0, 0)),
+           "relay": ((15, 0, 0), (-42, 87, 0), (26, 0, 0)),
+           "all-to-all": ((103, 75, 0), (84, 155, 47), (27, 9, 0))}
+ONE_RANK_RUN_OPS = {"direct": (3, 3, 3)}  # ``sparsp`` on a group of one: one kernel call
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
 # selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
@@ -93,6 +107,12 @@ MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES, RESULT_BYTES = 0, 8, 10, 6
 # slice copied into the fp32 output (8), cast to the input dtype (6), the pieces for the peers
 # made contiguous (4 · (G−1)/G) and the received pieces concatenated (4).
 ULYSSES_FIRST_BYTES, ULYSSES_MERGE_BYTES, ULYSSES_RESULT_BYTES = 14, 34, 18
+# ... and its copies on the way in, per element of one of the rank's inputs (B·S_r·H·D; bf16
+# traffic, read + write): Q, K, V stacked (12), the peers' head slices made contiguous
+# (12·(G−1)/G; the copy into the send buffer is the message's pack, charged with it), q of its
+# heads concatenated over the slices (4), each slice's K and V made contiguous (8) and packed
+# into a KVBuffer (8), each query slice made head-major (4), the fp32 output zeroed (4).
+ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES = 40, 12
 SCHEDULES = {"full-shards": "relay-ring", "relay": "relay-ring", "direct": "direct", "all-to-all": "all-to-all"}
 
 
@@ -127,9 +147,26 @@ class Work:
     host_ops: tuple[int, ...] = ()
     """Per rank: eager ops issued before the call's host sync (``MASK_OPS``, ``MASK_UNIT_OPS``)."""
     merge_bytes: tuple[tuple[int, ...], ...] = ()
-    """Per rank and compute step: device traffic of merging that step's partial result."""
+    """Per rank and compute step: device traffic beside the kernel — merging that step's
+    partial result (``ulysses``: and its copies, ``ULYSSES_INPUT_BYTES``)."""
     gather_bytes: tuple[int, ...] = ()
     """Per rank: bytes it receives in the metadata all-gather (header + padded summaries)."""
+    heads: int = 0
+    """Heads per batch element, and ``tokens`` the whole sequence: the shape ``bench kernel``
+    rows are keyed by (``Profile.kernel_rate``); 0 = unknown."""
+    tokens: int = 0
+    density: tuple[float, ...] = ()
+    """Per rank: the kept share of its queries' (query, key) pairs over the whole sequence
+    (``ulysses``: of its heads' queries), the density ``bench kernel`` rows are measured at."""
+    run_ops: tuple[tuple[int, int, int], ...] = ()
+    """Per rank: eager ops issued after the host sync before its first kernel call, before
+    its last, and after it (``RUN_OPS``); () = no host issue modelled."""
+
+    def layout(self, step: int) -> str:
+        """The kernel's K/V layout in compute step ``step``: the own shard as given (``local``,
+        step 0 of the ring-like and ``sparsp`` schedules) or a packed buffer (``packed``: every
+        received payload; ``ulysses`` packs every key slice)."""
+        return "local" if step == 0 and self.schedule != "all-to-all" else "packed"
 
     def sender(self, r: int, k: int) -> int:
         """Who sends rank r its round-k payload: the ring neighbour, or the owner (r−k)."""
@@ -354,9 +391,13 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
         # one eager merge chain per query slice over G key slices, on this rank's heads for
         # every token; then the output's copies and casts (``ULYSSES_*``)
         per = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
-        merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per),) for r in range(G))
+        merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per
+                             + BH * tokens[r] * head_dim * (ULYSSES_INPUT_BYTES + ULYSSES_PIECE_BYTES * (G - 1) / G)),)
+                      for r in range(G))
+        density = tuple(sum(d.head_pairs[first[r]:first[r] + split[r]]) / max(1, d.batch * split[r] * sum(tokens) ** 2)
+                        for r in range(G))
         return Work(strategy, schedule, G, flops, tuple((G * G,) for _ in range(G)), recv, back, masking,
-                    ops, merge, gathered)
+                    ops, merge, gathered, d.heads, sum(tokens), density, (run_ops(spec.byte_rule, G),) * G)
     dense = not spec.sparse
     flops = tuple(tuple(4.0 * head_dim * (BH * tokens[r] * tokens[(r - k) % G] if dense
                                           else d.pairs[r][(r - k) % G]) for k in range(G))
@@ -371,7 +412,10 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
         if d.relay is None:
             raise ValueError(f"{strategy}: the demand was measured without relay=True")
         recv = tuple(tuple(x * kv for x in d.relay[r]) for r in range(G))
-    return Work(strategy, schedule, G, flops, launches, recv, (), masking, ops, merge, gathered)
+    density = tuple(1.0 if dense else sum(d.pairs[r]) / max(1, BH * tokens[r] * sum(tokens)) for r in range(G))
+    kind = spec.byte_rule if spec.sparse else "dense"
+    return Work(strategy, schedule, G, flops, launches, recv, (), masking, ops, merge, gathered, d.heads,
+                sum(tokens), density, (run_ops(kind, G),) * G)
 
 
 def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
@@ -419,6 +463,16 @@ def mask_ops(kind: str, ranks: int, graphed: bool = True) -> int:
         return one[kind]
     a, b, c = table.get(kind, table["sparse"])
     return a + b * (ranks - 1) + c * (ranks - 1) ** 2
+
+
+def run_ops(kind: str, ranks: int) -> tuple[int, int, int]:
+    """Host ops after the sync (``RUN_OPS``) for a strategy of ``kind`` (``dense``, or a sparse
+    strategy's byte rule) on ``ranks`` ranks: (before the first kernel call, before the last,
+    after the last)."""
+    if ranks == 1 and kind in ONE_RANK_RUN_OPS:
+        return ONE_RANK_RUN_OPS[kind]
+    first, last, tail = (a + b * (ranks - 1) + c * (ranks - 1) ** 2 for a, b, c in RUN_OPS[kind])
+    return first, max(first, last), tail
 
 
 def _merge_steps(launches: tuple[int, ...], elements: int) -> tuple[int, ...]:

@@ -1,19 +1,22 @@
 """Count the eager PyTorch ops one ``sp_attention`` call issues, phase by phase (CPU, gloo).
 
 The cost model charges the host's issue time of the ops before the call's one host sync
-(``model.MASK_OPS`` × ``Profile.op_ms``): the device waits for them. This module counts them
-on the code as it is, so the constants can be recounted whenever the mask phase changes:
+(``model.MASK_OPS`` × ``Profile.op_ms``): the device waits for them; and of those after it up
+to each kernel call (``model.RUN_OPS``): no kernel starts before the host issued it. This
+module counts them on the code as it is, so the constants can be recounted whenever it changes:
 
-    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints MASK_OPS, GRAPHED_MASK_OPS
-                                                 # and the drain units' ops (MASK_UNIT_OPS)
+    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints MASK_OPS, GRAPHED_MASK_OPS,
+                                                 # the drain units' ops (MASK_UNIT_OPS) and RUN_OPS
 
 Every ``__torch_dispatch__`` call is one op (views included: each costs the host a dispatch).
 Phases are the benchmark's (``strategies.base.PhaseTimer``): ``mask`` = the metadata
 all-gather, the whole mask, the strategy's plan and ``Metadata.stage`` / ``finish`` up to its host read;
-``pack``, ``compute``, ``merge``; ``other`` = the rest (transport calls, the output cast). Only
-``mask`` is CPU-faithful: on the CPU the kernel is the ``torch`` reference and the merge runs
-eagerly, where a GPU runs one FA4 launch and one fused merge. Each call is counted after a
-warm-up call of the same geometry (per-geometry caches filled, as in a denoising loop).
+``pack``, ``compute``, ``merge``; ``other`` = the rest (transport calls, the output cast). ``mask``
+is CPU-faithful; after the sync, so is all but the kernel (on the CPU the ``torch`` reference,
+counted apart as ``kernel``: a GPU runs one FA4 launch, ``Profile.launch_ms``) and the merge (23
+eager ops here; on CUDA one compiled kernel, whose launch a profile put at ≈ 0.2 ms of host time,
+docs/performance.md: about the same). Each call is counted after a warm-up call of the same
+geometry (per-geometry caches filled, as in a denoising loop).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = {"dense": "ring", "sparse": "ring-sparse", "direct": "sparsp", "relay": "ring-relay"}
 """A strategy of each kind ``model.MASK_OPS`` distinguishes (``ulysses`` counts as ``sparse``)."""
+RUN_KINDS = {"dense": "ring", "full-shards": "ring-sparse", "direct": "sparsp", "relay": "ring-relay",
+             "all-to-all": "ulysses"}
+"""A strategy of each kind ``model.RUN_OPS`` distinguishes (a sparse strategy's byte rule)."""
 HEADS, HEAD_DIM, BLOCK, BLOCKS_PER_RANK = 12, 16, 16, 4
 """The counting geometry: 12 heads (divisible by G = 2, 3, 4, 6), whole blocks on every rank."""
 
@@ -41,9 +47,14 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.label = "other"
         self.counts: dict[str, int] = {}
+        self.run = 0  # ops after the mask phase (its host sync), the kernel's own excepted
+        self.after_sync = False
+        self.marks: list[int] = []  # ``run`` when each kernel call was issued
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[self.label] = self.counts.get(self.label, 0) + 1
+        if self.after_sync and self.label != "kernel":
+            self.run += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -62,6 +73,8 @@ class _Phases:
 
         def __exit__(self, *exc):
             self.counter.label = self.saved
+            if self.name == "mask":  # the call's host sync: the run phase begins
+                self.counter.after_sync = True
             return False
 
     def phase(self, name: str):
@@ -85,24 +98,50 @@ def _staged(counter: _Counter, fn):
     return wrapped
 
 
-def count_call(q, k, v, *, strategy: str, config, group=None) -> dict[str, int]:
+def _kernel(counter: _Counter, get_kernel):
+    """``strategies.base.get_kernel`` whose kernels mark when they were issued and count their
+    own ops as ``kernel`` (the CPU's ``torch`` reference; a GPU runs one FA4 launch instead)."""
+    def make(*args, **kwargs):
+        fn = get_kernel(*args, **kwargs)
+
+        def kernel(*a, **kw):
+            counter.marks.append(counter.run)
+            saved, counter.label = counter.label, "kernel"
+            try:
+                return fn(*a, **kw)
+            finally:
+                counter.label = saved
+        return kernel
+    return make
+
+
+def count_call(q, k, v, *, strategy: str, config, group=None) -> dict:
     """Ops per phase of one ``sp_attention`` call on this rank (after one warm-up call). The
     mask phase's ops that ``strategies/captured.py`` replays as one CUDA graph on the GPU (the
-    whole mask and ``captured.stage``) are counted apart, as ``stage``."""
+    whole mask and ``captured.stage``) are counted apart, as ``stage``; the kernel's own, as
+    ``kernel``. ``"run"``: the ops after the host sync but the kernel's; ``"marks"``: how many
+    of them came before each kernel call."""
     from .. import plan, sp_attention
-    from ..strategies import captured
+    from ..strategies import base, captured
 
     sp_attention(q, k, v, group=group, strategy=strategy, config=config)
     counter = _Counter()
-    saved = plan.Metadata.block_mask, captured.stage
+    saved = plan.Metadata.block_mask, captured.stage, base.get_kernel
     plan.Metadata.block_mask = _staged(counter, saved[0])
     captured.stage = _staged(counter, saved[1])
+    base.get_kernel = _kernel(counter, saved[2])
     try:
         with counter:
             sp_attention(q, k, v, group=group, strategy=strategy, config=config, _timer=_Phases(counter))
     finally:
-        plan.Metadata.block_mask, captured.stage = saved
-    return counter.counts
+        plan.Metadata.block_mask, captured.stage, base.get_kernel = saved
+    return {**counter.counts, "run": counter.run, "marks": list(counter.marks)}
+
+
+def run_ops(counts: dict) -> tuple[int, int, int]:
+    """(ops after the host sync before the first kernel call, before the last, after the last)."""
+    marks = counts["marks"]
+    return marks[0], marks[-1], counts["run"] - marks[-1]
 
 
 def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
@@ -201,7 +240,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     # a dense call first: once a sparse call has grown the group's summary capacity, a dense
     # one issues 2 ops more (the padded body of the all-gather)
-    jobs = [(s, 1) for s in KINDS.values()] + [("sparsp", u) for u in UNITS]
+    jobs = [(s, 1) for s in KINDS.values()] + [("sparsp", u) for u in UNITS] + [("ulysses", 1)]
     table = {G: count(G, jobs) for G in args.ranks}
     phases = ("mask", "stage", "pack", "compute", "merge", "other")
     print(f"ops per phase ({' / '.join(phases)}), rank 0; stage = the mask phase's ops a CUDA "
@@ -223,6 +262,20 @@ def main(argv=None) -> int:
         more = {u: eager_ops("direct", rows[len(KINDS) + j]) - eager_ops("direct", rows[base])
                 for j, u in enumerate(UNITS)}
         print(f"G={G}: sparsp mask ops more with both drain payloads in u units: {more}")
+    names = [s for s, _ in jobs]
+    for kind, strategy in RUN_KINDS.items():
+        i = names.index(strategy)  # the unchunked job
+        got = {G: run_ops(rows[i]) for G, rows in table.items()}
+        parts = []
+        for j, what in enumerate(("first", "last", "tail")):
+            pts = {G: v[j] for G, v in got.items()}
+            if len(pts) < 3:
+                parts.append(f"{what} {pts}")
+                continue
+            a, b, c = fit(pts)
+            exact = all(a + b * (G - 1) + c * (G - 1) ** 2 == y for G, y in pts.items())
+            parts.append(f"{what} ({a}, {b}, {c}){'' if exact else f' NOT exact: {pts}'}")
+        print(f"RUN_OPS[{kind!r}]: " + "; ".join(parts))
     return 0
 
 

@@ -40,14 +40,24 @@ class TransportFigure:
     path the profile's capacities describe; NCCL's copy kernels reach less)."""
     latency_ms: float = 0.1
     """Fixed cost of one message (publish, fetch handshake, copy launch), before bytes flow."""
+    loaded_efficiency: float | None = None
+    """The same share while the GPU at either end runs the attention kernel (``bench
+    transport``'s ``under_load`` rows, fitted by ``--calibrate``); None = ``efficiency``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TransportFigure.name must be a non-empty str, got {self.name!r}")
-        _positive("TransportFigure", "efficiency", self.efficiency)
-        if self.efficiency > 1.0:
-            raise ValueError(f"TransportFigure.efficiency must lie in (0, 1], got {self.efficiency!r}")
+        for attr in ("efficiency", "loaded_efficiency"):
+            value = getattr(self, attr)
+            _positive("TransportFigure", attr, value, allow_none=attr == "loaded_efficiency")
+            if value is not None and value > 1.0:
+                raise ValueError(f"TransportFigure.{attr} must lie in (0, 1], got {value!r}")
         _positive("TransportFigure", "latency_ms", self.latency_ms, allow_zero=True)
+
+    @property
+    def under_load(self) -> float:
+        """The efficiency while a kernel runs at either end."""
+        return self.efficiency if self.loaded_efficiency is None else self.loaded_efficiency
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +75,59 @@ class KernelFigure:
             raise ValueError(f"KernelFigure.head_dim must be a positive int, got {self.head_dim!r}")
         _positive("KernelFigure", "sparse_tflops", self.sparse_tflops)
         _positive("KernelFigure", "dense_tflops", self.dense_tflops)
+
+
+KERNEL_LAYOUTS = ("local", "packed", "dense")
+"""``bench kernel`` K/V layouts: ``local`` (a rank's own shard as given, ``LocalKV``), ``packed``
+(a received payload, ``KVBuffer``), ``dense`` (the dense kernel on contiguous K/V: every block)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelPoint:
+    """One ``bench kernel`` row of the strategies' block-sparse kernel at one shape: one rank's
+    queries against the whole sequence's keys, on the benchmark's own masks at one density
+    (``layout="dense"``: the same kernel family's dense row, density 1)."""
+
+    shape: str
+    """The row's shape name (a preset, or ``SQxSKxHxD``): for reports only."""
+    heads: int
+    head_dim: int
+    tokens: int
+    """Key tokens: the whole sequence (``k_rows``)."""
+    layout: str
+    density: float
+    """Kept share of the (query, key) pairs of the rank's queries over the whole sequence."""
+    tflops: float
+    """Kept-block TFLOP/s (4·q·k·D per kept pair)."""
+
+    def __post_init__(self) -> None:
+        for attr in ("heads", "head_dim", "tokens"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KernelPoint.{attr} must be a positive int, got {value!r}")
+        if self.layout not in KERNEL_LAYOUTS:
+            raise ValueError(f"KernelPoint.layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {self.layout!r}")
+        _positive("KernelPoint", "density", self.density)
+        if self.density > 1.0:
+            raise ValueError(f"KernelPoint.density must lie in (0, 1], got {self.density!r}")
+        _positive("KernelPoint", "tflops", self.tflops)
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through (x, y) points (the mean of those at one x), held constant
+    beyond the first and the last."""
+    assert points, "_interpolate needs at least one point"
+    by_x: dict[float, list[float]] = {}
+    for px, py in points:
+        by_x.setdefault(px, []).append(py)
+    xs = sorted(by_x)
+    ys = [sum(by_x[px]) / len(by_x[px]) for px in xs]
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,9 +164,13 @@ class Profile:
     """The transports this box runs; the first is the default (``--transport`` picks another)."""
     kernels: tuple[KernelFigure, ...]
     """Kernel rates per head dim; a head dim not listed takes the nearest one listed."""
+    kernel_points: tuple[KernelPoint, ...] = ()
+    """Measured rates per shape, layout and density (``--calibrate`` from ``bench kernel``);
+    ``kernel_rate`` prefers them to ``kernels`` for a shape they cover."""
     launch_ms: float = 0.1
-    """Per kernel call: launch and block-index building (an estimate; the merge's traffic is
-    counted apart, ``model.MERGE_*``). ``strategies/chunks.py`` charges it per chunk too."""
+    """Host time of one kernel call's launch (FA4's Python and the driver; an estimate), after
+    the call's host sync: no kernel starts before the host launched it (``timeline``; the ops
+    around it are counted, ``model.RUN_OPS``). ``strategies/chunks.py`` charges it per chunk."""
     call_ms: float = 1.0
     """Per attention call, every strategy: host time outside the counted ops — input
     validation, the plan's Python bookkeeping, the transport's fence. An estimate (1 ms), not
@@ -115,8 +182,9 @@ class Profile:
     NCCL's fitted latency when the transport results have NCCL rows."""
     op_ms: float = 0.01
     """Host time to issue one eager PyTorch op (dispatch and launch), charged for the ops of the
-    mask phase, which the GPU waits for (``model.MASK_OPS``, ``model.MASK_UNIT_OPS``): 10 µs,
-    the commonly quoted eager overhead per op — stated, not measured by ``bench kernel`` or
+    mask phase, which the GPU waits for (``model.MASK_OPS``, ``model.MASK_UNIT_OPS``), and for
+    those after the host sync, which no kernel may outrun (``model.RUN_OPS``): 10 µs, the
+    commonly quoted eager overhead per op — stated, not measured by ``bench kernel`` or
     ``bench transport``."""
     sources: tuple[str, ...] = ()
     """Where the figures come from (short references; details in docs/simulate.md)."""
@@ -146,6 +214,8 @@ class Profile:
                              f"got {self.transports!r}")
         if not self.kernels or not all(isinstance(k, KernelFigure) for k in self.kernels):
             raise ValueError(f"Profile.kernels must be a non-empty tuple of KernelFigure, got {self.kernels!r}")
+        if not all(isinstance(k, KernelPoint) for k in self.kernel_points):
+            raise ValueError(f"Profile.kernel_points must be a tuple of KernelPoint, got {self.kernel_points!r}")
         names = [t.name for t in self.transports]
         if len(set(names)) != len(names):
             raise ValueError(f"Profile.transports names repeat: {names}")
@@ -168,6 +238,19 @@ class Profile:
     def kernel(self, head_dim: int) -> KernelFigure:
         return min(self.kernels, key=lambda k: (abs(k.head_dim - head_dim), -k.head_dim))
 
+    def kernel_rate(self, head_dim: int, *, heads: int = 0, tokens: int = 0, layout: str = "local",
+                    density: float | None = None) -> float:
+        """Block-sparse TFLOP/s of a kernel step: from the ``kernel_points`` of this shape
+        (``heads`` × ``head_dim`` over ``tokens`` keys) in ``layout``, linear in the rank's
+        ``density`` between the measured densities and up to the dense row at 1 (a full mask
+        walks every block as the dense kernel does), constant beyond them; without points
+        for the shape and layout (or without a density), ``kernel(head_dim).sparse_tflops``."""
+        pts = [(p.density, p.tflops) for p in self.kernel_points
+               if (p.heads, p.head_dim, p.tokens) == (heads, head_dim, tokens) and p.layout in (layout, "dense")]
+        if density is None or not any(d < 1.0 for d, _ in pts):
+            return self.kernel(head_dim).sparse_tflops
+        return _interpolate(pts, density)
+
     def socket_of(self, gpu: int) -> int:
         return gpu // (self.gpus // self.sockets)
 
@@ -184,6 +267,7 @@ class Profile:
         try:
             doc["transports"] = tuple(TransportFigure(**t) for t in doc["transports"])
             doc["kernels"] = tuple(KernelFigure(**k) for k in doc["kernels"])
+            doc["kernel_points"] = tuple(KernelPoint(**k) for k in doc.get("kernel_points", ()))
             doc["sources"] = tuple(doc.get("sources", ()))
             return cls(**doc)
         except (KeyError, TypeError) as e:
@@ -310,4 +394,5 @@ def get_profile(name_or_path: str | Path) -> Profile:
                      f"or give a profile .json file")
 
 
-__all__ = ["BENCH_FABRICS", "KernelFigure", "PROFILES", "Profile", "TransportFigure", "get_profile"]
+__all__ = ["BENCH_FABRICS", "KERNEL_LAYOUTS", "KernelFigure", "KernelPoint", "PROFILES", "Profile", "TransportFigure",
+           "get_profile"]

@@ -13,8 +13,16 @@ issue it (``sparsp/strategies/*.py``):
 
 Transfers are fluid flows: every flow in flight shares each resource on its path (links,
 duplex caps, host memory, switch uplinks, the sockets' interconnect) max-min fairly, and rates
-are recomputed whenever a flow starts or ends. A message first pays the transport's latency
-and the sender's pack (bytes / device memory bandwidth), then its bytes flow.
+are recomputed whenever a flow or a kernel step starts or ends: while a kernel step runs at
+either end, a transport reaches its share under load (``TransportFigure.loaded_efficiency``).
+A message first pays the transport's latency and the sender's pack (bytes / device memory
+bandwidth), then its bytes flow.
+
+Kernel steps run at the measured rate of their shape, layout and density
+(``Profile.kernel_rate``), and none starts before the host launched it: after the call's host
+sync the host issues the counted ops of the run phase (``Work.run_ops``) and a launch per
+kernel call (``_HostIssue``), so a call whose device work is short (LTX sizes, ``ulysses``'
+per-slice copies and merges) waits for its host.
 """
 
 from __future__ import annotations
@@ -132,11 +140,15 @@ class Task:
     after: list[int]
     duration: float = 0.0  # ms; for a transfer: latency + pack before its bytes flow
     nbytes: float = 0.0
-    path: tuple[tuple[str, float], ...] = ()
+    path: tuple[tuple[str, float], ...] = ()  # capacity per payload byte at efficiency 1
     sender: int | None = None
     phase: int = 1  # ulysses: 1 = inputs in, 2 = outputs back
     start: float = math.nan
     end: float = math.nan
+    efficiency: float = 1.0  # a transfer: its transport's share of the path alone ...
+    loaded: float = 1.0  # ... and while a compute step runs at either end
+    not_before: float = 0.0  # ms: the host has issued it (its first kernel launch) ...
+    end_not_before: float = 0.0  # ... and its last kernel, which then still runs (ms)
 
 
 @dataclass
@@ -185,8 +197,7 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
         raise ValueError(f"{G} ranks exceed the {profile.gpus} GPUs of profile {profile.name}")
     if not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
-    tf: TransportFigure = profile.transport(transport)
-    kf = profile.kernel(head_dim)
+    tf = profile.transport(transport)
     caps = capacities(profile, G)
     tasks: list[Task] = []
 
@@ -198,15 +209,17 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
         if "compute" in skip:
             return 0.0
         merge = _ms(work.merge_bytes[r][i], profile.hbm_gbps) if work.merge_bytes else 0.0
-        return work.flops[r][i] / (kf.sparse_tflops * 1e9) + work.launches[r][i] * profile.launch_ms + merge
+        rate = profile.kernel_rate(head_dim, heads=work.heads, tokens=work.tokens, layout=work.layout(i),
+                                   density=work.density[r] if work.density else None)
+        return work.flops[r][i] / (rate * 1e9) + merge
 
     def transfer(r: int, k: int, nbytes: int, after: list[int], phase: int = 1) -> int:
         s = work.sender(r, k)
         if nbytes == 0 or "transfer" in skip:  # nothing to send: no message at all
             return add(Task("transfer", r, k, after, sender=s, phase=phase))
-        path = tuple((res, w / tf.efficiency) for res, w in route(profile, s, r, caps))
         pre = tf.latency_ms + _ms(nbytes, profile.hbm_gbps)  # handshake + the sender's pack
-        return add(Task("transfer", r, k, after, pre, float(nbytes), path, s, phase))
+        return add(Task("transfer", r, k, after, pre, float(nbytes), route(profile, s, r, caps), s, phase,
+                        efficiency=tf.efficiency, loaded=tf.under_load))
 
     gather_rate = collective_gbps(profile)
     fixed = []
@@ -219,16 +232,65 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
         host = work.host_ops[r] * profile.op_ms if work.host_ops else 0.0
         cost = profile.call_ms + max(device, host)
         fixed.append(add(Task("fixed", r, 0, [], 0.0 if "fixed" in skip else cost)))
+    issue = _HostIssue(work, profile, [0.0 if "fixed" in skip else tasks[f].duration for f in fixed],
+                       free="fixed" in skip)
+
+    def compute(r: int, i: int, after: list[int]) -> int:
+        first, last = issue.launched(r, i)
+        dur = compute_ms(r, i)
+        return add(Task("compute", r, i, after, dur, not_before=first,
+                        end_not_before=last + dur / max(1, work.launches[r][i])))
+
     if work.schedule == "all-to-all":
-        _ulysses(work, fixed, add, transfer, compute_ms)
+        _ulysses(work, fixed, add, transfer, compute)
     else:
-        _overlapped(work, fixed, add, transfer, compute_ms, prefetch)
+        _overlapped(work, fixed, add, transfer, compute, prefetch)
+    for r in range(G):  # the host's last op (the output) ends the call at the earliest
+        add(Task("fixed", r, 1, [fixed[r]], not_before=issue.done(r)))
     _run(tasks, caps)
     finish = [max(t.end for t in tasks if t.rank == r) for r in range(G)]
     return Timeline(work, tasks, finish)
 
 
-def _overlapped(work: Work, fixed, add, transfer, compute_ms, prefetch: int) -> None:
+class _HostIssue:
+    """When the host has issued each kernel launch after the call's host sync: its counted ops
+    (``Work.run_ops``, ``Profile.op_ms`` each, spread evenly between the first launch and the
+    last) and every launch before and with it (``Profile.launch_ms`` each: FA4's Python and the
+    driver). The device waits for the host where it is ahead of it (LTX sizes); where it is
+    behind (large shards), the host's issue is hidden."""
+
+    def __init__(self, work: Work, profile: Profile, sync: list[float], *, free: bool) -> None:
+        self.work, self.profile, self.sync, self.free = work, profile, sync, free
+
+    def _slots(self, r: int) -> int:
+        # one launch per step (ring-like, sparsp: a step without kept blocks is walked all the
+        # same), or the one step's many (ulysses)
+        w = self.work
+        return w.launches[r][0] if w.schedule == "all-to-all" else len(w.flops[r])
+
+    def _at(self, r: int, j: int) -> float:
+        first, last, _ = self.work.run_ops[r] if self.work.run_ops else (0, 0, 0)
+        n = self._slots(r)
+        ops = first + (last - first) * j / (n - 1) if n > 1 else first
+        return self.sync[r] + ops * self.profile.op_ms + (j + 1) * self.profile.launch_ms
+
+    def launched(self, r: int, step: int) -> tuple[float, float]:
+        """(ms) when the host has launched compute step ``step``'s first kernel and its last."""
+        if self.free:
+            return 0.0, 0.0
+        if self.work.schedule == "all-to-all":
+            return self._at(r, 0), self._at(r, self._slots(r) - 1)
+        return self._at(r, step), self._at(r, step)
+
+    def done(self, r: int) -> float:
+        """(ms) when the host has issued the call's every op."""
+        if self.free:
+            return 0.0
+        _, last, tail = self.work.run_ops[r] if self.work.run_ops else (0, 0, 0)
+        return self.sync[r] + (last + tail) * self.profile.op_ms + self._slots(r) * self.profile.launch_ms
+
+
+def _overlapped(work: Work, fixed, add, transfer, compute, prefetch: int) -> None:
     """ring / ring-sparse / ring-relay (double-buffered relay) and sparsp (direct, prefetched)."""
     G = work.ranks
     T = [[None] * G for _ in range(G)]  # T[r][k]: transfer of round k into r
@@ -236,7 +298,7 @@ def _overlapped(work: Work, fixed, add, transfer, compute_ms, prefetch: int) -> 
     ring = work.schedule == "relay-ring"
     ahead = 1 if ring else prefetch
     for r in range(G):
-        C[r][0] = add(Task("compute", r, 0, [fixed[r]], compute_ms(r, 0)))
+        C[r][0] = compute(r, 0, [fixed[r]])
     for k in range(1, G):
         for r in range(G):
             s = work.sender(r, k)
@@ -251,22 +313,28 @@ def _overlapped(work: Work, fixed, add, transfer, compute_ms, prefetch: int) -> 
                     after.append(C[r][j - 1])
             T[r][k] = transfer(r, k, work.recv[r][k - 1], after)
         for r in range(G):
-            C[r][k] = add(Task("compute", r, k, [C[r][k - 1], T[r][k]], compute_ms(r, k)))
+            C[r][k] = compute(r, k, [C[r][k - 1], T[r][k]])
 
 
-def _ulysses(work: Work, fixed, add, transfer, compute_ms) -> None:
+def _ulysses(work: Work, fixed, add, transfer, compute) -> None:
     """All-to-all in (G−1 sequential rounds), one compute step, all-to-all out; no overlap."""
     G = work.ranks
     prev = {r: [fixed[r]] for r in range(G)}
     for k in range(1, G):
         cur = {r: transfer(r, k, work.recv[r][k - 1], prev[r] + prev[work.sender(r, k)]) for r in range(G)}
         prev = {r: [cur[r]] for r in range(G)}
-    C = {r: add(Task("compute", r, 0, prev[r], compute_ms(r, 0))) for r in range(G)}
+    C = {r: compute(r, 0, prev[r]) for r in range(G)}
     prev = {r: [C[r]] for r in range(G)}
     for k in range(1, G):
         cur = {r: transfer(r, k, work.back[r][k - 1], prev[r] + prev[work.sender(r, k)], phase=2)
                for r in range(G)}
         prev = {r: [cur[r]] for r in range(G)}
+
+
+def _scaled(task: Task, busy: set[int]) -> tuple[tuple[str, float], ...]:
+    """A transfer's path at its transport's share now: 1/efficiency of capacity per byte."""
+    eff = task.loaded if task.rank in busy or task.sender in busy else task.efficiency
+    return tuple((res, w / eff) for res, w in task.path)
 
 
 def _run(tasks: list[Task], caps: dict[str, float]) -> None:
@@ -279,25 +347,33 @@ def _run(tasks: list[Task], caps: dict[str, float]) -> None:
     now, finished = 0.0, 0
     eps = 1e-9
     while finished < n:
-        progress = True
+        progress, issued = True, []
         while progress:  # start what is ready; finish zero-length tasks at once
-            progress = False
+            progress, issued = False, []
             for i, t in enumerate(tasks):
                 if started[i] or not all(done[a] for a in t.after):
                     continue
+                if t.not_before > now + eps:  # the host has not issued it yet
+                    issued.append(t.not_before)
+                    continue
                 started[i], t.start = True, now
-                ready_at[i] = now + t.duration
-                if t.duration <= 0 and (t.kind != "transfer" or left[i] <= 0):
+                ready_at[i] = max(now + t.duration, t.end_not_before)
+                if ready_at[i] <= now + eps and (t.kind != "transfer" or left[i] <= 0):
                     t.end, done[i] = now, True
                     finished += 1
                     progress = True
         if finished == n:
             break
-        flowing = {i: tasks[i].path for i in range(n)
+        # a transfer flows at its transport's loaded share while a kernel step runs at either
+        # end (``TransportFigure.loaded_efficiency``); compute steps start and end at events
+        busy = {t.rank for i, t in enumerate(tasks) if t.kind == "compute" and started[i] and not done[i]
+                and ready_at[i] > now + eps}
+        flowing = {i: _scaled(tasks[i], busy) for i in range(n)
                    if started[i] and not done[i] and tasks[i].kind == "transfer" and ready_at[i] <= now + eps
                    and left[i] > 0}
         rates = fair_rates(flowing, caps)
         events = [ready_at[i] for i in range(n) if started[i] and not done[i] and ready_at[i] > now + eps]
+        events += issued
         events += [now + left[i] / (rates[i] * 1e6) for i in flowing if rates[i] > 0]
         if not events:
             raise AssertionError("simulation stalled: a dependency cycle in the schedule")

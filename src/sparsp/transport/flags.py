@@ -48,6 +48,7 @@ load→load order. Weakly ordered CPUs (aarch64) would need explicit barriers he
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable
 
@@ -154,3 +155,99 @@ def wait_flag(words: np.ndarray, index: int, expected: int, *, timeout_s: float,
             return
         if time.monotonic() > deadline:
             raise TimeoutError(describe(value))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Awaited:
+    words: np.ndarray
+    index: int
+    expected: int
+    deadline: float
+    timeout_s: float
+    what: str  # "rank r: fetch from peer p: slot s (use u, chunk c) of epoch e"
+
+
+class DeviceWaits:
+    """Flags that GPU streams wait on (``cuStreamWaitValue32``), checked on the host.
+
+    ``add`` registers one with its deadline (now + the transport's timeout). ``settle`` polls
+    every registered flag until its deadline and raises ``TimeoutError`` naming the first that
+    never came, after storing the awaited value into each missing word, so that no stream
+    stays blocked on a dead peer. A watchdog thread does the same for flags past their deadline
+    while the host is blocked somewhere else — a CUDA call that waits for the device (an
+    allocation that has to map memory, the caller's own ``synchronize``) would otherwise wait
+    forever behind the blocked stream — and keeps the error for the next ``settle``. The
+    released stream then copies stale bytes: the call that raises has no valid output.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list[_Awaited] = []
+        self._expired: list[str] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, words: np.ndarray, index: int, expected: int, timeout_s: float, what: str) -> None:
+        with self._cond:
+            self._items.append(_Awaited(words, index, expected, time.monotonic() + timeout_s,
+                                        timeout_s, what))
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._watch, name="sparsp-flag-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def settle(self, *, cap_s: float, spin_s: float) -> None:
+        with self._cond:
+            items, self._items = self._items, []
+            expired, self._expired = self._expired, []
+        for i, a in enumerate(items):
+            try:
+                wait_flag(a.words, a.index, a.expected,
+                          timeout_s=max(0.0, a.deadline - time.monotonic()), cap_s=cap_s,
+                          spin_s=spin_s, describe=lambda v, a=a: _missing(a, v))
+            except TimeoutError:
+                for b in items[i:]:
+                    _release(b)
+                raise
+        if expired:
+            more = f" (and {len(expired) - 1} more)" if len(expired) > 1 else ""
+            raise TimeoutError(expired[0] + more)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                for a in [a for a in self._items if a.deadline <= now]:
+                    self._items.remove(a)
+                    value = _release(a)
+                    if value is not None:
+                        self._expired.append(_missing(a, value) + "; the stream waiting for it "
+                                             "was released, so this call's output is not valid")
+                nxt = min((a.deadline for a in self._items), default=None)
+                self._cond.wait(None if nxt is None else max(nxt - now, 1e-3))
+
+
+def _missing(a: _Awaited, value: int) -> str:
+    return (f"{a.what} not published within {a.timeout_s:g} s "
+            f"(flag holds {describe_flag(value)})")
+
+
+def _release(a: _Awaited) -> int | None:
+    """Store the awaited value if the word lacks it (the GPU waiter runs on); the old value,
+    or None when it had arrived."""
+    try:
+        value = int(a.words[a.index])
+        if flag_reached(value, a.expected):
+            return None
+        a.words[a.index] = a.expected
+        return value
+    except (IndexError, ValueError):  # the segment is gone (closed): nothing waits on it
+        return None

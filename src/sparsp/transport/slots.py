@@ -75,7 +75,7 @@ import torch.distributed as dist
 from .base import DoneHandle, Transport
 from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
-from .flags import Backoff, FlagLayout, describe_flag, encode_flag, flag_reached, wait_flag
+from .flags import Backoff, DeviceWaits, FlagLayout, describe_flag, encode_flag, wait_flag
 from .shm import HEADER_BYTES, PAGE, ShmSegment, agree_tag, round_up, sweep_stale
 
 log = logging.getLogger("sparsp")
@@ -140,7 +140,7 @@ class SlotWindows(Transport):
         self._worker: Worker | None = None
         self._signaler: Worker | None = None
         self._ops: DeviceOps | None = None
-        self._awaiting: list[tuple[int, int, int, int, int]] = []  # settle(): device-side waits
+        self._waits = DeviceWaits()  # settle(): the flags our streams wait for on the GPU
         if stream_waits is None:
             stream_waits = _env_flag("SPARSP_STREAM_WAITS") is not False
         self._reset_state()
@@ -315,23 +315,20 @@ class SlotWindows(Transport):
         here instead: ``sp_attention`` calls this once per call, after the whole call is
         queued, and ``fence`` and ``close`` call it too. Before raising, the awaited values are
         stored into the flag words, so that no stream of ours stays blocked on a dead peer
-        (those copies then move stale bytes, of a call that raises). Never waits for a flag
-        that already holds its value, so a healthy call pays a few word reads.
+        (those copies then move stale bytes, of a call that raises); a watchdog thread does
+        that at the deadline if the host is blocked elsewhere first, and the error waits here
+        (``flags.DeviceWaits``). Never waits for a flag that already holds its value, so a
+        healthy call pays a few word reads.
         """
-        awaiting, self._awaiting = self._awaiting, []
-        for i, (peer, slot, use, count, epoch) in enumerate(awaiting):
-            try:
-                self._wait_published(peer, slot, use, count, epoch)
-            except TimeoutError:
-                for p, s, u, c, e in awaiting[i:]:
-                    index = self._layout.published(self.rank, s)
-                    if not flag_reached(self._flags[p][index], encode_flag(e, u, c)):
-                        self._flags[p][index] = encode_flag(e, u, c)
-                raise
+        self._waits.settle(cap_s=self._poll_cap, spin_s=self._poll_spin)
 
     def _await_on_gpu(self, peer: int, slot: int, use: int, count: int, epoch: int) -> None:
-        """A stream of ours waits on the GPU for this 'published' value: ``settle`` checks it."""
-        self._awaiting.append((peer, slot, use, count, epoch))
+        """A stream of ours waits on the GPU for this 'published' value: ``settle`` checks it
+        (and ``flags.DeviceWaits``' watchdog, should the host block before that)."""
+        self._waits.add(self._flags[peer], self._layout.published(self.rank, slot),
+                        encode_flag(epoch, use, count), self.timeout_s,
+                        f"rank {self.rank}: fetch from peer {peer}: slot {slot} (use {use}, "
+                        f"chunk {count}) of epoch {epoch}")
 
     def reserve(self, nbytes: int) -> None:
         """Collective: make every slot hold at least ``nbytes`` (same value on every rank).
@@ -540,6 +537,7 @@ class SlotWindows(Transport):
         self._segs = []
 
     def _teardown(self) -> None:
+        self._waits.stop()
         for w in (self._worker, self._signaler):
             if w is not None:
                 w.stop()
