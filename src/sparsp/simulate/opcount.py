@@ -87,10 +87,10 @@ class _Phases:
         return None
 
 
-def _staged(counter: _Counter, fn):
-    """``fn`` with its ops counted as ``stage`` (what a CUDA graph replays on the GPU)."""
+def _labelled(counter: _Counter, label: str, fn):
+    """``fn`` with its ops counted under ``label``."""
     def wrapped(*args, **kwargs):
-        saved, counter.label = counter.label, "stage"
+        saved, counter.label = counter.label, label
         try:
             return fn(*args, **kwargs)
         finally:
@@ -98,19 +98,20 @@ def _staged(counter: _Counter, fn):
     return wrapped
 
 
+def _staged(counter: _Counter, fn):
+    """``fn`` with its ops counted as ``stage`` (what a CUDA graph replays on the GPU)."""
+    return _labelled(counter, "stage", fn)
+
+
 def _kernel(counter: _Counter, get_kernel):
     """``strategies.base.get_kernel`` whose kernels mark when they were issued and count their
     own ops as ``kernel`` (the CPU's ``torch`` reference; a GPU runs one FA4 launch instead)."""
     def make(*args, **kwargs):
-        fn = get_kernel(*args, **kwargs)
+        counted = _labelled(counter, "kernel", get_kernel(*args, **kwargs))
 
         def kernel(*a, **kw):
             counter.marks.append(counter.run)
-            saved, counter.label = counter.label, "kernel"
-            try:
-                return fn(*a, **kw)
-            finally:
-                counter.label = saved
+            return counted(*a, **kw)
         return kernel
     return make
 
