@@ -696,3 +696,33 @@ def test_discovery_prefers_the_kernel_file_covering_more_head_dims(tmp_path):
     kernel_file("kernel-all-4xH200-2026-11-29.json", (32, 64, 128))  # older
     assert [p.name for p in discover_calibration(tmp_path)] == [
         "transport-all-2xH200-2026-11-30.json", "kernel-all-1xH200-2026-11-30.json"]
+
+
+@pytest.mark.parametrize("kind, ranks", [("contiguous", 2), ("periodic", 3), ("periodic", 4)])
+def test_demand_figures_equal_a_brute_force_count(kind, ranks):
+    """``demand_figures`` (what ``strategy="auto"`` reads) against loops over every block pair,
+    in the call's placed order with a short tail block."""
+    from sparsp.simulate.model import Blocks, demand_figures
+
+    g = torch.Generator().manual_seed(ranks)
+    seq = tuple(16 * 3 + (5 if r == ranks - 1 else 0) for r in range(ranks))  # last rank: a short block
+    blocks = Blocks.of_call(seq, 16)
+    nB, heads, batch = len(blocks.lengths), 3, 2
+    masks = torch.rand(batch * heads, nB, nB, generator=g) < 0.4
+    got = demand_figures(masks, blocks, batch=batch).tolist()
+    owner, L = blocks.owner.tolist(), blocks.lengths.tolist()
+    pairs = [[0] * ranks for _ in range(ranks)]
+    direct = [[0] * ranks for _ in range(ranks)]
+    head = [0] * heads
+    for bh in range(batch * heads):
+        for i in range(nB):
+            for j in range(nB):
+                if masks[bh, i, j]:
+                    pairs[owner[i]][owner[j]] += L[i] * L[j]
+                    head[bh % heads] += L[i] * L[j]
+        for r in range(ranks):
+            for j in range(nB):
+                if owner[j] != r and any(masks[bh, i, j] for i in range(nB) if owner[i] == r):
+                    direct[r][owner[j]] += L[j]
+    want = [x for row in pairs for x in row] + [x for row in direct for x in row] + head
+    assert got == want

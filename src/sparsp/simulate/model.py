@@ -23,7 +23,7 @@ recounts the ops); nothing here is fitted to ``bench attention`` rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -198,6 +198,22 @@ class Blocks:
     block_size: int  # the longest block
     short: torch.Tensor  # long: blocks shorter than the longest (tail blocks), few
     rows: tuple[slice, ...] | None = None  # each rank's blocks as a slice (placed order: no host sync)
+    _consts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def constants(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lengths, lengths × owner one-hot [nB, G], owner one-hot [nB, G], the lengths of the
+        blocks remote to each rank [G, nB]) on ``device``, float64 but the first; made once per
+        ``Blocks`` and device (``strategy="auto"`` keeps one ``Blocks`` per geometry, so a
+        captured plan stage only reads them)."""
+        key = str(device)
+        got = self._consts.get(key)
+        if got is None:
+            L = self.lengths.to(device)
+            onehot = (self.owner.to(device)[:, None]
+                      == torch.arange(self.ranks, device=device)[None, :]).double()
+            got = self._consts[key] = (L, L.double()[:, None] * onehot, onehot,
+                                       (1.0 - onehot.T) * L.double()[None, :])
+        return got
 
     @staticmethod
     def of(placement: Placement) -> "Blocks":
@@ -260,11 +276,10 @@ class Demand:
 
 
 def _pair_tokens(masks: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Float64 [G, G] (exact integers): kept (query token, key token) pairs, all heads."""
-    L = blocks.lengths.to(masks.device)
-    weight = masks.sum(dim=0) * (L[:, None] * L[None, :])  # int64 [nB, nB]
-    onehot = torch.nn.functional.one_hot(blocks.owner.to(masks.device), blocks.ranks).double()
-    return onehot.T @ weight.double() @ onehot
+    """Float64 [G, G] (exact integers): kept (query token, key token) pairs, all heads:
+    Σ_h (L·onehot)ᵀ M_h (L·onehot)."""
+    _, lo, _, _ = blocks.constants(masks.device)
+    return lo.T @ masks.sum(dim=0).double() @ lo
 
 
 def measure(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool = False) -> Demand:
@@ -295,12 +310,13 @@ def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay
     if BH % batch:
         raise ValueError(f"{BH} mask rows do not split into a batch of {batch}")
     device = masks.device
-    L = blocks.lengths.to(device)
-    owner = blocks.owner.to(device)
-    onehot = torch.nn.functional.one_hot(owner, G).double()
+    L, _, onehot, remote = blocks.constants(device)
     pairs = _pair_tokens(masks, blocks)
-    need = demand.remote_demand(masks, owner, G, rows=None if blocks.rows is None else list(blocks.rows))
-    direct = (need.sum(dim=1) * L).double() @ onehot  # [r, p] token-heads
+    if blocks.rows is None:  # analysis order: the one demand function (boolean row selection)
+        need = demand.remote_demand(masks, blocks.owner.to(device), G)
+    else:  # a call's placed order: each rank's rows are a slice; its own blocks drop out below
+        need = torch.stack([masks[:, rows, :].any(dim=-2) for rows in blocks.rows])
+    direct = (need.sum(dim=1).double() * remote) @ onehot  # [r, p] token-heads, remote blocks only
     # kept pairs per head without a [BH, nB, nB] integer temporary: every block has the
     # longest length but the few short ones, corrected column by column
     full = blocks.block_size
@@ -311,6 +327,7 @@ def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay
     head_pairs = (inner * L).sum(dim=-1).view(batch, BH // batch).sum(dim=0).double()
     parts = [pairs.flatten(), direct.flatten(), head_pairs]
     if relay:
+        owner = blocks.owner.to(device)
         hops = torch.zeros(G, max(G - 1, 1), dtype=torch.float64, device=device)
         for p in range(G):
             mine = (owner == p)[None, :]
