@@ -236,8 +236,12 @@ class DeviceWaits:
 
 
 def _missing(a: _Awaited, value: int) -> str:
-    return (f"{a.what} not published within {a.timeout_s:g} s "
-            f"(flag holds {describe_flag(value)})")
+    return not_published(a.what, a.timeout_s, value)
+
+
+def not_published(what: str, timeout_s: float, value: int) -> str:
+    """The message of a 'published' flag that never came: ``what`` names rank, peer, slot."""
+    return f"{what} not published within {timeout_s:g} s (flag holds {describe_flag(value)})"
 
 
 def _release(a: _Awaited) -> int | None:

@@ -75,7 +75,8 @@ import torch.distributed as dist
 from .base import DoneHandle, Transport
 from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
-from .flags import Backoff, DeviceWaits, FlagLayout, describe_flag, encode_flag, wait_flag
+from .flags import (Backoff, DeviceWaits, FlagLayout, describe_flag, encode_flag, not_published,
+                    wait_flag)
 from .shm import HEADER_BYTES, PAGE, ShmSegment, agree_tag, round_up, sweep_stale
 
 log = logging.getLogger("sparsp")
@@ -327,8 +328,7 @@ class SlotWindows(Transport):
         (and ``flags.DeviceWaits``' watchdog, should the host block before that)."""
         self._waits.add(self._flags[peer], self._layout.published(self.rank, slot),
                         encode_flag(epoch, use, count), self.timeout_s,
-                        f"rank {self.rank}: fetch from peer {peer}: slot {slot} (use {use}, "
-                        f"chunk {count}) of epoch {epoch}")
+                        self._fetch_what(peer, slot, use, count, epoch))
 
     def reserve(self, nbytes: int) -> None:
         """Collective: make every slot hold at least ``nbytes`` (same value on every rank).
@@ -399,14 +399,15 @@ class SlotWindows(Transport):
 
             self._signaler.submit(store)
 
-    def _wait_published(self, peer: int, slot: int, use: int, count: int, epoch: int) -> None:
-        def describe(value: int) -> str:
-            return (f"rank {self.rank}: fetch from peer {peer}: slot {slot} (use {use}, chunk "
-                    f"{count}) of epoch {epoch} not published within {self.timeout_s:g} s "
-                    f"(flag holds {describe_flag(value)})")
+    def _fetch_what(self, peer: int, slot: int, use: int, count: int, epoch: int) -> str:
+        return (f"rank {self.rank}: fetch from peer {peer}: slot {slot} (use {use}, chunk "
+                f"{count}) of epoch {epoch}")
 
+    def _wait_published(self, peer: int, slot: int, use: int, count: int, epoch: int) -> None:
+        what = self._fetch_what(peer, slot, use, count, epoch)
         wait_flag(self._flags[peer], self._layout.published(self.rank, slot),
-                  encode_flag(epoch, use, count), timeout_s=self.timeout_s, describe=describe,
+                  encode_flag(epoch, use, count), timeout_s=self.timeout_s,
+                  describe=lambda value: not_published(what, self.timeout_s, value),
                   cap_s=self._poll_cap, spin_s=self._poll_spin)
 
     def _wait_released(self, peer: int, slot: int, use: int) -> None:
