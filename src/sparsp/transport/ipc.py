@@ -14,17 +14,15 @@ group. Which copy engine moves the bytes (``copy=`` or ``SPARSP_IPC_COPY``):
   fetch is a cross-device ``copy_`` queued on a stream of that device: the *owner's* copy
   engine reads its local memory and writes over NVLink into ``out``, fenced two-way with our
   copy stream. This process then holds a CUDA context on each peer GPU too, and work of two
-  contexts on one GPU is time-sliced, not concurrent: a push copy waits while the owner's own
-  process runs kernels on that GPU.
+  contexts on one GPU is time-sliced (without MPS).
 
 Measured on 2×H200 (NV18, both GPUs exchanging 256 MiB, 3 runs each): push 368.2–370.3 GB/s,
 pull 346.0–353.7 GB/s alone (NVLink writes beat reads); under an attention kernel push 307.6,
-pull 324.5. Push was the default until the attention path, which always overlaps copies with
-kernels, was measured without the host poll in ``wait()``: ``sparsp`` over push ``ipc`` at
-LTX-Video size still showed 0.86 ms of exposed transfer against 0.22 over NCCL (2026-11-30),
-and the silent-peer GPU test hung with push (a copy queued on the stalled peer's GPU behind a
-flag, that peer's process in an NCCL barrier). Without cuda-python there are no stream waits
-either: push copies are then issued by a host thread once it saw the flag.
+pull 324.5. Pull is the default since the night of 2026-11-30: with the host poll gone from
+``wait()`` every process then works on its own GPU only. It did not change the attention
+path's exposed transfer at LTX-Video size (0.86 ms push, 0.81 ms pull, against 0.22 over
+NCCL). Without cuda-python there are no stream waits either: push copies are then issued by
+a host thread once it saw the flag.
 
 The protocol on top:
 
