@@ -17,12 +17,14 @@ are truly sparse), ``reference`` (float64 masked attention in one process), ``sl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
 import queue
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -38,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world_size: int, port: int, backend: str, args: tuple, results,
+def _entry(fn, rank: int, world_size: int, init: str, backend: str, args: tuple, results,
            timeout: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -49,7 +51,7 @@ def _entry(fn, rank: int, world_size: int, port: int, backend: str, args: tuple,
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(backend, init_method=init, rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
@@ -69,9 +71,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
     """``[fn(rank, world_size, *args) for rank]``, each rank in its own process."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # a file store, not a TCP port: a port picked free here can be taken before rank 0 listens
+    # (seen on the GPU machine: EADDRINUSE right after a test whose processes were killed)
+    store = tempfile.NamedTemporaryFile(prefix="sparsp-store-", delete=False)
+    store.close()
+    os.unlink(store.name)  # the file store creates it; a stale file would hold old keys
+    init = f"file://{store.name}"
     procs = [ctx.Process(target=_entry, name=f"rank{r}",
-                         args=(fn, r, world_size, port, backend, args, results, timeout))
+                         args=(fn, r, world_size, init, backend, args, results, timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -106,6 +113,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
                 p.kill()
                 p.join()
         results.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store.name)
     if errors:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:\n{text}")

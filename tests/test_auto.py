@@ -57,25 +57,27 @@ class _Count(logging.Handler):
 
 @contextlib.contextmanager
 def _host_reads():
-    """Counts the call's host reads (``plan.to_host``); a separate read of the demand figures
+    """Counts the call's host reads (``plan.to_host``, ``plan.start_host_read``); a separate read of the demand figures
     (``simulate.model.measure``) fails the call."""
     import sparsp.plan as plan
     import sparsp.simulate.model as model
 
-    reads, to_host, measure = [0], plan.to_host, model.measure
+    reads, to_host, start, measure = [0], plan.to_host, plan.start_host_read, model.measure
 
-    def counted(*a, **kw):
-        reads[0] += 1
-        return to_host(*a, **kw)
+    def counted(fn):
+        def wrapped(*a, **kw):
+            reads[0] += 1
+            return fn(*a, **kw)
+        return wrapped
 
     def refused(*a, **kw):
         raise AssertionError("auto read its demand figures on the host on their own")
 
-    plan.to_host, model.measure = counted, refused
+    plan.to_host, plan.start_host_read, model.measure = counted(to_host), counted(start), refused
     try:
         yield reads
     finally:
-        plan.to_host, model.measure = to_host, measure
+        plan.to_host, plan.start_host_read, model.measure = to_host, start, measure
 
 
 def _auto_worker(rank, world, H, cases):

@@ -71,12 +71,14 @@ def test_configs_ablation_rows_switch_on_one_thing_at_a_time(fabric, copy_engine
         ("sparsp", "periodic", copy_engine),  # + the fabric's copy-engine transport
         ("sparsp", "periodic", copy_engine),  # + the chunked drain
         ("sparsp", "periodic", copy_engine),  # + the CUDA-graph plan stage (instead)
+        ("sparsp", "periodic", copy_engine),  # + the local kernel first, added to the graphs
     ]
-    # chunking and graphs are off until their own steps, each added to the copy-engine row
+    # chunking, graphs and local-first are off until their own steps
     configs = [attention.ablation_config(r[3]) for r in ablation]
     assert all(c["chunks"] == 1 for c in configs)
-    assert [c["drain_chunks"] for c in configs] == [1, 1, 1, 1, 1, 4, 1]
-    assert [c["cuda_graphs"] for c in configs] == [False] * 6 + [True]
+    assert [c["drain_chunks"] for c in configs] == [1, 1, 1, 1, 1, 4, 1, 1]
+    assert [c["cuda_graphs"] for c in configs] == [False] * 6 + [True, True]
+    assert [c["local_first"] for c in configs] == [False] * 7 + [True]
     assert attention.ablation_config(None) == {}
     labels = [r[3] for r in ablation]
     assert labels[0] == "baseline" and all(isinstance(x, str) and x for x in labels)

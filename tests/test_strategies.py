@@ -132,3 +132,44 @@ def test_second_call_reuses_the_plan_of_its_geometry(world, lens):
     """A second call on one geometry with another mask: the cached shapes, buffers and layouts
     serve it (one all-gather, the same payload buffers) and the output is right."""
     assert all(run_distributed(_cached_plan_worker, world, lens, 2, 16))
+
+
+def _local_first_worker(rank, world, lens, H, bs):
+    import dataclasses
+
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.strategies import base
+
+    B, D = 2, 16
+    S = sum(lens)
+    a = sum(lens[:rank])
+    sl = slice(a, a + lens[rank])
+    q, k, v = (t[:, sl].contiguous() for t in _inputs(23, B, S, H, D))
+    early = []
+    real = base.Call.attend_local_early
+    base.Call.attend_local_early = lambda call: early.append(1) or real(call)
+    try:
+        for strategy in ("sparsp", "ring-relay", "ring-sparse", "ring", "ulysses"):
+            first = SparspConfig(cdf_threshold=0.85, block_size=bs, transport="nccl", kernel="torch")
+            later = dataclasses.replace(first, local_first=False)
+            for step in range(2):  # the second call of the geometry too
+                before = len(early)
+                a_out = sp_attention(q, k, v, strategy=strategy, config=first)
+                queued = len(early) - before
+                b_out = sp_attention(q, k, v, strategy=strategy, config=later)
+                assert len(early) - before == queued, f"{strategy}: local_first=False queued early"
+                local_first = strategy != "ulysses"  # its run starts with the all-to-all
+                assert queued == int(local_first), f"{strategy} call {step}: {queued} early kernels"
+                # the same kernels on the same blocks, merged in the same order: the same bits
+                assert torch.equal(a_out, b_out), f"{strategy} call {step}: local first changed the output"
+    finally:
+        base.Call.attend_local_early = real
+    return True
+
+
+@pytest.mark.parametrize("world, lens", [(2, [48, 37]), (3, [32, 48, 41])])
+def test_local_first_gives_the_same_output(world, lens):
+    """``SparspConfig.local_first`` (the local kernel queued before the host read) moves when
+    the local shard is computed, nothing else: outputs equal bit for bit with it off, for every
+    strategy that registers it; the others never queue early."""
+    assert all(run_distributed(_local_first_worker, world, lens, 6, 16, timeout=240))

@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_flat", "gather_objects", "global_rank", "resolve_device", "stream_ordered",
-           "to_host", "wait"]
+__all__ = ["HostRead", "all_gather_flat", "gather_objects", "global_rank", "resolve_device",
+           "start_host_read", "stream_ordered", "to_host", "wait"]
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; the GPU
 # machine's torch 2.11 has only the old name.
@@ -48,26 +48,50 @@ def to_host(t: torch.Tensor, timeout_s: float, what: str) -> torch.Tensor:
     is polled, so a peer that never answers a collective the stream waits on becomes a
     ``TimeoutError`` naming ``what`` instead of a hang (the one host synchronisation of a
     call carries the timeout of the collectives before it)."""
-    if t.device.type != "cuda":
-        return t.cpu()
-    with torch.profiler.record_function("sparsp.host_read"):  # benchmarks count these
-        return _polled_copy(t, timeout_s, what)
+    return start_host_read(t).result(timeout_s, what)
 
 
-def _polled_copy(t: torch.Tensor, timeout_s: float, what: str) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    start = time.monotonic()
-    while not done.query():
-        waited = time.monotonic() - start
-        if waited > timeout_s:
-            raise TimeoutError(f"{what}: no answer from a peer within {timeout_s} s")
-        # yield only for the first milliseconds (the usual wait: the device is finishing the
-        # call's mask), then sleep so that a long wait does not burn a core
-        time.sleep(0 if waited < 5e-3 else 5e-4)
-    return host
+def start_host_read(t: torch.Tensor) -> "HostRead":
+    """Queue ``t``'s copy to the host now and collect it later (``HostRead.result``): work
+    queued on the stream in between (a kernel that needs no host value) runs while the host
+    waits for the copy, and the copy does not wait for it."""
+    return HostRead(t)
+
+
+class HostRead:
+    """A device tensor's copy to the host, queued at construction (``start_host_read``).
+
+    On CUDA: a non-blocking copy into pinned memory and an event recorded right behind it on
+    the current stream; ``result`` polls the event with a timeout. On the CPU the copy is
+    ``t.cpu()`` at once."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if t.device.type != "cuda":
+            self._host = t.cpu()
+            return
+        with torch.profiler.record_function("sparsp.host_read"):  # benchmarks count these
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self, timeout_s: float, what: str) -> torch.Tensor:
+        """The host copy, once it landed; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+        done = self._done
+        if done is None:
+            return self._host
+        with torch.profiler.record_function("sparsp.host_wait"):
+            start = time.monotonic()
+            while not done.query():
+                waited = time.monotonic() - start
+                if waited > timeout_s:
+                    raise TimeoutError(f"{what}: no answer from a peer within {timeout_s} s")
+                # yield only for the first milliseconds (the usual wait: the device is
+                # finishing the call's mask), then sleep so that a long wait does not burn a core
+                time.sleep(0 if waited < 5e-3 else 5e-4)
+        self._done = None
+        return self._host
 
 
 def global_rank(group, rank: int) -> int:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .config import SparspConfig
-from .groups import all_gather_flat, stream_ordered, to_host, wait
+from .groups import HostRead, all_gather_flat, start_host_read, stream_ordered, to_host, wait
 from .masks import PooledBlocks, block_lengths, cached_zeros, key_sum, select_blocks, summarize
 from .packing import Layout, prepare
 
@@ -256,14 +256,21 @@ class Metadata:
             parts.append(tail.round().long())
         return Staged(torch.cat(parts), self.table.numel(), pending, tuple(extra), tail is not None)
 
-    def finish(self, staged: "Staged"):
-        """The host read of ``staged.flat``, the header checks, then layouts and counts.
+    def start_read(self, staged: "Staged") -> HostRead:
+        """Queue the copy of ``staged.flat`` to the host (``finish`` collects it): what the
+        stream runs after it (the local shard's kernel) does not delay the read."""
+        return start_host_read(staged.flat)
+
+    def finish(self, staged: "Staged", read: HostRead | None = None):
+        """The host read of ``staged.flat`` (``read``, or one started now), the header checks,
+        then layouts and counts.
 
         Raises ``ValueError`` on every rank for a bad header. Returns ``None`` when the guessed
         shapes or the capacity were wrong (the caller redoes the mask with ``true_shapes``),
         else ``(layouts, values)``."""
         sh = self.shapes
-        host = to_host(staged.flat, self.timeout_s, "geometry check (metadata all-gather)")
+        read = read if read is not None else self.start_read(staged)
+        host = read.result(self.timeout_s, "geometry check (metadata all-gather)")
         table = host[:staged.n_head].view(sh.world_size, -1)
         self._host_table = table
         _check_table(table[:, :_HEADER_SLOTS], sh.world_size, self.counts)
@@ -279,6 +286,15 @@ class Metadata:
         if staged.tail:
             values[TAIL] = rest[n + len(staged.extra):]
         return layouts, values
+
+    @property
+    def fits(self) -> bool:
+        """Whether every rank's summaries, cut with the guessed shapes, fit the gathered rows
+        (host arithmetic, no sync). When they do not, the mask is a placeholder and the call
+        will redo it (``finish`` returns None): nothing should be computed on it."""
+        sh = self.shapes
+        return all(_summary_size(sh.batch, sh.heads, sh.head_dim, n) <= self.capacity
+                   for n in sh.num_blocks)
 
     def block_mask(self, config: SparspConfig) -> torch.Tensor:
         """The whole block mask from the gathered summaries (device ops only): bool [B, H, N, N],
@@ -395,7 +411,7 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
     off = _HEADER_SLOTS + 1
     lens = [block_lengths(S, shapes.block_size, meta.rows.device)[0] for S in shapes.seq_lens]
     N = shapes.total_blocks
-    if any(_summary_size(B, H, D, n) > meta.capacity for n in shapes.num_blocks):
+    if not meta.fits:
         # the summaries did not fit (or the shapes are a wrong guess): finish says so and the
         # call redoes it; any mask of the right size serves until then
         return torch.ones(B, H, N, N, dtype=torch.bool, device=meta.rows.device)

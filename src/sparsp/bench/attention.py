@@ -15,9 +15,12 @@ same kernel. Per row:
   configuration at LTX-Video size); ``--sequential`` times row after row;
 * the time split of one more call, timed phase by phase with CUDA events on the compute
   stream (``strategies.base.PhaseTimer``), the slowest rank's: ``mask_ms`` (metadata
-  all-gather, whole mask, the host sync), ``pack_ms``, ``compute_ms`` (kernels), ``merge_ms``
-  (LSE merges), ``transfer_ms`` (each fetch from issue to landed, summed; overlaps compute),
-  ``exposed_comm_ms`` = call − mask − pack − compute − merge (the compute stream waiting);
+  all-gather, whole mask, up to the host read's copy), ``pack_ms``, ``compute_ms`` (kernels),
+  ``merge_ms`` (LSE merges), ``transfer_ms`` (each fetch from issue to landed, summed; overlaps
+  compute), ``exposed_comm_ms`` = call − mask − pack − compute − merge (the compute stream
+  waiting). A ``local_first`` strategy queues its local kernel before the host read and packs
+  its first round on a side stream while that kernel runs (``strategies.base.Call.side``):
+  that pack is in ``pack_ms`` and in ``pack_side_ms``, but not subtracted for ``exposed``;
 * ``host_syncs`` and ``collectives`` of one call, counted by ``torch.profiler``
   (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaEventSynchronize`` calls, and
   event polls that waited — ``groups.to_host`` — counted once per read; ``c10d::`` collective
@@ -35,8 +38,10 @@ One-GPU rows over the whole sequence (rank 0, timed in the same rounds as the st
 placement over NCCL: periodic placement, direct routing (``ring-relay`` → ``sparsp``), the
 copy-engine transport (``ipc`` / ``host``), then, each added to that row, the chunked drain
 (the last peer's payload in 4 head groups) and the CUDA-graph plan stage
-(``strategies/captured.py``); both are off in the other ablation rows, and each row names
-what it switches on in ``ablation``. ``cuda_graphs`` says whether a row replayed the stage.
+(``strategies/captured.py``), and to the latter the local kernel queued first
+(``SparspConfig.local_first``); all three are off in the other ablation rows, and each row
+names what it switches on in ``ablation``. ``cuda_graphs`` says whether a row replayed the
+stage, ``local_first`` whether it queued the local kernel first.
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -81,6 +86,9 @@ def add_arguments(p) -> None:
                    help="SparspConfig.drain_chunks of every row (default: automatic; 1 = off)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the plan stage eagerly (SparspConfig(cuda_graphs=False)) in every row")
+    p.add_argument("--no-local-first", action="store_true",
+                   help="queue the local kernel where the strategy's run reaches it, after the host "
+                        "read and the first pack (SparspConfig(local_first=False)) in every row")
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
@@ -138,7 +146,8 @@ def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | No
                  ("sparsp", "periodic", "nccl", "+periodic, direct routing"),
                  ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport"),
                  ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs")]
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs"),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs, local first")]
     return rows
 
 
@@ -149,7 +158,7 @@ def ablation_config(ablation: str | None) -> dict:
     if ablation is None:
         return {}
     return {"chunks": 1, "drain_chunks": 4 if "chunked drain" in ablation else 1,
-            "cuda_graphs": "CUDA graphs" in ablation}
+            "cuda_graphs": "CUDA graphs" in ablation, "local_first": "local first" in ablation}
 
 
 def main(args) -> int:
@@ -193,7 +202,8 @@ def main(args) -> int:
                 dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
                                      v if world == 1 else torch.cat([v] * world, 1), args.kernel)
             chunking = {"chunks": args.chunks, "drain_chunks": args.drain_chunks,
-                        "cuda_graphs": not args.no_cuda_graphs} | ablation_config(ablation)
+                        "cuda_graphs": not args.no_cuda_graphs,
+                        "local_first": not args.no_local_first} | ablation_config(ablation)
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
                                kernel=args.kernel, timeout_s=300.0, **chunking)
             t = get_transport(transport, None, device, cfg.timeout_s)
@@ -228,7 +238,7 @@ def main(args) -> int:
                    "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
                    "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
                    "bound_ms": round(max(c_ms, t_ms), 3), "efficiency": None, "ablation": ablation,
-                   "cuda_graphs": cfg.cuda_graphs,
+                   "cuda_graphs": cfg.cuda_graphs, "local_first": cfg.local_first,
                    "auto_choice": chosen if strategy == "auto" else None}
             timed.append((row, call))
         if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
@@ -289,8 +299,12 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     total = start.elapsed_time(end)
     s = timer.summary()
     split = {f"{key}_ms": s.get(key, 0.0) for key in ("mask", "pack", "compute", "merge", "transfer")}
+    # a pack on the side stream (Call.side) overlaps the local kernel: not on the compute
+    # stream's path, so not subtracted; the compute stream's wait for it is exposed time
     split["exposed_comm_ms"] = max(0.0, total - sum(split[f"{key}_ms"] for key in
                                                     ("mask", "pack", "compute", "merge")))
+    split["pack_side_ms"] = s.get("pack_side", 0.0)
+    split["pack_ms"] += split["pack_side_ms"]
     split = {key: _max(value, device) for key, value in split.items()}
     transport.fence()
     if strategy == "auto":
@@ -344,7 +358,7 @@ def _one_row(geom, args, cdf, strategy, kernel, c_ms, density, gbps, dense) -> d
             "ranks": 1, "fabric": args.fabric, "cdf": cdf, "strategy": strategy, "transport": "none",
             "placement": "none", "kernel": kernel, "median_ms": None, "min_ms": None, "iters": None,
             "timing": "sequential" if args.sequential else "interleaved", "bytes_moved": 0, "bytes_max_rank": 0, "density": round(density, 4),
-            **{key: 0.0 for key in SPLIT}, "transfer_ms": 0.0, "host_syncs": None, "collectives": 0,
+            **{key: 0.0 for key in SPLIT}, "transfer_ms": 0.0, "pack_side_ms": 0.0, "host_syncs": None, "collectives": 0,
             "link_gbps": round(gbps, 2), "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
             "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": 0.0, "bound_ms": round(c_ms, 3),
             "efficiency": None, "ablation": None}

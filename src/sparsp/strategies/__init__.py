@@ -87,8 +87,10 @@ def sp_attention(
     # auto stages sparsp's payloads with the figures it chooses from (strategies/auto.py)
     planned, auto = (strategy_spec(PLANNED), True) if strategy == AUTO else (spec, False)
     graphed = captured.eligible(q, planned, config, computed)
+    early = config.local_first and planned.local_first  # Call.attend_local_early
     with torch.no_grad():
         mask_phase.__enter__()
+        mask_open = True
         with record_function("sparsp.metadata"):
             # the mask is the plan stage's (captured.stage), with or without a graph
             meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
@@ -103,13 +105,23 @@ def sp_attention(
                     call, staged, error = captured.stage(q, k, v, meta, group, planned, config,
                                                          transport, _global_mask, auto=auto)
             with record_function("sparsp.resolve"):
-                resolved = meta.finish(staged)  # the one host sync
+                read = meta.start_read(staged)  # the one host sync: its copy is queued now
+                if early and error is None and (meta.fits or not computed):
+                    # the local shard needs nothing the read brings: the device computes it
+                    # while the host waits, checks the headers and issues the first round
+                    if mask_open:
+                        mask_phase.__exit__(None, None, None)
+                        mask_open = False
+                    call.timer = timer
+                    call.attend_local_early()
+                resolved = meta.finish(staged, read)
             if resolved is not None:
                 break
             graphed = False  # the geometry changed: the true shapes' stage runs eagerly
             meta = remask(meta, group) or \
                 gather_metadata(q, k, v, group, config, strategy, sparse=computed)
-        mask_phase.__exit__(None, None, None)
+        if mask_open:
+            mask_phase.__exit__(None, None, None)
         if error is not None:
             raise ValueError(error)
         if auto:  # the choice, from the figures of the same host read
@@ -123,6 +135,7 @@ def sp_attention(
         transport.fence()
         with record_function("sparsp.run"):
             spec.run(call)
+            call.join()  # the compute stream after the side stream's packs and transfers
         # the transfers the GPU waits for on its own: the host checks their flags now, with the
         # timeout, so a dead peer raises in this call (transport/slots.py, settle)
         transport.settle()

@@ -12,6 +12,7 @@ computes with ``call.layouts``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,10 @@ class Call:
         self.layouts: dict = {}
         self.kept: dict[int, int] = {}  # kept (query block, key block) pairs per origin
         self._demand: torch.Tensor | None = None
+        self._local_done = False
+        self._staged: torch.cuda.Event | None = None  # the stage's end on the compute stream
+        self._side: torch.cuda.Stream | None = None  # where the first round was issued
+        self._in_side = False  # issuing on the side stream now (the timer names its pack apart)
         key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
         self._geo = _GEOMETRIES.setdefault(key, _Geometry())
 
@@ -290,7 +295,7 @@ class Call:
 
     def pack_local(self, lay: Layout, out: torch.Tensor) -> int:
         """Pack this rank's selected K/V blocks into ``out``; returns elements written."""
-        with self.phase("pack"):
+        with self.phase("pack_side" if self._in_side else "pack"):
             return pack(self.k, self.v, lay, self.shapes.heads, out)
 
     def rows_for(self, origin: int) -> torch.Tensor:
@@ -358,8 +363,12 @@ class Call:
 
     def attend_local(self) -> None:
         """The local queries over this rank's own K/V as given (``LocalKV``: per-head
-        sequences, no packing copy), merged like any payload."""
+        sequences, no packing copy), merged like any payload. Once per call: a strategy's
+        run calls it where it needs it; after ``attend_local_early`` that call does nothing."""
         r = self.rank
+        if self._local_done:
+            return
+        self._local_done = True
         if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
         with self.phase("compute"):
@@ -367,6 +376,39 @@ class Call:
             kv_num, kv_idx = self.local_lists()
             o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
         self.merge(o, l)
+
+    def attend_local_early(self) -> None:
+        """Queue the local shard's kernel before the call's host read (``sp_attention``, for a
+        ``local_first`` strategy): it needs only the mask and the block lists the plan stage
+        made, so the device computes while the host waits for the read, checks the headers and
+        issues the first round (``side``). The read's copy is queued before it, so the read
+        does not wait for the kernel. On CUDA, first marks the stage's end on the compute
+        stream: the side stream starts from there."""
+        if self.q.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        self.attend_local()
+
+    def side(self, on: bool = True):
+        """Context for issuing the first round's packs and transfers (``Call.pack_local``,
+        ``send_buffer``/``publish``/``fetch``) while the early local kernel runs: a
+        high-priority side stream that starts where the plan stage ended (its layouts and
+        token rows), so the pack's gathers and the transfer do not queue behind the local
+        kernel. Waits (``handle.wait()``) stay on the compute stream, outside this context;
+        ``join`` orders the compute stream after the side stream once the run is queued.
+        Without an early local kernel (or on the CPU), or with ``on`` false: no context."""
+        if self._staged is None or not on:
+            return contextlib.nullcontext()
+        stream = _side_stream(self.q.device)
+        stream.wait_event(self._staged)
+        self._side = stream
+        return _on_side(self, stream)
+
+    def join(self) -> None:
+        """The compute stream waits for everything issued on the side stream (``side``): the
+        call's output, and every later use of its inputs and buffers, come after it."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.q.device).wait_stream(self._side)
 
     def lists(self, origin: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's block lists of the local queries over blocks of ``origin`` held with
@@ -392,6 +434,29 @@ class Call:
         if self.out is None:  # no block selected at all: every row is empty, output zeros
             return torch.zeros_like(self.q)
         return self.out.permute(0, 2, 1, 3).to(self.q.dtype).contiguous()
+
+
+_SIDE_STREAMS: dict[str, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One high-priority stream per device for the first round's packs and transfers: their
+    blocks are scheduled ahead of the local kernel's pending ones (``Call.side``)."""
+    stream = _SIDE_STREAMS.get(str(device))
+    if stream is None:
+        _, high = torch.cuda.Stream.priority_range()
+        stream = _SIDE_STREAMS[str(device)] = torch.cuda.Stream(device, priority=high)
+    return stream
+
+
+@contextlib.contextmanager
+def _on_side(call: "Call", stream: torch.cuda.Stream):
+    call._in_side = True
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        call._in_side = False  # later rounds (issued after a wait) pack on the compute stream
 
 
 class _TimedHandle:

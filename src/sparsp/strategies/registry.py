@@ -54,6 +54,10 @@ class StrategySpec:
     byte_rule: str | demand.ByteRule
     """How many bytes each rank receives (``demand.BYTE_RULES`` name or a function)."""
     description: str = ""
+    local_first: bool = False
+    """Its run computes the local shard (``Call.attend_local``) before any payload: the call
+    then queues that kernel before its host read, and the run issues its first round's packs
+    and transfers on a side stream (``Call.side``) while the kernel runs."""
 
     def comm_bytes(self, masks, placement, *, head_dim: int, dtype_bytes: int = 2) -> dict:
         """Bytes each rank receives per call → ``{"total", "per_rank"}`` (``demand.comm_bytes``)."""
@@ -66,7 +70,7 @@ _REGISTRY: dict[str, StrategySpec] = {}
 
 def register_strategy(name: str, *, sparse: bool, placement: str, byte_rule,
                       heads_divisible: bool = False, plan: Callable | None = None,
-                      description: str = "") -> Callable:
+                      description: str = "", local_first: bool = False) -> Callable:
     """Decorator: register ``run(call)`` as strategy ``name`` with its facts."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a strategy name must be a non-empty str, got {name!r}")
@@ -80,7 +84,8 @@ def register_strategy(name: str, *, sparse: bool, placement: str, byte_rule,
     def deco(run):
         _REGISTRY[name] = StrategySpec(name=name, run=run, plan=plan, sparse=sparse,
                                        heads_divisible=heads_divisible, placement=placement,
-                                       byte_rule=byte_rule, description=description)
+                                       byte_rule=byte_rule, description=description,
+                                       local_first=local_first)
         return run
 
     return deco

@@ -27,13 +27,15 @@ def run(call: Call) -> None:
 
     lay = call.full_layout(r)
     cur = buffer(G == 1)
-    call.pack_local(lay, cur)
+    with call.side(G > 1):  # the first hop beside the local kernel (Call.side)
+        call.pack_local(lay, cur)
     for k in range(1, G):
         origin = (r - k + 1) % G  # whose shard ``cur`` holds
-        t.publish(nxt, cur[: lay.num_rows * 2 * D])
-        incoming = call.full_layout((r - k) % G)
-        nbuf = buffer(k == G - 1)
-        handle = call.fetch(prv, nbuf[: incoming.num_rows * 2 * D])
+        with call.side(k == 1):
+            t.publish(nxt, cur[: lay.num_rows * 2 * D])
+            incoming = call.full_layout((r - k) % G)
+            nbuf = buffer(k == G - 1)
+            handle = call.fetch(prv, nbuf[: incoming.num_rows * 2 * D])
         if k == 1:
             call.attend_local()  # our own shard, as given (cur holds it packed for the peer)
         else:
@@ -48,8 +50,10 @@ def run(call: Call) -> None:
 
 
 register_strategy("ring", sparse=False, placement="contiguous", byte_rule="full-shards",
+                  local_first=True,
                   description="full shards, relayed G−1 hops, double-buffered; dense compute "
                               "(thresholds ignored): the no-sparsity baseline")(run)
 register_strategy("ring-sparse", sparse=True, placement="contiguous", byte_rule="full-shards",
+                  local_first=True,
                   description="full shards as ring; block-sparse compute (the paper's Diffusers "
                               "+ SpargeAttn baseline)")(run)

@@ -39,7 +39,7 @@ def plan(call: Call) -> dict:
     return out
 
 
-@register_strategy("ring-relay", sparse=True, placement="periodic", byte_rule="relay", plan=plan,
+@register_strategy("ring-relay", sparse=True, placement="periodic", byte_rule="relay", plan=plan, local_first=True,
                    description="each hop carries the blocks any downstream consumer still needs "
                                "(§3.3, 'direct routing off')")
 def run(call: Call) -> None:
@@ -50,17 +50,18 @@ def run(call: Call) -> None:
     bufs = call.payload_buffers(2)
     cur, cur_lay, cur_origin = None, None, r  # what this rank holds (and forwards a subset of)
     for k in range(1, G):
-        send = call.layouts[("send", k)]  # hop k out of r is hop k into r+1
-        buf = t.send_buffer(nxt, send.num_rows * 2 * D, call.q.dtype)
-        if send.num_rows:
-            if k == 1:
-                call.pack_local(send, buf)
-            else:
-                pack(*halves(cur, cur_lay, D), send, sh.heads, buf, source=cur_lay)
-        t.publish(nxt, buf)
-        recv = call.layouts[("recv", k)]
-        nbuf = bufs[k % 2]
-        handle = call.fetch(prv, nbuf[: recv.num_rows * 2 * D])
+        with call.side(k == 1):  # the first hop beside the local kernel (Call.side)
+            send = call.layouts[("send", k)]  # hop k out of r is hop k into r+1
+            buf = t.send_buffer(nxt, send.num_rows * 2 * D, call.q.dtype)
+            if send.num_rows:
+                if k == 1:
+                    call.pack_local(send, buf)
+                else:
+                    pack(*halves(cur, cur_lay, D), send, sh.heads, buf, source=cur_lay)
+            t.publish(nxt, buf)
+            recv = call.layouts[("recv", k)]
+            nbuf = bufs[k % 2]
+            handle = call.fetch(prv, nbuf[: recv.num_rows * 2 * D])
         if cur is None:
             call.attend_local()  # overlaps the hop in flight
         else:

@@ -133,7 +133,7 @@ def _region(call: Call, buf: torch.Tensor, heads: tuple[int, int] | None) -> tor
     return buf[heads[0] * per_head: heads[1] * per_head]
 
 
-@register_strategy("sparsp", sparse=True, placement="periodic", byte_rule="direct", plan=plan,
+@register_strategy("sparsp", sparse=True, placement="periodic", byte_rule="direct", plan=plan, local_first=True,
                    description="round k: exactly D[r,·,(r−k) mod G] from its owner, per head; "
                                "chunked by head groups, merged as chunks land")
 def run(call: Call) -> None:
@@ -172,9 +172,10 @@ def run(call: Call) -> None:
             t.release(src)
         inflight.append((src, out, landing))
 
-    for k in range(1, min(G, call.config.prefetch + 1)):
-        start(k)
-    call.attend_local()  # while the first payloads are in flight
+    with call.side():  # beside the local kernel the call may have queued already
+        for k in range(1, min(G, call.config.prefetch + 1)):
+            start(k)
+    call.attend_local()  # while the first payloads are in flight (done already when early)
     for k in range(1, G):
         src, out, landing = inflight.popleft()
         for j, (chunk, region, handle) in enumerate(landing):
