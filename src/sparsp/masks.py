@@ -50,6 +50,15 @@ class PooledBlocks:
         return PooledBlocks(self.mean - center.float()[:, :, None, :], self.sim, self.lengths)
 
     @staticmethod
+    def from_sums(sums: torch.Tensor, S: int, block_size: int) -> "PooledBlocks":
+        """Summaries of a slice of ``S`` tokens from its block sums (``block_sums``, float32
+        (B, n, H, D)): the means divided by each block's real length, similarity off (zero).
+        The same arithmetic as ``pool_blocks`` without similarity, so the same bits."""
+        lengths, denom = block_lengths(S, block_size, sums.device)
+        mean = sums.permute(0, 2, 1, 3) / denom
+        return PooledBlocks(mean, cached_zeros(mean.shape[:-1], mean.device), lengths)
+
+    @staticmethod
     def cat(parts: list["PooledBlocks"]) -> "PooledBlocks":
         """Concatenate summaries along the block dim (rank order = global order)."""
         return PooledBlocks(
@@ -76,15 +85,8 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
     n = math.ceil(S / block_size)
     pad = n * block_size - S
     lengths, denom = block_lengths(S, block_size, x.device)
-    if center is None and not similarity:
-        # the common case: block sums straight from x's own layout, accumulated in float32,
-        # without a float32 copy of x (a full-size tensor per call at video sizes)
-        full = (S // block_size) * block_size
-        sums = x[:, :full].reshape(B, S // block_size, block_size, H, D).sum(2, dtype=torch.float32)
-        if pad:
-            sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
-        mean = sums.permute(0, 2, 1, 3) / denom
-        return PooledBlocks(mean, cached_zeros(mean.shape[:-1], mean.device), lengths)
+    if center is None and not similarity:  # the common case
+        return PooledBlocks.from_sums(block_sums(x, block_size), S, block_size)
     xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
     if center is not None:
         xf = xf - center.float()[:, :, None, :]
@@ -99,6 +101,20 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
     else:
         sim = cached_zeros(mean.shape[:-1], mean.device)
     return PooledBlocks(mean, sim, lengths)
+
+
+def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """float32 (B, n, H, D): the sum of each block's tokens of ``x`` (B, S, H, D), straight from
+    x's own layout and accumulated in float32, without a float32 copy of x (a full-size
+    tensor per call at video sizes); a short last block sums its real tokens. Token-major, as
+    x is: what a rank sends in the metadata all-gather (``sparsp.plan``), which divides by the
+    block lengths only after the gather (``PooledBlocks.from_sums``)."""
+    B, S, H, D = x.shape
+    full = (S // block_size) * block_size
+    sums = x[:, :full].reshape(B, S // block_size, block_size, H, D).sum(2, dtype=torch.float32)
+    if full < S:
+        sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
+    return sums
 
 
 _CACHE: dict[tuple, object] = {}

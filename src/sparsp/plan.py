@@ -2,10 +2,11 @@
 payload moves, with one collective and one host synchronisation per call.
 
 1. ``gather_metadata``: ONE all-gather of a float32 vector per rank — a header (the rank's
-   local shape, dtype, block size, strategy, a non-finite flag per q, k, v from sums it has
-   anyway, and the size of its summaries, bit-cast) followed, for sparse strategies, by the pooled query and
-   key summaries and the key sum (``sparsp.masks.summarize``), padded to the group's
-   capacity so that the collective's size never depends on other ranks' shapes. From it
+   local shape, dtype, block size, strategy and the size of its summaries, bit-cast, cached
+   per geometry) followed, for sparse strategies, by the query and key block sums and the
+   key sum (``masks.block_sums``, token-major as the inputs are; means and layout are made
+   after the gather) and v's sum for the non-finite check, padded to the group's capacity
+   so that the collective's size never depends on other ranks' shapes. From it
    every rank derives the WHOLE block mask locally (``masks.select_blocks`` on the
    concatenated summaries), hence every rank's demand on every peer
    (``sparsp.demand.remote_demand``): no demand exchange. The shapes that cut the gathered
@@ -36,14 +37,14 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from .config import SparspConfig
 from .groups import HostRead, all_gather_flat, start_host_read, stream_ordered, to_host, wait
-from .masks import PooledBlocks, block_lengths, cached_zeros, key_sum, select_blocks, summarize
+from .masks import PooledBlocks, block_lengths, block_sums, cached_zeros, key_sum, select_blocks, summarize
 from .packing import Layout, prepare
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -114,42 +115,20 @@ class Shapes:
         return t
 
 
-def _header(q: torch.Tensor, config: SparspConfig, strategy: str, probe: torch.Tensor | None) -> torch.Tensor:
-    """int64 [_HEADER_SLOTS] on q's device: local shape, codes, and a non-finite flag per q, k,
-    v (no host sync). ``probe`` float32 [3]: sums that are NaN/Inf iff a value of q, k, v is
-    (a sum of finite values overflows only near the float32 limit, ~3e38; the exact count of
-    ``count_nonfinite`` then finds none and the check passes)."""
+def _header(q: torch.Tensor, config: SparspConfig, strategy: str, size: int) -> torch.Tensor:
+    """float32 [_HEADER_SLOTS + 1] on q's device: the int32 header (local shape, codes, three
+    zero slots for the non-finite flags ``table_of`` fills on the receiving side, and the size
+    of the summaries) bit-cast to float32, made once per geometry (a pageable host-to-device
+    copy would sync the stream; a cached one costs no op per call)."""
     B, S, H, D = q.shape
     fields = (S, B, H, D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, config.block_size,
-              strategy_code(strategy))
-    mine = _CONSTANTS.get((fields, str(q.device)))
-    if mine is None:  # made once: a pageable host-to-device copy would sync the stream
-        mine = torch.tensor(fields, dtype=torch.long).to(q.device)
-        _CONSTANTS[(fields, str(q.device))] = mine
-    if probe is None:
-        bad = _constant((0, 0, 0), q.device)
-    else:
-        bad = (probe - probe).ne(0).long()  # x − x is NaN exactly for NaN and ±Inf (two ops)
-    return torch.cat([mine, bad])
-
-
-def _constant(values: tuple[int, ...], device) -> torch.Tensor:
-    """A small int64 tensor on ``device``, made once (a host-to-device copy syncs)."""
-    key = ("const", values, str(device))
+              strategy_code(strategy), 0, 0, 0, size)
+    key = ("header", fields, str(q.device))
     t = _CONSTANTS.get(key)
     if t is None:
-        t = torch.tensor(values, dtype=torch.long).to(device)
+        t = torch.tensor(fields, dtype=torch.int32).view(torch.float32).to(q.device)
         _CONSTANTS[key] = t
     return t
-
-
-def _finite_probe(q, k, v, pooled_q: torch.Tensor | None, key_sums: torch.Tensor | None) -> torch.Tensor:
-    """float32 [3]: one sum per tensor, NaN/Inf iff it holds a NaN/Inf; the pooled summaries
-    serve for q and k when the call computed them (no extra pass over the inputs)."""
-    sums = [pooled_q.sum() if pooled_q is not None else q.sum(dtype=torch.float32),
-            key_sums.sum() if key_sums is not None else k.sum(dtype=torch.float32),
-            v.sum(dtype=torch.float32)]
-    return torch.stack(sums)
 
 
 def count_nonfinite(q, k, v, group, timeout_s: float) -> torch.Tensor:
@@ -225,12 +204,25 @@ class Metadata:
     ``finish`` confirms them); ``block_mask`` makes the whole block mask from them."""
 
     shapes: Shapes
-    table: torch.Tensor  # int64 [G, _HEADER_SLOTS + 1] on the device
+    table: torch.Tensor | None  # int64 [G, _HEADER_SLOTS + 1] on the device; None: not made yet
     rows: torch.Tensor  # float32 [G, header + capacity]: what each rank sent
     capacity: int
     counts: object = None  # () -> exact NaN/Inf counts [G, 3] (the error path's collective)
     timeout_s: float = 300.0
     center: torch.Tensor | None = None  # the global key mean, when similarity smoothed the keys
+    similarity: bool = False  # the summaries are pooled means and similarities (``_summaries``)
+    check: bool = True  # the rows carry the non-finite check's sums (``check_finite``)
+
+    def headers(self) -> torch.Tensor:
+        """The header table (``table_of`` the rows), made on first use: on the device, so in
+        the plan stage a CUDA graph replays."""
+        if self.table is None:
+            self.table = table_of(self.rows, self.check)
+        return self.table
+
+    def with_rows(self, rows: torch.Tensor) -> "Metadata":
+        """The same metadata on other gathered rows (a captured stage's static copy)."""
+        return replace(self, table=None, rows=rows)
 
     def stage(self, selections: dict, extra: dict | None = None,
               tail: torch.Tensor | None = None) -> "Staged":
@@ -251,10 +243,11 @@ class Metadata:
             counts += [pend.num_selected, pend.num_short]
         extra = extra or {}
         counts += [extra[k].long() for k in extra]
-        parts = [self.table.reshape(-1)] + ([torch.stack(counts)] if counts else [])
+        table = self.headers()
+        parts = [table.reshape(-1)] + ([torch.stack(counts)] if counts else [])
         if tail is not None:
             parts.append(tail.round().long())
-        return Staged(torch.cat(parts), self.table.numel(), pending, tuple(extra), tail is not None)
+        return Staged(torch.cat(parts), table.numel(), pending, tuple(extra), tail is not None)
 
     def start_read(self, staged: "Staged") -> HostRead:
         """Queue the copy of ``staged.flat`` to the host (``finish`` collects it): what the
@@ -293,8 +286,8 @@ class Metadata:
         (host arithmetic, no sync). When they do not, the mask is a placeholder and the call
         will redo it (``finish`` returns None): nothing should be computed on it."""
         sh = self.shapes
-        return all(_summary_size(sh.batch, sh.heads, sh.head_dim, n) <= self.capacity
-                   for n in sh.num_blocks)
+        return all(_summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, self.check)
+                   <= self.capacity for n in sh.num_blocks)
 
     def block_mask(self, config: SparspConfig) -> torch.Tensor:
         """The whole block mask from the gathered summaries (device ops only): bool [B, H, N, N],
@@ -313,13 +306,21 @@ class Metadata:
         return int(self._host_table[:, _HEADER_SLOTS].max())
 
 
-def table_of(rows: torch.Tensor) -> torch.Tensor:
-    """int64 [G, _HEADER_SLOTS + 1]: the headers in the gathered rows (bit-cast back)."""
-    return rows[:, : _HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
+def table_of(rows: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """int64 [G, _HEADER_SLOTS + 1]: the headers in the gathered rows (bit-cast back). With
+    ``check`` (``SparspConfig.check_finite``), a rank's first non-finite flag is set when its
+    summaries hold a NaN or Inf (``_summaries``: then one of its q, k, v does, or a sum
+    overflowed); ``_check_table`` then asks for the exact counts."""
+    table = rows[:, : _HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
+    if check:
+        table[:, len(_HEADER)] = torch.isfinite(rows[:, _HEADER_SLOTS + 1:]).all(1).logical_not()
+    return table
 
 
-def _summary_size(B: int, H: int, D: int, n: int) -> int:
-    return 2 * B * H * n * (D + 1) + B * H * D
+def _summary_size(B: int, H: int, D: int, n: int, similarity: bool, check: bool) -> int:
+    """float32 values of a sparse call's summaries for n blocks (``_summaries``)."""
+    data = 2 * B * H * n * (D + 1) + B * H * D if similarity else 2 * B * n * H * D + B * H * D
+    return data + int(check)
 
 
 def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, config: SparspConfig,
@@ -328,40 +329,29 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
 
     Every rank sends ``header | summaries`` padded to the group's capacity, so the collective's
     size never depends on other ranks' shapes (a rank's slice may change while a peer's does
-    not). The shapes used to cut the gathered summaries are those of the last call of this
-    local geometry; ``Metadata.finish`` checks them. Only the first call of a group (or one
-    whose summaries outgrow the capacity, or whose shapes were guessed wrong) costs a second
-    collective or host read.
+    not). The summaries (``_summaries``) are what the device has after one pass over q and k
+    — block sums, token-major as the inputs are — and the means, the layout the mask wants and
+    the non-finite flags are made from the gathered rows, in the plan stage a CUDA graph
+    replays (``strategies/captured.py``): the host issues as few ops as it can before the
+    collective. The shapes used to cut the gathered summaries are those of the last call of
+    this local geometry; ``Metadata.finish`` checks them. Only the first call of a group (or
+    one whose summaries outgrow the capacity, or whose shapes were guessed wrong) costs a
+    second collective or host read.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, S, H, D = q.shape
     bs = config.block_size
     state = _STATE.setdefault((id(group), str(q.device)), _GroupState())
-    center = None
-    data = torch.zeros(0, dtype=torch.float32, device=q.device)
-    pooled_q = key_sums = None
-    if sparse:
-        if config.sim_threshold is not None:
-            # similarity of smoothed keys needs the global key mean before pooling: one all-reduce
-            ksum = key_sum(k)
-            wait(dist.all_reduce(ksum, group=group, async_op=True), config.timeout_s, "key-mean all-reduce")
-            center = ksum / _global_tokens(S, group, config)
-        pq, pk, ks = summarize(q, k, bs, center=center, similarity=config.sim_threshold is not None)
-        data = torch.cat([pq.mean.reshape(-1), pq.sim.reshape(-1), pk.mean.reshape(-1),
-                          pk.sim.reshape(-1), ks.reshape(-1)])
-        pooled_q, key_sums = pq.mean, ks
-    probe = _finite_probe(q, k, v, pooled_q, key_sums) if config.check_finite else None
-    size = _constant((data.numel(),), q.device)
-    # every field fits int32 (shapes, codes < 2³¹, flags, the summary size)
-    header = torch.cat([_header(q, config, strategy, probe), size]).to(torch.int32)
+    data, center = _summaries(q, k, v, group, config, sparse)
+    header = _header(q, config, strategy, data.numel())
     local_key = (tuple(q.shape), q.dtype, bs, strategy)
     guess = state.shapes.get(local_key)
     counts = lambda: count_nonfinite(q, k, v, group, config.timeout_s)  # noqa: E731
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
-        body = data[:cap]
+        body = data if data.numel() <= cap else data[:cap]
         pad = cached_zeros((cap - body.numel(),), q.device)
-        mine = torch.cat([header.view(torch.float32), body, pad])
+        mine = torch.cat([header, body, pad])
         everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):
@@ -371,8 +361,9 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         else:
             wait(work, config.timeout_s, "geometry check (metadata all-gather)")
         rows = everyone.view(world, -1)
-        table = table_of(rows)
+        table = None  # made from the rows where needed (in the plan stage, after the first call)
         if guess is None:  # first call of this local geometry: read the headers now
+            table = table_of(rows, config.check_finite)
             host = to_host(table, config.timeout_s, "geometry check (metadata all-gather)")
             _check_table(host[:, :_HEADER_SLOTS], world, counts)
             guess = Shapes(rank, world, B, H, D, bs, tuple(host[:, 0].tolist()))
@@ -382,7 +373,38 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                 continue  # the summaries did not fit: gather again at the group's new capacity
         break
     state.shapes[local_key] = guess
-    return Metadata(guess, table, rows, cap, counts, config.timeout_s, center)
+    return Metadata(guess, table, rows, cap, counts, config.timeout_s, center,
+                    similarity=config.sim_threshold is not None, check=config.check_finite)
+
+
+def _summaries(q, k, v, group, config: SparspConfig, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 data this rank sends, the global key mean when similarity smoothed the keys).
+
+    Sparse calls, similarity off (the default): q's and k's block sums (B, n, H, D) and k's
+    sum over the sequence (B, H, D); similarity on: pooled means and similarities around the
+    all-reduced key mean (``masks.summarize``; two more collectives). With
+    ``config.check_finite`` one more value, v's sum (a dense call: q's, k's and v's): a NaN or
+    Inf in q, k or v reaches a value sent, and ``table_of`` flags the rank from its row (a sum
+    of finite values overflows only near the float32 limit, ~3e38; the exact counts of
+    ``count_nonfinite`` then find none and the check passes)."""
+    parts, center = [], None
+    if sparse and config.sim_threshold is None:
+        bs = config.block_size
+        parts = [block_sums(q, bs).reshape(-1), block_sums(k, bs).reshape(-1), key_sum(k).reshape(-1)]
+    elif sparse:
+        # similarity of smoothed keys needs the global key mean before pooling: one all-reduce
+        ksum = key_sum(k)
+        wait(dist.all_reduce(ksum, group=group, async_op=True), config.timeout_s, "key-mean all-reduce")
+        center = ksum / _global_tokens(q.shape[1], group, config)
+        pq, pk, ks = summarize(q, k, config.block_size, center=center, similarity=True)
+        parts = [pq.mean.reshape(-1), pq.sim.reshape(-1), pk.mean.reshape(-1), pk.sim.reshape(-1),
+                 ks.reshape(-1)]
+    if config.check_finite:
+        parts += [v.sum(dtype=torch.float32).view(1)] if sparse else \
+            [torch.stack([t.sum(dtype=torch.float32) for t in (q, k, v)])]
+    if not parts:
+        return cached_zeros((0,), q.device), center
+    return torch.cat(parts), center
 
 
 def remask(meta: Metadata, group) -> Metadata | None:
@@ -393,8 +415,7 @@ def remask(meta: Metadata, group) -> Metadata | None:
     if meta.needed > meta.capacity:
         _STATE[(id(group), str(meta.rows.device))].capacity = meta.needed
         return None
-    return Metadata(meta.true_shapes(), meta.table, meta.rows, meta.capacity, meta.counts,
-                    meta.timeout_s, meta.center)
+    return replace(meta, shapes=meta.true_shapes())
 
 
 def _global_tokens(S: int, group, config: SparspConfig) -> int:
@@ -407,22 +428,27 @@ def _global_tokens(S: int, group, config: SparspConfig) -> int:
 
 def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch.Tensor:
     """The whole block mask from every rank's summaries (cut with ``shapes``)."""
-    B, H, D, G = shapes.batch, shapes.heads, shapes.head_dim, shapes.world_size
+    B, H, D = shapes.batch, shapes.heads, shapes.head_dim
     off = _HEADER_SLOTS + 1
-    lens = [block_lengths(S, shapes.block_size, meta.rows.device)[0] for S in shapes.seq_lens]
     N = shapes.total_blocks
     if not meta.fits:
         # the summaries did not fit (or the shapes are a wrong guess): finish says so and the
         # call redoes it; any mask of the right size serves until then
         return torch.ones(B, H, N, N, dtype=torch.bool, device=meta.rows.device)
     pqs, pks, sums = [], [], []
-    for p, n in enumerate(shapes.num_blocks):
+    for p, (S, n) in enumerate(zip(shapes.seq_lens, shapes.num_blocks)):
         row = meta.rows[p, off:]
-        sizes = [B * H * n * D, B * H * n, B * H * n * D, B * H * n, B * H * D]
-        qm, qs, km, ksim, ks = torch.split(row[: sum(sizes)], sizes)
-        L = lens[p][:n]
-        pqs.append(PooledBlocks(qm.view(B, H, n, D), qs.view(B, H, n), L))
-        pks.append(PooledBlocks(km.view(B, H, n, D), ksim.view(B, H, n), L))
+        if meta.similarity:  # pooled means and similarities, head-major (``_summaries``)
+            sizes = [B * H * n * D, B * H * n, B * H * n * D, B * H * n, B * H * D]
+            qm, qs, km, ksim, ks = torch.split(row[: sum(sizes)], sizes)
+            L = block_lengths(S, shapes.block_size, row.device)[0]
+            pqs.append(PooledBlocks(qm.view(B, H, n, D), qs.view(B, H, n), L))
+            pks.append(PooledBlocks(km.view(B, H, n, D), ksim.view(B, H, n), L))
+        else:  # block sums, token-major: the means are made here
+            sizes = [B * n * H * D, B * n * H * D, B * H * D]
+            qsum, ksum, ks = torch.split(row[: sum(sizes)], sizes)
+            pqs.append(PooledBlocks.from_sums(qsum.view(B, n, H, D), S, shapes.block_size))
+            pks.append(PooledBlocks.from_sums(ksum.view(B, n, H, D), S, shapes.block_size))
         sums.append(ks.view(B, H, D))
     pq_all, pk_all = PooledBlocks.cat(pqs), PooledBlocks.cat(pks)
     if center is None and config.sim_threshold is None:

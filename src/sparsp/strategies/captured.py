@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import Metadata, Staged, table_of
+from ..plan import Metadata, Staged
 from .auto import figures
 from .base import Call
 
@@ -105,8 +105,7 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
 
 def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport, auto: bool):
     """``stage`` on the gathered ``rows`` (the captured function)."""
-    m = Metadata(meta.shapes, table_of(rows), rows, meta.capacity, meta.counts, meta.timeout_s, meta.center)
-    call, staged, _ = stage(q, k, v, m, group, spec, config, transport, auto=auto)
+    call, staged, _ = stage(q, k, v, meta.with_rows(rows), group, spec, config, transport, auto=auto)
     return call, staged
 
 
