@@ -47,7 +47,7 @@ SMALL = VideoGeometry(frames=2, height=4, width=6, text_tokens=5, block_size=8, 
     (dict(prefetch=0), "prefetch must be an int >= 1, got 0"),
     (dict(check_finite=1), "check_finite must be True or False, got 1"),
     (dict(cuda_graphs="yes"), "cuda_graphs must be True or False, got 'yes'"),
-    (dict(local_first=1), "local_first must be True or False, got 1"),
+    (dict(local_first=1), r"local_first must be None \(automatic\), True or False, got 1"),
 ])
 def test_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):

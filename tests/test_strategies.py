@@ -150,6 +150,7 @@ def _local_first_worker(rank, world, lens, H, bs):
     base.Call.attend_local_early = lambda call: early.append(1) or real(call)
     try:
         for strategy in ("sparsp", "ring-relay", "ring-sparse", "ring", "ulysses"):
+            # automatic (None) on the CPU takes the early path: Call.local_first_pays
             first = SparspConfig(cdf_threshold=0.85, block_size=bs, transport="nccl", kernel="torch")
             later = dataclasses.replace(first, local_first=False)
             for step in range(2):  # the second call of the geometry too
@@ -173,3 +174,31 @@ def test_local_first_gives_the_same_output(world, lens):
     the local shard is computed, nothing else: outputs equal bit for bit with it off, for every
     strategy that registers it; the others never queue early."""
     assert all(run_distributed(_local_first_worker, world, lens, 6, 16, timeout=240))
+
+
+def test_local_first_pays_only_where_the_transfer_hides():
+    """The automatic rule (``Call.local_first_pays``) on CUDA-like figures: in order on the
+    first call of a geometry and over nccl; on a copy-engine transport local first exactly when
+    the first round's rows move in less time than the local kept pairs compute."""
+    from types import SimpleNamespace
+
+    from sparsp.plan import Shapes
+    from sparsp.strategies import base, chunks
+
+    sh = Shapes(0, 2, 1, 8, 64, 128, (4096, 4096))
+    fab = chunks.fabric("cuda", "host", 64)
+    pair_s = 4 * 128 ** 2 * 64 / fab.flops_per_s  # one kept block pair
+    row_s = 2 * 64 * 2 / fab.bytes_per_s  # one K row and its V row, bf16
+
+    def pays(transport, last):
+        call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda"), element_size=lambda: 2),
+                               shapes=sh, transport=SimpleNamespace(name=transport),
+                               _geo=SimpleNamespace(last_round=last))
+        return base.Call.local_first_pays(call)
+
+    pairs = 1000
+    balanced = int(pairs * pair_s / row_s)  # rows that move in the local kernel's time
+    assert not pays("host", None)  # the geometry's first call
+    assert pays("host", (balanced // 2, pairs))
+    assert not pays("host", (balanced * 2, pairs))
+    assert not pays("nccl", (1, pairs))

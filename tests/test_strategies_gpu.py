@@ -172,7 +172,7 @@ def _local_first_worker(rank, world, kernel):
     transports = [t for t in ("nccl", "ipc", "host") if t in transport_names()]
     for transport in transports:
         for strategy in ("sparsp", "ring-relay", "ring-sparse", "ring"):
-            first = SparspConfig(cdf_threshold=0.9, transport=transport, kernel=kernel)
+            first = SparspConfig(cdf_threshold=0.9, transport=transport, kernel=kernel, local_first=True)
             later = dataclasses.replace(first, local_first=False)
             for step in range(3):  # eager, capture + replay, replay
                 g = torch.Generator(device="cuda").manual_seed(100 * step + rank)

@@ -54,13 +54,18 @@ class SparspConfig:
     configs (the least recently used go first). Off, or on the CPU: eager, the same
     arithmetic."""
 
-    local_first: bool = True
+    local_first: bool | None = None
     """Queue the local shard's kernel before the call's host read and issue the first round's
     packs and transfers on a high-priority side stream while it runs (strategies registered
     ``local_first``: ``ring``, ``ring-sparse``, ``ring-relay``, ``sparsp``;
-    ``strategies.base.Call.side``): the device computes while the host waits for the read,
-    checks the headers and issues the pack. The same blocks and the same merge order; off: the
-    local kernel runs where the strategy's run reaches it, after the first round's pack."""
+    ``strategies.base.Call.side``), so that the device computes while the host waits for the
+    read, checks the headers and issues the pack; the same blocks and the same merge order.
+    None (automatic): where it pays, per call and rank (``Call.local_first_pays``): on a
+    copy-engine transport (``ipc``, ``host``) whose first round, as large as in the last call
+    of the geometry, moves in less time than the local kernel computes; never over ``nccl``,
+    whose copy kernels would queue behind the local kernel for the GPU's SMs. True: always;
+    False: never (the local kernel runs where the strategy's run reaches it, after the first
+    round's pack)."""
 
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
@@ -87,9 +92,10 @@ class SparspConfig:
                                  f"got {value!r}")
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite must be True or False, got {self.check_finite!r}")
-        for name in ("cuda_graphs", "local_first"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.local_first is not None and not isinstance(self.local_first, bool):
+            raise ValueError(f"local_first must be None (automatic), True or False, got {self.local_first!r}")
 
     def cdf_tensor(self, heads: int) -> torch.Tensor | float:
         return _per_head(self.cdf_threshold, heads, "cdf_threshold")

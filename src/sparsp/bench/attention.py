@@ -41,7 +41,8 @@ copy-engine transport (``ipc`` / ``host``), then, each added to that row, the ch
 (``strategies/captured.py``), and to the latter the local kernel queued first
 (``SparspConfig.local_first``); all three are off in the other ablation rows, and each row
 names what it switches on in ``ablation``. ``cuda_graphs`` says whether a row replayed the
-stage, ``local_first`` whether it queued the local kernel first.
+stage, ``local_first`` whether its timed split call queued the local kernel first
+(``local_first_config``: the setting, ``--local-first``; automatic by default).
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -86,9 +87,9 @@ def add_arguments(p) -> None:
                    help="SparspConfig.drain_chunks of every row (default: automatic; 1 = off)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the plan stage eagerly (SparspConfig(cuda_graphs=False)) in every row")
-    p.add_argument("--no-local-first", action="store_true",
-                   help="queue the local kernel where the strategy's run reaches it, after the host "
-                        "read and the first pack (SparspConfig(local_first=False)) in every row")
+    p.add_argument("--local-first", choices=("auto", "on", "off"), default="auto",
+                   help="SparspConfig.local_first of every row: auto (None: where it pays), on "
+                        "(the local kernel before the host read), off (after the first pack)")
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
@@ -201,9 +202,10 @@ def main(args) -> int:
             if dense is None:
                 dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
                                      v if world == 1 else torch.cat([v] * world, 1), args.kernel)
-            chunking = {"chunks": args.chunks, "drain_chunks": args.drain_chunks,
-                        "cuda_graphs": not args.no_cuda_graphs,
-                        "local_first": not args.no_local_first} | ablation_config(ablation)
+            chunking = ({"chunks": args.chunks, "drain_chunks": args.drain_chunks,
+                         "cuda_graphs": not args.no_cuda_graphs,
+                         "local_first": {"auto": None, "on": True, "off": False}[args.local_first]}
+                        | ablation_config(ablation))
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
                                kernel=args.kernel, timeout_s=300.0, **chunking)
             t = get_transport(transport, None, device, cfg.timeout_s)
@@ -233,12 +235,14 @@ def main(args) -> int:
                    "bytes_moved": int(moved.item()),
                    "bytes_max_rank": int(most.item()), "density": mask_density,
                    **{key: round(split.get(key, 0.0), 3) for key in SPLIT},
+                   "pack_side_ms": round(split["pack_side_ms"], 3),
                    "transfer_ms": round(split.get("transfer_ms", 0.0), 3),
                    "host_syncs": syncs, "collectives": colls, "link_gbps": round(gbps, 2),
                    "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
                    "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
                    "bound_ms": round(max(c_ms, t_ms), 3), "efficiency": None, "ablation": ablation,
-                   "cuda_graphs": cfg.cuda_graphs, "local_first": cfg.local_first,
+                   "cuda_graphs": cfg.cuda_graphs, "local_first_config": cfg.local_first,
+                   "local_first": split["local_first"],
                    "auto_choice": chosen if strategy == "auto" else None}
             timed.append((row, call))
         if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
@@ -306,6 +310,7 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     split["pack_side_ms"] = s.get("pack_side", 0.0)
     split["pack_ms"] += split["pack_side_ms"]
     split = {key: _max(value, device) for key, value in split.items()}
+    split["local_first"] = timer.local_first  # what this call did (the config may leave it open)
     transport.fence()
     if strategy == "auto":
         from ..strategies import auto

@@ -87,7 +87,7 @@ def sp_attention(
     # auto stages sparsp's payloads with the figures it chooses from (strategies/auto.py)
     planned, auto = (strategy_spec(PLANNED), True) if strategy == AUTO else (spec, False)
     graphed = captured.eligible(q, planned, config, computed)
-    early = config.local_first and planned.local_first  # Call.attend_local_early
+    early = config.local_first is not False and planned.local_first  # Call.attend_local_early
     with torch.no_grad():
         mask_phase.__enter__()
         mask_open = True
@@ -106,7 +106,8 @@ def sp_attention(
                                                          transport, _global_mask, auto=auto)
             with record_function("sparsp.resolve"):
                 read = meta.start_read(staged)  # the one host sync: its copy is queued now
-                if early and error is None and (meta.fits or not computed):
+                if early and error is None and (meta.fits or not computed) and \
+                        (config.local_first or call.local_first_pays()):
                     # the local shard needs nothing the read brings: the device computes it
                     # while the host waits, checks the headers and issues the first round
                     if mask_open:

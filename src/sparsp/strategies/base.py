@@ -24,6 +24,7 @@ from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, merge_pair,
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
+from . import chunks
 from .registry import strategy_names, strategy_spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -93,6 +94,7 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: dict[int, torch.cuda.Event] = {}
+        self.local_first = False  # the call queued its local kernel before the host read
 
     def _event(self) -> torch.cuda.Event:
         e = torch.cuda.Event(enable_timing=True)
@@ -145,6 +147,7 @@ class _Geometry:
     def __init__(self) -> None:
         self.full: dict[int, Layout] = {}
         self.buffers: list[torch.Tensor] = []
+        self.last_round: tuple[int, int] | None = None  # Call._remember_round
 
 
 _GEOMETRIES: dict[tuple, _Geometry] = {}
@@ -271,6 +274,7 @@ class Call:
     def set_resolved(self, layouts: dict, values: dict) -> None:
         self.layouts = layouts
         self.kept = {key[1]: n for key, n in values.items() if key[0] == "kept"}
+        self._remember_round()
 
     def payload_buffers(self, n: int) -> list[torch.Tensor]:
         """``n`` flat buffers that each hold any rank's full shard (static shape for compiled
@@ -387,7 +391,45 @@ class Call:
         if self.q.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
+        if self.timer is not None:
+            self.timer.local_first = True
         self.attend_local()
+
+    def local_first_pays(self) -> bool:
+        """``SparspConfig.local_first=None``: whether queueing the local kernel before the host
+        read shortens this call, judged before the read from the last call of this geometry.
+        It does where the host's work between the read and the first pack (the read, the header
+        checks, the local kernel's launch, ~0.3 ms at LTX size) hides behind the local kernel;
+        it does not where the first round's transfer is the longer path, since the pack is then
+        issued after the local kernel's launch instead of before it, nor over ``nccl``, whose
+        copy kernels need SMs the local kernel holds. Estimated with the fabric figures the
+        chunk rule uses (``chunks.fabric``): the first round's rows (K and V) over the pair's
+        bandwidth against the local kept block pairs over the kernel's rate. The first call of
+        a geometry has no figures and runs in order. On the CPU it always says yes: the order
+        changes nothing there, and the CPU suite then covers the early path."""
+        if self.q.device.type != "cuda":
+            return True
+        last = self._geo.last_round
+        if self.transport.name == "nccl" or last is None:
+            return False
+        rows, pairs = last
+        sh = self.shapes
+        fab = chunks.fabric("cuda", self.transport.name, sh.head_dim)
+        transfer_s = rows * 2 * sh.head_dim * self.q.element_size() / fab.bytes_per_s
+        compute_s = pairs * 4 * sh.block_size ** 2 * sh.head_dim / fab.flops_per_s
+        return transfer_s <= compute_s
+
+    def _remember_round(self) -> None:
+        """After the host read: the first round's payload rows (the largest of the round-1
+        layouts; a full shard for strategies without a plan) and the local kept block pairs,
+        for the next call's ``local_first_pays``."""
+        sh = self.shapes
+        rows = [lay.num_rows for key, lay in self.layouts.items()
+                if isinstance(key, tuple) and len(key) > 1 and key[1] == 1]
+        if not rows:  # full shards: the previous rank's
+            rows = [sh.batch * sh.heads * sh.seq_lens[(sh.rank - 1) % sh.world_size]]
+        pairs = self.kept.get(sh.rank, sh.batch * sh.heads * sh.num_blocks[sh.rank] ** 2)
+        self._geo.last_round = (max(rows), pairs)
 
     def side(self, on: bool = True):
         """Context for issuing the first round's packs and transfers (``Call.pack_local``,
