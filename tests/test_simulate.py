@@ -108,6 +108,89 @@ def test_no_kernel_starts_before_the_host_issued_it():
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(10.0 + 0.2)
 
 
+def _orders(**counts) -> tuple[Work, Work]:
+    """A 2-rank direct (sparsp) call of 2 ms steps and 10 MB rounds (1 ms at 10 GB/s), in order
+    and local first, with the host's counts by hand: 100 ops before the read, 10 in its finish,
+    13 in the run before the first fetch; in order 15 before the (local) first kernel, 19 before
+    the last, 26 after; local first 2 before the local kernel and none after it before the
+    read's wait, 17 before the remote kernel, 26 after."""
+    base = replace(_uniform("direct", 2, 2.0, 10_000_000, strategy="sparsp"), host_ops=(100, 100),
+                   finish_ops=(10, 10), issue_ops=(13, 13), **counts)
+    return (replace(base, run_ops=((15, 19, 26),) * 2),
+            replace(base, local_first=True, run_ops=((17, 17, 26),) * 2, early_ops=((2, 0),) * 2))
+
+
+def test_local_first_overlaps_the_read_and_the_run_ops_with_the_local_kernel():
+    # ops 10 µs, launches 0.1 ms; the device's mask path (the all-gather) takes 1.5 ms, the
+    # host's 100 ops before the read 1 ms: the read lands at 1.5 ms in both orders
+    prof = _profile(op_ms=0.01, launch_ms=0.1, sync_ms=1.5)
+    in_order, local_first = _orders()
+    a, b = timeline(in_order, prof, head_dim=128), timeline(local_first, prof, head_dim=128)
+    steps_a = sorted(a.of(0, "compute"), key=lambda t: t.round)
+    steps_b = sorted(b.of(0, "compute"), key=lambda t: t.round)
+    # in order: after the read the host finishes it (0.1), issues 15 ops (0.15) and launches the
+    # local kernel (0.1): it runs 1.85 → 3.85; the transfer, issued after 13 of those ops, runs
+    # 1.73 → 2.73, hidden; the remote step follows, 3.85 → 5.85
+    assert [(t.start, t.end) for t in steps_a] == [pytest.approx((1.85, 3.85)), pytest.approx((3.85, 5.85))]
+    assert (a.of(0, "transfer")[0].start, a.of(0, "transfer")[0].end) == (pytest.approx(1.73), pytest.approx(2.73))
+    assert a.latency_ms == pytest.approx(5.85)
+    # local first: launched after 102 ops and a launch (1.12 ms), the local kernel starts when
+    # the mask path is done (1.5); the host's wait ends then, the finish and 13 run ops issue the
+    # first round at 1.73 (landing at 2.73, beside the local kernel); the remote kernel is
+    # launched at 1.5 + 0.1 + 0.17 + 0.1 = 1.87 and starts when the local step ends
+    assert [(t.start, t.end) for t in steps_b] == [pytest.approx((1.5, 3.5)), pytest.approx((3.5, 5.5))]
+    xfer = b.of(0, "transfer")[0]
+    assert (xfer.start, xfer.end) == (pytest.approx(1.73), pytest.approx(2.73))
+    # smaller by the host time in order between the read and the local launch, which local
+    # first spends beside the local kernel: finish + 15 ops + a launch
+    assert a.latency_ms - b.latency_ms == pytest.approx(0.1 + 0.15 + 0.1)
+    # free host ops and launches: the same schedule; with launches only, a launch apart
+    free = _profile(op_ms=0.0, launch_ms=0.0, sync_ms=1.5)
+    assert timeline(in_order, free, head_dim=128).latency_ms == pytest.approx(5.5)
+    assert timeline(local_first, free, head_dim=128).latency_ms == pytest.approx(5.5)
+    launches = _profile(op_ms=0.0, launch_ms=0.1, sync_ms=1.5)
+    assert (timeline(in_order, launches, head_dim=128).latency_ms
+            - timeline(local_first, launches, head_dim=128).latency_ms) == pytest.approx(0.1)
+
+
+def test_local_first_pack_runs_beside_the_local_kernel():
+    # a pack of 1 ms (10 MB at 10 GB/s of device copies): on the side stream it is the first
+    # round's lead time, not the compute stream's; the local step starts as before
+    prof = _profile(op_ms=0.01, launch_ms=0.1, sync_ms=1.5, hbm_gbps=10.0)
+    _, local_first = _orders()
+    tl = timeline(local_first, prof, head_dim=128)
+    steps = sorted(tl.of(0, "compute"), key=lambda t: t.round)
+    assert steps[0].start == pytest.approx(1.5)
+    assert tl.of(0, "transfer")[0].end == pytest.approx(1.73 + 1.0 + 1.0)
+    assert steps[1].start == pytest.approx(3.73) and tl.latency_ms == pytest.approx(5.73)
+    # a host slower than the device: the post-read ops outlast the local kernel, and the remote
+    # step waits for its launch (1000 ops before it: 1.5 + 0.1 + 10 + 0.1 = 11.7 ms)
+    slow = replace(local_first, run_ops=((1000, 1000, 0),) * 2)
+    steps = sorted(timeline(slow, _profile(op_ms=0.01, launch_ms=0.1, sync_ms=1.5), head_dim=128).of(0, "compute"),
+                   key=lambda t: t.round)
+    assert steps[0].start == pytest.approx(1.5) and steps[1].start == pytest.approx(11.7)
+
+
+def test_work_knows_its_order():
+    """``local_first`` (the config's, default on) applies to the strategies registered
+    ``local_first``; ``ulysses`` runs in order; the counts follow the order."""
+    from sparsp.simulate.model import EARLY_OPS, issue_ops, run_ops
+
+    pl = make_placement("periodic", GEOM, 2)
+    masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(3)) < 0.4
+    for s in strategy_names():
+        w = build_work(masks, pl, s, head_dim=GEOM.head_dim)
+        off = build_work(masks, pl, s, head_dim=GEOM.head_dim, local_first=False)
+        assert w.local_first == strategy_spec(s).local_first == (s != "ulysses") and not off.local_first, s
+        assert (w.host_ops, w.finish_ops) == (off.host_ops, off.finish_ops), s  # the same before the run
+        rule = strategy_spec(s).byte_rule if strategy_spec(s).sparse else "dense"
+        assert off.run_ops == (run_ops(rule, 2),) * 2 and off.issue_ops == (issue_ops(rule, 2),) * 2, s
+        assert not off.early_ops, s
+        if w.local_first:
+            assert w.run_ops == (run_ops(rule, 2, True),) * 2 and w.early_ops == (EARLY_OPS,) * 2, s
+            assert w.issue_ops == (issue_ops(rule, 2, True),) * 2, s
+
+
 def test_all_to_all_does_not_overlap():
     prof = _profile(call_ms=1.0, sync_ms=0.0)
     G, compute_ms, nbytes = 4, 7.0, 20_000_000  # 2 ms per round
@@ -300,11 +383,15 @@ def test_validation_rows_from_an_attention_file(tmp_path):
             dict(ROW, fabric="nvlink", strategy="ring-sparse", transport="ipc", placement="contiguous",
                  median_ms=8.0),
             dict(ROW, fabric="host", strategy="sparsp", transport="nccl", ranks=4),  # a 4-GPU row
-            dict(ROW, fabric="nvlink", strategy="sparsp", transport="tcp")]  # no such transport
+            dict(ROW, fabric="nvlink", strategy="sparsp", transport="ipc", local_first=True),  # a newer row
+            dict(ROW, fabric="nvlink", strategy="ulysses", transport="nccl", local_first=True),  # in order all the same
+            dict(ROW, fabric="nvlink", strategy="sparsp", transport="tcp"),  # no such transport
+            dict(ROW, fabric="nvlink", strategy="sparsp", transport="ipc", local_first="yes")]  # not a bool
     cache = MaskCache()
     out, notes = validate([_attention_file(tmp_path, rows)], cache=cache)
-    assert len(out) == 3 and len(notes) == 1
+    assert len(out) == 5 and len(notes) == 2
     assert any("no transport 'tcp'" in n for n in notes)
+    assert any("local_first must be true or false, got 'yes'" in n for n in notes)
     geom = geometry("ltx-video")
     for v, row in zip(out, rows):
         assert {"model", "ranks", "fabric", "strategy", "predicted_ms", "measured_ms"} <= set(v)
@@ -312,11 +399,18 @@ def test_validation_rows_from_an_attention_file(tmp_path):
         # rows of more GPUs than the 2×H200 profile holds: the same box widened to G GPUs
         profile = PROFILES[f"h200x2-{row['fabric']}"].widened(G)
         assert profile.gpus >= G and (G > 2) == (profile is not PROFILES[f"h200x2-{row['fabric']}"])
+        # each row in its own order: rows without the field ran in order
+        lf = row.get("local_first", False)
         want = simulate_one(cache.get(geom, 0.9), geom, row["strategy"], G, profile,
-                            placement=row["placement"], transport=row["transport"])["predicted_ms"]
+                            placement=row["placement"], transport=row["transport"], local_first=lf)["predicted_ms"]
         assert v["predicted_ms"] == want and v["measured_ms"] == row["median_ms"] and v["ranks"] == G
+        assert v["local_first"] == (lf and row["strategy"] != "ulysses")
         assert v["error"] == pytest.approx(want / row["median_ms"] - 1, abs=1e-4)
     assert out[0]["measured_compute_ms"] == 4.0
+    # the newer row in order: LTX-Video on NVLink waits for its host, which local first overlaps
+    in_order = simulate_one(cache.get(geom, 0.9), geom, "sparsp", 2, PROFILES["h200x2-nvlink"], placement="periodic",
+                            transport="ipc", local_first=False)
+    assert out[3]["predicted_ms"] < in_order["predicted_ms"] and not in_order["local_first"]
     with pytest.raises(ValueError, match="expected a sparsp bench result of kind attention"):
         validate([_transport_file(tmp_path)], cache=cache)
 
@@ -335,7 +429,9 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "pcie5-8gpu-nop2p-calibrated" in printed and "validation" in printed
     doc = json.loads((out / "simulate.json").read_text())
     assert {(r["strategy"], r["ranks"]) for r in doc["results"]} == {(s, G) for s in strategy_names() for G in (2, 4)}
+    assert doc["local_first"] is True
     for r in doc["results"]:
+        assert r["local_first"] == strategy_spec(r["strategy"]).local_first  # the config's default
         assert r["bottleneck"] in ("compute", "transfer", "fixed")
         assert r["predicted_ms"] == pytest.approx(max(r["finish_ms"]))
         assert r["rounds"] and r["speedup_vs_ring"] > 0
@@ -343,6 +439,21 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert (out / "latency_vs_ranks.png").stat().st_size > 0 and (out / "speedup_vs_ranks.png").exists()
     prof = get_profile(str(out / "profile-pcie5-8gpu-nop2p-calibrated.json"))
     assert prof.transport("host").latency_ms == pytest.approx(0.2, rel=1e-3)
+
+
+def test_cli_no_local_first_simulates_in_order(tmp_path):
+    out = tmp_path / "out"
+    argv = ["simulate", "--model", "ltx-video", "--ranks", "2", "--fabric", "h200x2-nvlink", "--no-plots"]
+    assert main([*argv, "--out", str(out / "a")]) == 0
+    assert main([*argv, "--no-local-first", "--out", str(out / "b")]) == 0
+    first = {r["strategy"]: r for r in json.loads((out / "a" / "simulate.json").read_text())["results"]}
+    doc = json.loads((out / "b" / "simulate.json").read_text())
+    assert doc["local_first"] is False and not any(r["local_first"] for r in doc["results"])
+    for r in doc["results"]:  # LTX-Video on NVLink waits for its host: in order is slower
+        if strategy_spec(r["strategy"]).local_first:
+            assert r["predicted_ms"] > first[r["strategy"]]["predicted_ms"], r["strategy"]
+        else:
+            assert r["predicted_ms"] == first[r["strategy"]]["predicted_ms"], r["strategy"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -410,9 +521,9 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
     # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
     # the plan stage a CUDA graph (the default on GPUs)
-    assert mask_ops("direct", 4, graphed=False) == 136 + 122 * 3
-    assert mask_ops("relay", 3, graphed=False) == 165 + 65 * 2 + 4 * 4
-    assert mask_ops("direct", 4) == 54 + 5 * 3 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
+    assert mask_ops("direct", 4, graphed=False) == 131 + 117 * 3
+    assert mask_ops("relay", 3, graphed=False) == 159 + 61 * 2 + 4 * 4
+    assert mask_ops("direct", 4) == 49 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
     prof = _profile(op_ms=0.01, hbm_gbps=1.0)
     work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300))
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # 300 ops x 10 µs
@@ -510,24 +621,27 @@ def test_mask_phase_collective_is_device_time_beside_the_host_ops():
 
 
 def test_sparsp_drain_units_charge_mask_ops():
-    from sparsp.simulate.model import (GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, Blocks, drain_units,
-                                       mask_ops, measure)
+    from sparsp.simulate.model import (FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, Blocks,
+                                       drain_units, finish_ops, mask_ops, measure)
 
     geom = geometry("ltx-video")
     masks = MaskCache().get(geom, 0.9)
     pl = make_placement("periodic", geom, 2)
     plain = build_work(masks, pl, "sparsp", head_dim=geom.head_dim)
-    assert plain.host_ops == (mask_ops("direct", 2),) * 2
+    assert plain.host_ops == (mask_ops("direct", 2),) * 2 and plain.finish_ops == (finish_ops("direct", 2),) * 2
     # the host-staged 2×H200 box at LTX-Video size is transfer-bound, but the drain computes
     # for less than three more units cost the host before the sync: no units
     d = measure(masks, Blocks.of(pl))
     assert drain_units(d, PROFILES["h200x2-host"], "host", head_dim=geom.head_dim, dtype_bytes=2) == ((1, 1),) * 2
     # with host ops free (op_ms 0) the same pairs are cut: both drain payloads of every rank in 4
-    # head groups (strategies/chunks.py), 0 + 3 × 2.5 ops each with the stage a CUDA graph
+    # head groups (strategies/chunks.py); with the stage a CUDA graph, no op more before the
+    # read, and 3 × 2.5 per payload in the read's finish (each unit's layout sliced)
     host = replace(PROFILES["h200x2-host"], op_ms=0.0)
     assert drain_units(d, host, "host", head_dim=geom.head_dim, dtype_bytes=2) == ((4, 4), (4, 4))
     cut = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=host, transport="host")
-    assert cut.host_ops == (mask_ops("direct", 2) + round(2 * (GRAPHED_MASK_CUT_OPS + 3 * GRAPHED_MASK_UNIT_OPS)),) * 2
+    assert (GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS) == (0, 0)
+    assert cut.host_ops == plain.host_ops
+    assert cut.finish_ops == (finish_ops("direct", 2) + round(2 * 3 * FINISH_UNIT_OPS),) * 2
     # NVLink: the payload lands while the local shard computes, no units
     nv = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=PROFILES["h200x2-nvlink"],
                     transport="ipc")
@@ -535,27 +649,44 @@ def test_sparsp_drain_units_charge_mask_ops():
     # the other strategies never cut
     relay = build_work(masks, make_placement("periodic", geom, 2), "ring-relay", head_dim=geom.head_dim,
                        profile=host, transport="host")
-    assert relay.host_ops == (mask_ops("relay", 2),) * 2
+    assert relay.host_ops == (mask_ops("relay", 2),) * 2 and relay.finish_ops == (finish_ops("relay", 2),) * 2
 
 
 def test_host_ops_follow_the_code():
-    """``MASK_OPS``, ``GRAPHED_MASK_OPS``, the unit ops and ``RUN_OPS`` are the op counts of the
-    current code (``opcount``, G = 2): a change to the mask phase, or to what the host issues
-    after the sync, makes this fail until they are recounted."""
+    """``MASK_OPS``, ``GRAPHED_MASK_OPS``, ``FINISH_OPS``, ``EARLY_OPS``, the unit ops, ``RUN_OPS``
+    and ``LOCAL_FIRST_RUN_OPS`` are the op counts of the current code (``opcount``, G = 2, in
+    order and local first; the group of one too): a change to what the host issues before the
+    read, after it, or to the order, makes this fail until they are recounted."""
     from sparsp.simulate import model
-    from sparsp.simulate.opcount import count, eager_ops, graphed_ops, run_ops
+    from sparsp.simulate.opcount import count, early_ops, eager_ops, finish_ops, graphed_ops, issue_ops, run_ops
 
-    got = count(2, [("ring", 1), ("ring-sparse", 1), ("sparsp", 1), ("ring-relay", 1), ("sparsp", 4),
-                    ("ulysses", 1)])
-    kinds = ("dense", "sparse", "direct", "relay", "direct")
-    for graphed, ops, cut, unit in ((False, eager_ops, model.MASK_CUT_OPS, model.MASK_UNIT_OPS),
-                                    (True, graphed_ops, model.GRAPHED_MASK_CUT_OPS, model.GRAPHED_MASK_UNIT_OPS)):
-        want = [model.mask_ops(kind, 2, graphed) for kind in kinds]
-        want[-1] += round(2 * (cut + 3 * unit))
-        assert [ops(kind, g) for kind, g in zip(kinds, got[:5])] == want, graphed
-    run_kinds = ("dense", "full-shards", "direct", "relay", None, "all-to-all")
-    assert {k: run_ops(g) for k, g in zip(run_kinds, got) if k} == {k: model.run_ops(k, 2) for k in run_kinds if k}
-    assert len(got[-1]["marks"]) == 4  # ulysses: one kernel call per (query slice, key slice)
+    cases = [(s, lf) for s in ("ring", "ring-sparse", "sparsp", "ring-relay") for lf in (False, True)]
+    jobs = [(s, 1, lf) for s, lf in cases] + [("sparsp", 4, False), ("sparsp", 4, True),
+                                              ("ulysses", 1, False), ("ulysses", 1, True)]
+    got = dict(zip(jobs, count(2, jobs)))
+    kinds = {"ring": ("dense", "dense"), "ring-sparse": ("sparse", "full-shards"), "sparsp": ("direct", "direct"),
+             "ring-relay": ("relay", "relay"), "ulysses": ("sparse", "all-to-all")}
+    for (s, u, lf), g in got.items():
+        kind, rule = kinds[s]
+        early = lf and s != "ulysses"  # ulysses runs in order whatever the config says
+        cut = round(2 * (model.MASK_CUT_OPS + (u - 1) * model.MASK_UNIT_OPS)) if u > 1 else 0
+        graphed_cut = round(2 * (model.GRAPHED_MASK_CUT_OPS + (u - 1) * model.GRAPHED_MASK_UNIT_OPS)) if u > 1 else 0
+        where = (s, u, lf)
+        assert eager_ops(kind, g) == model.mask_ops(kind, 2, graphed=False) + cut, where
+        assert graphed_ops(kind, g) == model.mask_ops(kind, 2) + graphed_cut, where
+        assert finish_ops(g) == model.finish_ops(kind, 2) + round(2 * (u - 1) * model.FINISH_UNIT_OPS), where
+        assert early_ops(g) == (model.EARLY_OPS if early else None), where
+        if u == 1:
+            assert run_ops(g) == model.run_ops(rule, 2, early), where
+            assert issue_ops(g) == model.issue_ops(rule, 2, early), where
+    assert len(got[("ulysses", 1, True)]["kernels"]) == 4  # one kernel call per (query slice, key slice)
+    one = dict(zip((False, True), count(1, [("sparsp", 1, False), ("sparsp", 1, True)])))
+    for lf, g in one.items():  # a group of one: the local kernel is the call's only one
+        assert (eager_ops("direct", g), graphed_ops("direct", g)) == (model.mask_ops("direct", 1, graphed=False),
+                                                                      model.mask_ops("direct", 1)), lf
+        assert finish_ops(g) == model.finish_ops("direct", 1) and run_ops(g) == model.run_ops("direct", 1, lf), lf
+        assert issue_ops(g) == model.issue_ops("direct", 1, lf) == 0, lf
+        assert early_ops(g) == (model.EARLY_OPS if lf else None), lf
 
 
 def _fa4_kernel_file(tmp_path):

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", action="store_true", help="include the model's text tokens")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="K/V element type")
     p.add_argument("--prefetch", type=int, default=1, help="sparsp rounds fetched ahead")
+    p.add_argument("--no-local-first", action="store_true",
+                   help="simulate every strategy in order, the local kernel after the host read "
+                        "(SparspConfig(local_first=False)); default: ring, ring-sparse, ring-relay "
+                        "and sparsp launch it before the read")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
     p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
                    help="bench transport (and bench kernel) results to fit the profile to: "
@@ -77,7 +81,8 @@ def main(args) -> int:
         cfg = SimulateConfig(
             model=args.model, ranks=tuple(args.ranks), fabric=args.fabric, cdf=tuple(args.cdf),
             strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
-            text=args.text, dtype=args.dtype, prefetch=args.prefetch, seed=args.seed,
+            text=args.text, dtype=args.dtype, prefetch=args.prefetch, local_first=not args.no_local_first,
+            seed=args.seed,
             calibrate=tuple(args.calibrate or ()),
             validate=None if args.validate is None else tuple(args.validate),
         )
@@ -100,8 +105,9 @@ def print_tables(doc: dict, console) -> None:
     from rich.table import Table
 
     transports = ", ".join(dict.fromkeys(r["transport"] for r in doc["results"]))
+    order = "local first where registered" if doc.get("local_first") else "in order"
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
-                        f"on {doc['fabric']} ({transports}); simulated, {doc['masks']} masks")
+                        f"on {doc['fabric']} ({transports}); simulated ({order}), {doc['masks']} masks")
     for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "exposed", "MiB/rank",
                 "bottleneck"):
         table.add_column(col, justify="left" if col in ("strategy", "bottleneck") else "right")

@@ -5,7 +5,8 @@ attention benchmark runs (video tokens only unless ``text``), and every strategy
 placement it registered for the benchmarks (``placement="auto"``). ``--calibrate`` fits a
 profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
 strategy row of ``bench attention`` results with the 2×H200 profiles (widened to the row's G,
-``Profile.widened``) and never fits on them.
+``Profile.widened``), each in its own order (its ``local_first``; rows written before the flag
+existed ran in order), and never fits on them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..geometry import PRESETS, VideoGeometry, preset
 from ..placement import make_placement
 from ..strategies.registry import strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
-from .model import build_work, pair_flops
+from .model import LOCAL_FIRST, build_work, pair_flops
 from .timeline import bottleneck, timeline
 from .profiles import Profile, get_profile
 
@@ -50,6 +51,10 @@ class SimulateConfig:
     """Include the model's text tokens (``bench attention`` leaves them out by default)."""
     dtype: str = "bf16"
     prefetch: int = 1
+    local_first: bool = LOCAL_FIRST
+    """``SparspConfig.local_first`` of the simulated calls: strategies registered
+    ``local_first`` launch the local kernel before the host read; False: every strategy in
+    order (``--no-local-first``)."""
     seed: int = 0
     calibrate: tuple[Path, ...] = ()
     """``bench transport`` / ``bench kernel`` result files to fit the profile to."""
@@ -77,6 +82,8 @@ class SimulateConfig:
             raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"--prefetch must be an int >= 1, got {self.prefetch!r}")
+        if not isinstance(self.local_first, bool):
+            raise ValueError(f"local_first must be True or False, got {self.local_first!r}")
 
 
 def geometry(model: str, text: bool = False) -> VideoGeometry:
@@ -106,16 +113,18 @@ def placement_for(strategy: str, kind: str) -> str:
 
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
                  placement: str = "auto", transport: str | None = None, prefetch: int = 1,
-                 dtype_bytes: int = 2, chunking: Profile | None = None) -> dict:
+                 dtype_bytes: int = 2, chunking: Profile | None = None,
+                 local_first: bool = LOCAL_FIRST) -> dict:
     """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
 
     ``chunking``: the profile ``sparsp`` decides its drain units from (``strategies/chunks.py``
     reads ``$SPARSP_PROFILE``, else the built-in 2×H200 profile of the path); default
-    ``profile``, the machine's own."""
+    ``profile``, the machine's own. ``local_first``: the calls' ``SparspConfig.local_first``
+    (the row's ``local_first`` says whether ``strategy`` then runs local first)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
     work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
-                      profile=chunking or profile, transport=transport)
+                      profile=chunking or profile, transport=transport, local_first=local_first)
     kw = dict(transport=transport, head_dim=geom.head_dim, prefetch=prefetch)
     tl = timeline(work, profile, **kw)
     label, savings = bottleneck(work, profile, tl, **kw)
@@ -128,7 +137,7 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     per_rank = work.bytes_per_rank
     return {
         "strategy": strategy, "ranks": G, "placement": kind,
-        "transport": profile.transport(transport).name,
+        "transport": profile.transport(transport).name, "local_first": work.local_first,
         "predicted_ms": round(tl.latency_ms, 4), "bottleneck": label,
         "savings_ms": {k: round(v, 4) for k, v in savings.items()},
         "critical_rank": r, "compute_ms": round(compute, 4), "fixed_ms": round(fixed, 4),
@@ -139,13 +148,15 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     }
 
 
-def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile) -> dict:
+def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile, local_first: bool = LOCAL_FIRST) -> dict:
     """The same call on one GPU: ``sparsp`` on a group of one (what ``bench attention``'s
-    ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload),
-    and dense attention (kernel time only)."""
+    ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload;
+    ``local_first``: that kernel launched before the host read), and dense attention (kernel
+    time only)."""
     pl = make_placement("contiguous", geom, 1)
     kf = profile.kernel(geom.head_dim)
-    sparse = timeline(build_work(masks, pl, "sparsp", head_dim=geom.head_dim), profile, head_dim=geom.head_dim)
+    sparse = timeline(build_work(masks, pl, "sparsp", head_dim=geom.head_dim, local_first=local_first), profile,
+                      head_dim=geom.head_dim)
     dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
     return {"sparse_ms": round(sparse.latency_ms, 4),
             "dense_ms": round(dense / (kf.dense_tflops * 1e9) + profile.launch_ms, 4)}
@@ -174,7 +185,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     results, skipped, single = [], [], {}
     for cdf in cfg.cdf:
         masks = cache.get(geom, cdf)
-        single[str(cdf)] = one_gpu(masks, geom, profile)
+        single[str(cdf)] = one_gpu(masks, geom, profile, cfg.local_first)
         for G in cfg.ranks:
             for s in strategies:
                 if strategy_spec(s).heads_divisible and geom.heads % G:
@@ -182,7 +193,8 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                                     "reason": f"needs heads divisible by G: H={geom.heads}"})
                 else:
                     row = simulate_one(masks, geom, s, G, profile, placement=cfg.placement,
-                                       transport=cfg.transport, prefetch=cfg.prefetch, dtype_bytes=dtype_bytes)
+                                       transport=cfg.transport, prefetch=cfg.prefetch, dtype_bytes=dtype_bytes,
+                                       local_first=cfg.local_first)
                     row["cdf"] = cdf
                     row["density"] = round(float(masks.float().mean()), 4)
                     results.append(row)
@@ -197,7 +209,8 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
         "kind": "simulate", "model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
         "head_dim": geom.head_dim, "dtype": cfg.dtype, "masks": f"synthetic (seed {cfg.seed})",
         "fabric": profile.name, "profile": profile.to_dict(), "ranks": list(cfg.ranks),
-        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "one_gpu": single, "results": results,
+        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "local_first": cfg.local_first, "one_gpu": single,
+        "results": results,
         "skipped": skipped, "calibration": calibration,
     }
     if cfg.validate is not None:
@@ -233,7 +246,7 @@ def _commit(path: Path) -> str | None:
 def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress=None) -> tuple[list, list]:
     """Predict every strategy row of ``bench attention`` result files with the 2×H200 profiles
     (calibrated on ``calibrate_paths`` when given — never on these rows; widened to the row's G
-    for rows of more GPUs) → (rows, notes)."""
+    for rows of more GPUs), each row in its own order (``row_local_first``) → (rows, notes)."""
     cache = cache or MaskCache()
     profiles, notes = {}, []
     for fabric in ("nvlink", "host"):
@@ -270,6 +283,7 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
             measured = float(row["median_ms"])
             entry = {"model": row["model"], "ranks": int(row["ranks"]), "fabric": row["fabric"],
                      "strategy": row["strategy"], "transport": row["transport"], "cdf": row["cdf"],
+                     "local_first": pred["local_first"],
                      "predicted_ms": pred["predicted_ms"], "measured_ms": measured,
                      "error": round(pred["predicted_ms"] / measured - 1.0, 4),
                      "predicted_compute_ms": pred["compute_ms"], "bottleneck": pred["bottleneck"],
@@ -306,6 +320,15 @@ def validation_summary(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
     return out
 
 
+def row_local_first(row: dict) -> bool:
+    """The ``SparspConfig.local_first`` a ``bench attention`` row ran with: its own field; rows
+    written before the field existed (commit 252ebdb) ran in order."""
+    value = row.get("local_first", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"local_first must be true or false, got {value!r}")
+    return value
+
+
 def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     if row["model"] not in PRESETS:
         raise ValueError(f"unknown model {row['model']!r}")
@@ -323,7 +346,8 @@ def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     G = int(row["ranks"])
     return simulate_one(masks, geom, row["strategy"], G, profile.widened(G),
                         placement=row.get("placement", "auto"), transport=row["transport"],
-                        chunking=get_profile(f"h200x2-{row['fabric']}").widened(G))
+                        chunking=get_profile(f"h200x2-{row['fabric']}").widened(G),
+                        local_first=row_local_first(row))
 
 
 # --- outputs -----------------------------------------------------------------------------------

@@ -13,24 +13,33 @@ Which schedule a strategy follows comes from its registration (``sparsp.strategi
 ``byte_rule``, ``sparse``), so a newly registered strategy with a known byte rule is simulated
 without changes here.
 
-Every rank first pays a fixed phase: ``call_ms`` plus the mask phase up to the call's one host
-sync, the longer of the host issuing its counted ops and the device's path (the metadata
-all-gather, the input passes, the mask selection); after the sync the host issues the run
-phase's counted ops, which no kernel may outrun (``RUN_OPS``). The constants below are counted
-from the code of the strategies and ``sparsp.plan`` (docs/simulate.md says how; ``opcount``
-recounts the ops); nothing here is fitted to ``bench attention`` rows.
+Every rank first pays a fixed phase: ``call_ms`` plus the mask phase up to the start of the
+call's one host read, the longer of the host issuing its counted ops and the device's path
+(the metadata all-gather, the input passes, the mask selection). Where the rest of the host's
+counted ops fall depends on the call's order (``Work.local_first``): in order, the host waits
+for the read, finishes it (``FINISH_OPS``) and issues the run's ops, which no kernel may outrun
+(``RUN_OPS``); local first (``SparspConfig.local_first`` with a strategy registered
+``local_first``), the host launches the local kernel before it waits for the read
+(``EARLY_OPS``), then finishes the read and issues the run while that kernel runs
+(``LOCAL_FIRST_RUN_OPS``). The constants below are counted from the code of the strategies and
+``sparsp.plan`` (docs/simulate.md says how; ``opcount`` recounts the ops); nothing here is
+fitted to ``bench attention`` rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from .. import demand
+from ..config import SparspConfig
 from ..placement import Placement
 from ..strategies.registry import strategy_names, strategy_spec
 from .profiles import Profile
+
+# ``SparspConfig.local_first``'s default: what a call does unless its config says otherwise
+LOCAL_FIRST: bool = {f.name: f.default for f in fields(SparspConfig)}["local_first"]
 
 # Collectives on every call's device path (plan.py): ONE, the metadata all-gather (header +
 # pooled summaries, from which every rank derives the whole mask and every demand). On NCCL
@@ -52,48 +61,75 @@ _MASK_BYTES_PER_SCORE = 88
 # pools q and k (block sums) and sums v for the non-finite flag (the pooled sums serve for q and
 # k); a dense one sums q, k and v for the flag. Three passes over a (B, S, H, D) input either way.
 INPUT_PASSES = 3
-# Eager PyTorch ops the mask phase issues on the host before its one host sync (header, the
-# metadata all-gather, pooling, mask selection, the strategy's plan, layouts prepared before
-# the sync, the host read), which the GPU mostly waits for: counted with
+# Eager PyTorch ops the mask phase issues on the host before the call's host read is started
+# (header, the metadata all-gather, pooling, mask selection, the strategy's plan, the layouts
+# the plan stage prepares, the read's copy queued), which the GPU waits for: counted with
 # ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
 # call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
-# G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind.
-MASK_OPS = {"dense": (59, 0, 0), "sparse": (127, 13, 0), "direct": (136, 122, 0),
-            "relay": (165, 65, 4)}
+# G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind;
+# the same in both orders (``SparspConfig.local_first`` moves what comes after the read).
+MASK_OPS = {"dense": (54, 0, 0), "sparse": (122, 13, 0), "direct": (131, 117, 0),
+            "relay": (159, 61, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered summaries
 # to the counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the
 # stage's ops become two (a copy of the gathered rows, the graph launch); what remains is the
-# header, pooling and all-gather before it and the host read after it (``opcount``'s
+# header, pooling and all-gather before it and the read's start after it (``opcount``'s
 # ``GRAPHED_MASK_OPS``). Dense strategies compute no mask and run no graph.
-GRAPHED_MASK_OPS = {"dense": (59, 0, 0), "sparse": (54, 0, 0), "direct": (54, 5, 0),
-                    "relay": (55, 4, 0)}
+GRAPHED_MASK_OPS = {"dense": (54, 0, 0), "sparse": (49, 0, 0), "direct": (49, 0, 0),
+                    "relay": (49, 0, 0)}
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 126 eager, 53 graphed.
-ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 126}, {"direct": 53}
-# Eager PyTorch ops the host issues after the host sync, in program order (``opcount``: every
-# op but the kernel's own, which on a GPU is one FA4 launch, ``Profile.launch_ms``): before the
-# first kernel call (the first pack, the first fetch, ulysses' all-to-all in and its copies),
-# before the last one (block lists, packs, fetches and merges between kernels), and after it
-# (the last merge, the output; ulysses' all-to-all out). Each as (constant, per peer, per
-# peer²), exact at G = 2, 3, 4, 6 but the ring's first: 40 at G = 2 (its one hop lands in the
-# output buffer), 41 from G = 3. No kernel starts before the host issued it (``timeline``).
-RUN_OPS = {"dense": ((40, 0, 0), (12, 57, 0), (26, 0, 0)),
-           "full-shards": ((40, 0, 0), (12, 58, 0), (26, 0, 0)),
-           "direct": ((15, 0, 0), (-20, 39, 0), (26, 0, 0)),
-           "relay": ((15, 0, 0), (-42, 87, 0), (26, 0, 0)),
-           "all-to-all": ((103, 75, 0), (84, 155, 47), (27, 9, 0))}
-ONE_RANK_RUN_OPS = {"direct": (3, 3, 3)}  # ``sparsp`` on a group of one: one kernel call
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 121 eager, 48 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 121}, {"direct": 48}
+# Ops after the host read, before the strategy's run, in both orders (``Metadata.finish``: the
+# header checks and the layouts from the read's counts, and the end of its profiler range): the
+# device waits for them before the run's first kernel (in order, the local one; local first, the
+# first remote one). Counted as ``MASK_OPS``, exact at G = 2, 3, 4, 6 (G = 1: 5, the formula's).
+FINISH_OPS = {"dense": (5, 0, 0), "sparse": (5, 0, 0), "direct": (5, 5, 0), "relay": (6, 4, 0)}
+# Local first: ops after the read's start before the local kernel's launch (q's head-major
+# view, the local K/V wrapper), and after that launch before the host waits for the read (none:
+# the first partial is kept as the kernel returns it, no merge op). Every kind, every G.
+EARLY_OPS = (2, 0)
+# Eager PyTorch ops the host issues in the run (after ``FINISH_OPS``), in program order
+# (``opcount``: every op but the kernel's own, which on a GPU is one FA4 launch,
+# ``Profile.launch_ms``), in order: before the first fetch is issued (the first round's pack
+# and publish; ulysses' first piece of its all-to-all in), before the first kernel call (the
+# rest of the first round, ulysses' all-to-all in and its copies), before the last one (block
+# lists, packs, fetches and merges between kernels), and after it (the last merge, the output;
+# ulysses' all-to-all out). Each as (constant, per peer, per peer²), exact at G = 2, 3, 4, 6 but
+# the rings' first fetch and first kernel: 38 and 40 at G = 2 (their one hop lands in the output
+# buffer), 39 and 41 from G = 3. No transfer starts before the host issued its fetch, no kernel
+# before its launch (``timeline``).
+RUN_OPS = {"dense": ((38, 0, 0), (40, 0, 0), (12, 57, 0), (26, 0, 0)),
+           "full-shards": ((38, 0, 0), (40, 0, 0), (12, 58, 0), (26, 0, 0)),
+           "direct": ((13, 0, 0), (15, 0, 0), (-20, 39, 0), (26, 0, 0)),
+           "relay": ((13, 0, 0), (15, 0, 0), (-42, 87, 0), (26, 0, 0)),
+           "all-to-all": ((9, 2, 0), (103, 75, 0), (84, 155, 47), (27, 9, 0))}
+ONE_RANK_RUN_OPS = {"direct": (0, 3, 3, 3)}  # ``sparsp`` on a group of one: no fetch, one kernel call
+# The same for a local-first call, whose local kernel was launched before the read: its first
+# fetch (the first round's pack, publish and fetch, issued on the side stream), its first
+# remote kernel call, its last, after it. Exact at G = 2, 3, 4, 6 but: the first remote
+# kernel's count is the one from G = 3 (at G = 2 it is the last: ``run_ops`` takes that), and
+# for the rings the one from G = 4 (72 and 73 at G = 3: its second hop lands in the output
+# buffer); the rings' first fetch as in order. ``ulysses`` never runs local first.
+LOCAL_FIRST_RUN_OPS = {"dense": ((38, 0, 0), (73, 0, 0), (10, 57, 0), (26, 0, 0)),
+                       "full-shards": ((38, 0, 0), (74, 0, 0), (10, 58, 0), (26, 0, 0)),
+                       "direct": ((13, 0, 0), (29, 0, 0), (-22, 39, 0), (26, 0, 0)),
+                       "relay": ((13, 0, 0), (77, 0, 0), (-44, 87, 0), (26, 0, 0))}
+ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 4)}  # no fetch, no remote kernel: the output's ops
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
-# selection of its own (restricted, prepared, counted). Same count, G = 2, a rank's two drain
-# payloads (sent, received) cut into u = 2, 4, 12 units: 73, 247, 943 ops more than unchunked
-# = −14 + 87·(u − 1), i.e. per payload −7 once it is cut (the whole received payload's kernel
-# block lists, made in the stage, are then made per chunk after the sync) and 43.5 per unit
-# more. Graphed, the units' selections are inside the graph: 5, 15, 55 more = 2.5 per payload
-# and unit (the host slicing of each unit's layout). The chunk rule (``chunks.unit_count``)
-# still charges the eager count until the chunked drain is measured with graphs.
-MASK_CUT_OPS, MASK_UNIT_OPS = -7, 43.5
-GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 2.5
+# selection of its own (restricted, prepared, counted). Same count, G = 2, 3, 4, 6 (the same at
+# each), a rank's two drain payloads (sent, received) cut into u = 2, 4, 12 units: before the
+# read 68, 232, 888 ops more than unchunked = −14 + 82·(u − 1), i.e. per payload −7 once it is
+# cut (the whole received payload's kernel block lists, made in the stage, are then made per
+# chunk after the sync) and 41 per unit more; graphed, the units' selections are inside the
+# graph: none more. The finish slices each unit's layout from the read: 5, 15, 55 ops more =
+# 2.5 per payload and unit, in both cases. The chunk rule (``chunks.unit_count``) charges the
+# eager count, before the read and in the finish, until the chunked drain is measured with
+# graphs.
+MASK_CUT_OPS, MASK_UNIT_OPS = -7, 41
+GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 0
+FINISH_UNIT_OPS = 2.5
 # Merge traffic per output element (``Call.merge``, ``kernels.merge.merge_pair``): the first
 # partial is kept as the kernel returned it (0); a later one is merged in one fused pass that
 # reads both partials and writes fp32 — the second reads two kernel outputs (2 + 2 + 4 = 8),
@@ -145,7 +181,8 @@ class Work:
     back: tuple[tuple[int, ...], ...] = ()
     mask_bytes: tuple[int, ...] = ()
     host_ops: tuple[int, ...] = ()
-    """Per rank: eager ops issued before the call's host sync (``MASK_OPS``, ``MASK_UNIT_OPS``)."""
+    """Per rank: eager ops issued before the call's host read is started (``MASK_OPS``,
+    ``MASK_UNIT_OPS``): the device's mask path waits for them."""
     merge_bytes: tuple[tuple[int, ...], ...] = ()
     """Per rank and compute step: device traffic beside the kernel — merging that step's
     partial result (``ulysses``: and its copies, ``ULYSSES_INPUT_BYTES``)."""
@@ -159,8 +196,24 @@ class Work:
     """Per rank: the kept share of its queries' (query, key) pairs over the whole sequence
     (``ulysses``: of its heads' queries), the density ``bench kernel`` rows are measured at."""
     run_ops: tuple[tuple[int, int, int], ...] = ()
-    """Per rank: eager ops issued after the host sync before its first kernel call, before
-    its last, and after it (``RUN_OPS``); () = no host issue modelled."""
+    """Per rank: eager ops the run issues before its first kernel call, before its last, and
+    after it (``RUN_OPS``; local first, of the remote kernel calls: ``LOCAL_FIRST_RUN_OPS``);
+    () = no host issue modelled."""
+    finish_ops: tuple[int, ...] = ()
+    """Per rank: eager ops after the host read, before the run (``FINISH_OPS``,
+    ``FINISH_UNIT_OPS``); () = none."""
+    local_first: bool = False
+    """The call launches the local kernel (step 0) before it waits for its host read and issues
+    the first round on a side stream while that kernel runs (``SparspConfig.local_first`` and a
+    strategy registered ``local_first``); False: in order, the local kernel after the read and
+    the run's first ops."""
+    early_ops: tuple[tuple[int, int], ...] = ()
+    """Per rank, local first: ops after the read's start before the local kernel's launch, and
+    after that launch before the host waits for the read (``EARLY_OPS``); () = none."""
+    issue_ops: tuple[int, ...] = ()
+    """Per rank: ops the run issues before its first fetch (``RUN_OPS``,
+    ``LOCAL_FIRST_RUN_OPS``): the first round's transfer (and its pack) waits for them; () =
+    none."""
 
     def layout(self, step: int) -> str:
         """The kernel's K/V layout in compute step ``step``: the own shard as given (``local``,
@@ -367,37 +420,47 @@ def pair_flops(masks: torch.Tensor, placement: Placement, head_dim: int, dense: 
 
 
 def build_work(masks: torch.Tensor, placement: Placement, strategy: str, *, head_dim: int,
-               dtype_bytes: int = 2, profile: Profile | None = None, transport: str | None = None) -> Work:
+               dtype_bytes: int = 2, profile: Profile | None = None, transport: str | None = None,
+               local_first: bool = LOCAL_FIRST) -> Work:
     """Per-rank, per-round work of ``strategy`` for masks bool [heads, nB, nB] (original order);
-    ``profile``/``transport``: see ``work``."""
+    ``profile``/``transport``/``local_first``: see ``work``."""
     if strategy not in strategy_names():
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(strategy_names())}")
     schedule_of(strategy)  # a byte rule the model does not know: ValueError before any work
     d = measure(masks, Blocks.of(placement), relay=strategy_spec(strategy).byte_rule == "relay")
-    return work(strategy, d, head_dim=head_dim, dtype_bytes=dtype_bytes, profile=profile, transport=transport)
+    return work(strategy, d, head_dim=head_dim, dtype_bytes=dtype_bytes, profile=profile, transport=transport,
+                local_first=local_first)
 
 
 def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profile: Profile | None = None,
-         transport: str | None = None, graphed: bool = True) -> Work:
+         transport: str | None = None, graphed: bool = True, local_first: bool = LOCAL_FIRST) -> Work:
     """Per-rank, per-round work of ``strategy`` for a measured ``Demand``.
 
     Hardware-independent but for one decision the ``direct`` schedule (``sparsp``) makes from
     the machine's profile: into how many head-group units it cuts its drain payloads before
-    the host sync (``chunk_ops``), which costs mask-phase ops. Given ``profile`` (and the
-    call's ``transport`` on it), they are charged; without, none. ``graphed``: the plan stage
-    is a CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the default); False counts it
-    eagerly."""
+    the host sync (``chunk_ops``), which costs host ops. Given ``profile`` (and the call's
+    ``transport`` on it), they are charged; without, none. ``graphed``: the plan stage is a
+    CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the default); False counts it eagerly.
+    ``local_first``: the call's ``SparspConfig.local_first`` (default, the config's default);
+    the call runs local first only with a strategy registered ``local_first``
+    (``Work.local_first``)."""
     spec = strategy_spec(strategy)
     schedule = schedule_of(strategy)
+    early = local_first and spec.local_first
     G, BH = d.ranks, d.batch * d.heads
     tokens = d.tokens
     kv = 2 * head_dim * dtype_bytes  # K+V bytes per token and head
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes, sparse=spec.sparse)
     gathered = gather_bytes(d, head_dim=head_dim, sparse=spec.sparse)
-    ops = (mask_ops(spec.byte_rule if spec.sparse else "dense", G, graphed),) * G
+    kind = spec.byte_rule if spec.sparse else "dense"
+    ops = (mask_ops(kind, G, graphed),) * G
+    finishing = (finish_ops(kind, G),) * G
     if schedule == "direct" and profile is not None:
         extra = chunk_ops(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
-        ops = tuple(n + x for n, x in zip(ops, extra))
+        ops = tuple(n + x for n, (x, _) in zip(ops, extra))
+        finishing = tuple(n + x for n, (_, x) in zip(finishing, extra))
+    host = dict(host_ops=ops, finish_ops=finishing, run_ops=(run_ops(kind, G, early),) * G, local_first=early,
+                early_ops=(EARLY_OPS,) * G if early else (), issue_ops=(issue_ops(kind, G, early),) * G)
     if schedule == "all-to-all":
         split = demand.head_split(d.heads, G)
         first = [sum(split[:r]) for r in range(G)]
@@ -414,7 +477,8 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
         density = tuple(sum(d.head_pairs[first[r]:first[r] + split[r]]) / max(1, d.batch * split[r] * sum(tokens) ** 2)
                         for r in range(G))
         return Work(strategy, schedule, G, flops, tuple((G * G,) for _ in range(G)), recv, back, masking,
-                    ops, merge, gathered, d.heads, sum(tokens), density, (run_ops(spec.byte_rule, G),) * G)
+                    merge_bytes=merge, gather_bytes=gathered, heads=d.heads, tokens=sum(tokens),
+                    density=density, **host)
     dense = not spec.sparse
     flops = tuple(tuple(4.0 * head_dim * (BH * tokens[r] * tokens[(r - k) % G] if dense
                                           else d.pairs[r][(r - k) % G]) for k in range(G))
@@ -430,9 +494,8 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
             raise ValueError(f"{strategy}: the demand was measured without relay=True")
         recv = tuple(tuple(x * kv for x in d.relay[r]) for r in range(G))
     density = tuple(1.0 if dense else sum(d.pairs[r]) / max(1, BH * tokens[r] * sum(tokens)) for r in range(G))
-    kind = spec.byte_rule if spec.sparse else "dense"
-    return Work(strategy, schedule, G, flops, launches, recv, (), masking, ops, merge, gathered, d.heads,
-                sum(tokens), density, (run_ops(kind, G),) * G)
+    return Work(strategy, schedule, G, flops, launches, recv, (), masking, merge_bytes=merge,
+                gather_bytes=gathered, heads=d.heads, tokens=sum(tokens), density=density, **host)
 
 
 def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
@@ -459,37 +522,63 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
 
 
 def chunk_ops(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
-              dtype_bytes: int, graphed: bool = True) -> tuple[int, ...]:
-    """Per rank: the mask-phase ops its drain units add (``MASK_CUT_OPS``, ``MASK_UNIT_OPS``;
-    their ``GRAPHED_`` counts when the stage is a CUDA graph)."""
+              dtype_bytes: int, graphed: bool = True) -> tuple[tuple[int, int], ...]:
+    """Per rank: the ops its drain units add before the host read (``MASK_CUT_OPS``,
+    ``MASK_UNIT_OPS``; their ``GRAPHED_`` counts when the stage is a CUDA graph) and in the
+    read's finish (``FINISH_UNIT_OPS``)."""
     cut, unit = (GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS) if graphed else (MASK_CUT_OPS, MASK_UNIT_OPS)
 
-    def ops(u: int) -> float:
+    def ops(u: int, cut: float, unit: float) -> float:
         return 0.0 if u <= 1 else cut + unit * (u - 1)
 
-    return tuple(round(ops(a) + ops(b))
+    return tuple((round(ops(a, cut, unit) + ops(b, cut, unit)),
+                  round(ops(a, 0.0, FINISH_UNIT_OPS) + ops(b, 0.0, FINISH_UNIT_OPS)))
                  for a, b in drain_units(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes))
 
 
-def mask_ops(kind: str, ranks: int, graphed: bool = True) -> int:
-    """Host ops of the mask phase (``MASK_OPS``; ``GRAPHED_MASK_OPS`` when the stage is a CUDA
-    graph, the default on GPUs) for a strategy of ``kind`` (``dense``, or the byte rule of a
-    sparse strategy) on ``ranks`` ranks."""
-    one, table = (ONE_RANK_GRAPHED_MASK_OPS, GRAPHED_MASK_OPS) if graphed else (ONE_RANK_MASK_OPS, MASK_OPS)
-    if ranks == 1 and kind in one:
-        return one[kind]
-    a, b, c = table.get(kind, table["sparse"])
+def _poly(abc: tuple[int, int, int], ranks: int) -> int:
+    a, b, c = abc
     return a + b * (ranks - 1) + c * (ranks - 1) ** 2
 
 
-def run_ops(kind: str, ranks: int) -> tuple[int, int, int]:
-    """Host ops after the sync (``RUN_OPS``) for a strategy of ``kind`` (``dense``, or a sparse
-    strategy's byte rule) on ``ranks`` ranks: (before the first kernel call, before the last,
-    after the last)."""
-    if ranks == 1 and kind in ONE_RANK_RUN_OPS:
-        return ONE_RANK_RUN_OPS[kind]
-    first, last, tail = (a + b * (ranks - 1) + c * (ranks - 1) ** 2 for a, b, c in RUN_OPS[kind])
-    return first, max(first, last), tail
+def mask_ops(kind: str, ranks: int, graphed: bool = True) -> int:
+    """Host ops of the mask phase up to the host read's start (``MASK_OPS``;
+    ``GRAPHED_MASK_OPS`` when the stage is a CUDA graph, the default on GPUs) for a strategy of
+    ``kind`` (``dense``, or the byte rule of a sparse strategy) on ``ranks`` ranks."""
+    one, table = (ONE_RANK_GRAPHED_MASK_OPS, GRAPHED_MASK_OPS) if graphed else (ONE_RANK_MASK_OPS, MASK_OPS)
+    if ranks == 1 and kind in one:
+        return one[kind]
+    return _poly(table.get(kind, table["sparse"]), ranks)
+
+
+def finish_ops(kind: str, ranks: int) -> int:
+    """Host ops after the read, before the run (``FINISH_OPS``), for a strategy of ``kind``."""
+    return _poly(FINISH_OPS.get(kind, FINISH_OPS["sparse"]), ranks)
+
+
+def _run_table(kind: str, ranks: int, local_first: bool) -> tuple[int, int, int, int]:
+    """(before the first fetch, the first kernel call, the last, after it) on ``ranks`` ranks."""
+    one, table = ((ONE_RANK_LOCAL_FIRST_RUN_OPS, LOCAL_FIRST_RUN_OPS) if local_first
+                  else (ONE_RANK_RUN_OPS, RUN_OPS))
+    if ranks == 1 and kind in one:
+        return one[kind]
+    fetch, first, last, tail = (_poly(abc, ranks) for abc in table[kind])
+    if local_first and ranks <= 2:  # the one remote kernel is the last; the table's first is from G = 3
+        first = last
+    return fetch, first, max(first, last), tail
+
+
+def run_ops(kind: str, ranks: int, local_first: bool = False) -> tuple[int, int, int]:
+    """Host ops of the run (``RUN_OPS``; ``LOCAL_FIRST_RUN_OPS`` for a local-first call, of its
+    remote kernel calls) for a strategy of ``kind`` (``dense``, or a sparse strategy's byte
+    rule) on ``ranks`` ranks: (before the first kernel call, before the last, after the last)."""
+    return _run_table(kind, ranks, local_first)[1:]
+
+
+def issue_ops(kind: str, ranks: int, local_first: bool = False) -> int:
+    """Host ops of the run before its first fetch is issued (``RUN_OPS``,
+    ``LOCAL_FIRST_RUN_OPS``): the first round's transfer waits for them."""
+    return _run_table(kind, ranks, local_first)[0]
 
 
 def _merge_steps(launches: tuple[int, ...], elements: int) -> tuple[int, ...]:

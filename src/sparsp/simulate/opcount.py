@@ -1,22 +1,39 @@
-"""Count the eager PyTorch ops one ``sp_attention`` call issues, phase by phase (CPU, gloo).
+"""Count the eager PyTorch ops one ``sp_attention`` call issues, in program order (CPU, gloo).
 
-The cost model charges the host's issue time of the ops before the call's one host sync
-(``model.MASK_OPS`` × ``Profile.op_ms``): the device waits for them; and of those after it up
-to each kernel call (``model.RUN_OPS``): no kernel starts before the host issued it. This
-module counts them on the code as it is, so the constants can be recounted whenever it changes:
+The cost model charges the host's issue time of a call's ops (``Profile.op_ms`` each) where the
+device waits for them, and no kernel starts before the host launched it. Where each op falls
+depends on the call's order (``SparspConfig.local_first``, ``StrategySpec.local_first``):
 
-    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints MASK_OPS, GRAPHED_MASK_OPS,
-                                                 # the drain units' ops (MASK_UNIT_OPS) and RUN_OPS
+* in order (``local_first`` off, and ``ulysses``): the mask phase up to the start of the host
+  read (``model.MASK_OPS``), the read, its finish (header checks, layouts:
+  ``model.FINISH_OPS``), then the run's ops up to its first fetch and up to each kernel call
+  (``model.RUN_OPS``);
+* local first: the mask phase up to the read's start (the same ``MASK_OPS``), the local
+  kernel's own ops and launch, the ops issued after that launch before the host waits for the
+  read (``model.EARLY_OPS``), the finish (``FINISH_OPS``), then the run's ops up to its first
+  fetch (the first round's pack and transfer, on the side stream) and up to each remote kernel
+  call (``model.LOCAL_FIRST_RUN_OPS``).
 
-Every ``__torch_dispatch__`` call is one op (views included: each costs the host a dispatch).
-Phases are the benchmark's (``strategies.base.PhaseTimer``): ``mask`` = the metadata
-all-gather, the whole mask, the strategy's plan and ``Metadata.stage`` / ``finish`` up to its host read;
-``pack``, ``compute``, ``merge``; ``other`` = the rest (transport calls, the output cast). ``mask``
-is CPU-faithful; after the sync, so is all but the kernel (on the CPU the ``torch`` reference,
-counted apart as ``kernel``: a GPU runs one FA4 launch, ``Profile.launch_ms``) and the merge (23
-eager ops here; on CUDA one compiled kernel, whose launch a profile put at ≈ 0.2 ms of host time,
-docs/performance.md: about the same). Each call is counted after a warm-up call of the same
-geometry (per-geometry caches filled, as in a denoising loop).
+This module counts them on the code as it is, so the constants can be recounted whenever it
+changes:
+
+    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints every constant above,
+                                                 # GRAPHED_MASK_OPS and the drain units' ops
+
+Every ``__torch_dispatch__`` call is one op (views and ``record_function`` marks included: each
+costs the host a dispatch). Points in the call are marked with the number of ops issued so far
+(the kernel's own excepted: on the CPU the ``torch`` reference, counted apart as ``kernel``; a
+GPU runs one FA4 launch, ``Profile.launch_ms``): the host read's start
+(``Metadata.start_read``), the finish's entry (the read's wait: ``Metadata.finish``), the run's
+start (``Call.set_resolved``), every kernel call, every fetch. The mask phase is CPU-faithful
+(but for the read's copy into pinned memory, two ops more on CUDA); after the read so is all but
+the kernel and the merge (23 eager ops here; on CUDA one compiled kernel, whose launch a profile
+put at ≈ 0.2 ms of host time, docs/performance.md: about the same). The ops of the plan stage,
+which ``strategies/captured.py`` replays as one CUDA graph on the GPU (the whole mask and
+``captured.stage``), are counted apart as ``stage``. Per phase of the benchmark's
+``PhaseTimer`` the ops are tallied too (printed: ``mask`` ends before the early local kernel in
+a local-first call, after the finish otherwise). Each call is counted after a warm-up call of
+the same geometry (per-geometry caches filled, as in a denoising loop).
 """
 
 from __future__ import annotations
@@ -34,32 +51,41 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = {"dense": "ring", "sparse": "ring-sparse", "direct": "sparsp", "relay": "ring-relay"}
-"""A strategy of each kind ``model.MASK_OPS`` distinguishes (``ulysses`` counts as ``sparse``)."""
+"""A strategy of each kind ``model.MASK_OPS`` and ``FINISH_OPS`` distinguish (``ulysses``
+counts as ``sparse``)."""
 RUN_KINDS = {"dense": "ring", "full-shards": "ring-sparse", "direct": "sparsp", "relay": "ring-relay",
              "all-to-all": "ulysses"}
-"""A strategy of each kind ``model.RUN_OPS`` distinguishes (a sparse strategy's byte rule)."""
+"""A strategy of each kind ``model.RUN_OPS`` distinguishes (a sparse strategy's byte rule); all
+but ``all-to-all`` run local first by default (``LOCAL_FIRST_RUN_OPS``)."""
 HEADS, HEAD_DIM, BLOCK, BLOCKS_PER_RANK = 12, 16, 16, 4
 """The counting geometry: 12 heads (divisible by G = 2, 3, 4, 6), whole blocks on every rank."""
 
 
 class _Counter(TorchDispatchMode):
+    """Every op, labelled with the phase the call is in; ``n`` counts all but the kernel's."""
+
     def __init__(self) -> None:
         super().__init__()
         self.label = "other"
         self.counts: dict[str, int] = {}
-        self.run = 0  # ops after the mask phase (its host sync), the kernel's own excepted
-        self.after_sync = False
-        self.marks: list[int] = []  # ``run`` when each kernel call was issued
+        self.n = 0
+        self.points: dict[str, int] = {}  # first time each point was reached: ``n`` then
+        self.kernels: list[int] = []  # ``n`` when each kernel call was issued
+        self.fetches: list[int] = []  # ``n`` once each fetch was issued
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[self.label] = self.counts.get(self.label, 0) + 1
-        if self.after_sync and self.label != "kernel":
-            self.run += 1
+        if self.label != "kernel":
+            self.n += 1
         return func(*args, **(kwargs or {}))
+
+    def mark(self, point: str) -> None:
+        self.points.setdefault(point, self.n)
 
 
 class _Phases:
-    """Duck-typed ``PhaseTimer``: labels the counter with the phase the call is in."""
+    """Duck-typed ``PhaseTimer``: labels the counter with the phase the call is in and marks
+    each fetch."""
 
     def __init__(self, counter: _Counter) -> None:
         self.counter = counter
@@ -73,15 +99,13 @@ class _Phases:
 
         def __exit__(self, *exc):
             self.counter.label = self.saved
-            if self.name == "mask":  # the call's host sync: the run phase begins
-                self.counter.after_sync = True
             return False
 
     def phase(self, name: str):
         return _Phases._Phase(self.counter, name)
 
     def fetch_issued(self, key: int) -> None:
-        return None
+        self.counter.fetches.append(self.counter.n)
 
     def fetch_landed(self, key: int) -> None:
         return None
@@ -103,6 +127,18 @@ def _staged(counter: _Counter, fn):
     return _labelled(counter, "stage", fn)
 
 
+def _marked(counter: _Counter, point: str, fn, after: bool = False):
+    """``fn`` marking ``point`` when it is entered (``after``: when it returns)."""
+    def wrapped(*args, **kwargs):
+        if not after:
+            counter.mark(point)
+        out = fn(*args, **kwargs)
+        if after:
+            counter.mark(point)
+        return out
+    return wrapped
+
+
 def _kernel(counter: _Counter, get_kernel):
     """``strategies.base.get_kernel`` whose kernels mark when they were issued and count their
     own ops as ``kernel`` (the CPU's ``torch`` reference; a GPU runs one FA4 launch instead)."""
@@ -110,39 +146,90 @@ def _kernel(counter: _Counter, get_kernel):
         counted = _labelled(counter, "kernel", get_kernel(*args, **kwargs))
 
         def kernel(*a, **kw):
-            counter.marks.append(counter.run)
+            counter.kernels.append(counter.n)
             return counted(*a, **kw)
         return kernel
     return make
 
 
 def count_call(q, k, v, *, strategy: str, config, group=None) -> dict:
-    """Ops per phase of one ``sp_attention`` call on this rank (after one warm-up call). The
-    mask phase's ops that ``strategies/captured.py`` replays as one CUDA graph on the GPU (the
-    whole mask and ``captured.stage``) are counted apart, as ``stage``; the kernel's own, as
-    ``kernel``. ``"run"``: the ops after the host sync but the kernel's; ``"marks"``: how many
-    of them came before each kernel call."""
+    """Ops of one ``sp_attention`` call on this rank (after one warm-up call), per phase label
+    (``mask``, ``stage``, ``pack``, ``compute``, ``merge``, ``other``, ``kernel``) and at the
+    points of its program order: ``"read"``: ops before the host read was started (its copy
+    queued); ``"wait"``: before the host waited for it; ``"resolved"``: before the strategy's
+    run (after the finish); ``"kernels"`` and ``"fetches"``: before each kernel call and once
+    each fetch was issued; ``"total"``: every op but the kernel's."""
     from .. import plan, sp_attention
     from ..strategies import base, captured
 
     sp_attention(q, k, v, group=group, strategy=strategy, config=config)
     counter = _Counter()
-    saved = plan.Metadata.block_mask, captured.stage, base.get_kernel
+    saved = (plan.Metadata.block_mask, captured.stage, base.get_kernel, plan.Metadata.start_read,
+             plan.Metadata.finish, base.Call.set_resolved)
     plan.Metadata.block_mask = _staged(counter, saved[0])
     captured.stage = _staged(counter, saved[1])
     base.get_kernel = _kernel(counter, saved[2])
+    plan.Metadata.start_read = _marked(counter, "read", saved[3], after=True)
+    plan.Metadata.finish = _marked(counter, "wait", saved[4])
+    base.Call.set_resolved = _marked(counter, "resolved", saved[5])
     try:
         with counter:
             sp_attention(q, k, v, group=group, strategy=strategy, config=config, _timer=_Phases(counter))
     finally:
-        plan.Metadata.block_mask, captured.stage, base.get_kernel = saved
-    return {**counter.counts, "run": counter.run, "marks": list(counter.marks)}
+        (plan.Metadata.block_mask, captured.stage, base.get_kernel, plan.Metadata.start_read,
+         plan.Metadata.finish, base.Call.set_resolved) = saved
+    return {**counter.counts, **counter.points, "kernels": list(counter.kernels),
+            "fetches": list(counter.fetches), "total": counter.n}
+
+
+def eager_ops(kind: str, counts: dict) -> int:
+    """Ops before the host read is started (``model.MASK_OPS``) of a call whose stage runs
+    eagerly (``cuda_graphs=False``, the CPU)."""
+    return counts["read"]
+
+
+def graphed_ops(kind: str, counts: dict) -> int:
+    """The same on CUDA with the stage replayed as a graph (``captured.py``): its ops become a
+    copy of the gathered rows and one graph launch; dense strategies have no graph."""
+    return counts["read"] if kind == "dense" else counts["read"] - counts.get("stage", 0) + 2
+
+
+def early_ops(counts: dict) -> tuple[int, int] | None:
+    """A local-first call's ops after the read's start before the local kernel's launch, and
+    after that launch before the host waits for the read (``model.EARLY_OPS``); None when no
+    kernel was issued before the wait (the call ran in order)."""
+    early = [n for n in counts["kernels"] if n <= counts["wait"]]
+    if not early:
+        return None
+    assert len(early) == 1, f"{len(early)} kernel calls before the host read's wait"
+    return early[0] - counts["read"], counts["wait"] - early[0]
+
+
+def finish_ops(counts: dict) -> int:
+    """Ops from the host read's wait to the strategy's run (``model.FINISH_OPS``: the read's
+    header checks and layouts)."""
+    return counts["resolved"] - counts["wait"]
 
 
 def run_ops(counts: dict) -> tuple[int, int, int]:
-    """(ops after the host sync before the first kernel call, before the last, after the last)."""
-    marks = counts["marks"]
-    return marks[0], marks[-1], counts["run"] - marks[-1]
+    """Ops after the run's start before its first kernel call, before its last, after its last
+    (``model.RUN_OPS``; of a local-first call, its remote kernel calls). A run without kernel
+    calls (a local-first call on a group of one): (0, 0, all)."""
+    start = counts["resolved"]
+    marks = [n - start for n in counts["kernels"] if n >= start]
+    run = counts["total"] - start
+    if not marks:
+        return 0, 0, run
+    return marks[0], marks[-1], run - marks[-1]
+
+
+def issue_ops(counts: dict) -> int:
+    """Ops after the run's start up to its first fetch issued (the first round's pack and
+    publish come before it; a local-first call issues them on the side stream); 0 without a
+    fetch."""
+    start = counts["resolved"]
+    fetches = [n - start for n in counts["fetches"] if n >= start]
+    return fetches[0] if fetches else 0
 
 
 def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
@@ -165,9 +252,9 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
         k = c * 2 + torch.randn(1, S, HEADS, HEAD_DIM, generator=g) + drift
         v = torch.randn(1, S, HEADS, HEAD_DIM, generator=g)
         results = []
-        for strategy, drain in jobs:
+        for strategy, drain, local_first in jobs:
             cfg = SparspConfig(cdf_threshold=0.9, block_size=BLOCK, transport="nccl", chunks=1,
-                               drain_chunks=drain)
+                               drain_chunks=drain, local_first=local_first)
             results.append(count_call(q, k, v, strategy=strategy, config=cfg))
         out.put((rank, results))
     finally:
@@ -175,8 +262,9 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
         dist.destroy_process_group()
 
 
-def count(world: int, jobs: list[tuple[str, int]], timeout_s: float = 300.0) -> list[dict[str, int]]:
-    """Rank 0's counts of each (strategy, drain_chunks) job on a gloo group of ``world``."""
+def count(world: int, jobs: list[tuple[str, int, bool]], timeout_s: float = 300.0) -> list[dict]:
+    """Rank 0's counts (``count_call``) of each (strategy, drain_chunks, local_first) job on a
+    gloo group of ``world``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -220,63 +308,73 @@ def fit(points: dict[int, int]) -> tuple[int, int, int]:
     return int(a), int(b), int(c)
 
 
-def eager_ops(kind: str, counts: dict[str, int]) -> int:
-    """Mask-phase ops of a call whose stage runs eagerly (``cuda_graphs=False``, the CPU)."""
-    return counts.get("mask", 0) + counts.get("stage", 0)
-
-
-def graphed_ops(kind: str, counts: dict[str, int]) -> int:
-    """The same on CUDA with the stage replayed as a graph (``captured.py``): its ops become a
-    copy of the gathered rows and one graph launch; dense strategies have no graph."""
-    return eager_ops(kind, counts) if kind == "dense" else counts.get("mask", 0) + 2
-
-
 UNITS = (2, 4, HEADS)
 """Drain units counted for ``model.MASK_CUT_OPS`` / ``MASK_UNIT_OPS`` (``drain_chunks``)."""
+
+
+def _fitted(name: str, points: dict[int, int]) -> str:
+    """``name`` = (constant, per peer, per peer²), or the points when fewer than three G."""
+    if len(points) < 3:
+        return f"{name}: {points} (three G or more to fit)"
+    a, b, c = fit(points)
+    exact = all(a + b * (G - 1) + c * (G - 1) ** 2 == y for G, y in points.items())
+    return f"{name} = ({a}, {b}, {c})" + ("" if exact else f"  (NOT exact for every G: {points})")
+
+
+def jobs() -> list[tuple[str, int, bool]]:
+    """What ``main`` counts: a strategy of each kind in order, the local-first ones local
+    first too, ``sparsp``'s drain cut into each of ``UNITS`` (both orders), ``ulysses``. A
+    dense call first: once a sparse call has grown the group's summary capacity, a dense one
+    issues 2 ops more (the padded body of the all-gather)."""
+    out = [(s, 1, lf) for s in KINDS.values() for lf in (False, True)]
+    out += [("sparsp", u, lf) for lf in (False, True) for u in UNITS]
+    return out + [("ulysses", 1, False)]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4, 6])
     args = p.parse_args(argv)
-    # a dense call first: once a sparse call has grown the group's summary capacity, a dense
-    # one issues 2 ops more (the padded body of the all-gather)
-    jobs = [(s, 1) for s in KINDS.values()] + [("sparsp", u) for u in UNITS] + [("ulysses", 1)]
-    table = {G: count(G, jobs) for G in args.ranks}
+    todo = jobs()
+    table = {G: dict(zip(todo, count(G, todo))) for G in args.ranks}
     phases = ("mask", "stage", "pack", "compute", "merge", "other")
     print(f"ops per phase ({' / '.join(phases)}), rank 0; stage = the mask phase's ops a CUDA "
-          "graph replays on the GPU")
+          "graph replays on the GPU; then the points of the program order")
     for G, rows in table.items():
-        for (s, u), r in zip(jobs, rows):
-            print(f"G={G} {s:12s} drain units {u:2d}: " + " / ".join(str(r.get(k, 0)) for k in phases))
-    for name, ops in (("MASK_OPS", eager_ops), ("GRAPHED_MASK_OPS", graphed_ops)):
-        for i, kind in enumerate(KINDS):
-            pts = {G: ops(kind, rows[i]) for G, rows in table.items()}
-            if len(pts) < 3:
-                print(f"{name}[{kind!r}]: {pts} (three G or more to fit)")
-                continue
-            a, b, c = fit(pts)
-            exact = all(a + b * (G - 1) + c * (G - 1) ** 2 == y for G, y in pts.items())
-            print(f"{name}[{kind!r}] = ({a}, {b}, {c}){'' if exact else '  (NOT exact for every G)'}")
-    base = list(KINDS).index("direct")
+        for (s, u, lf), r in rows.items():
+            order = "local first" if lf else "in order"
+            print(f"G={G} {s:12s} {order:11s} drain units {u:2d}: "
+                  + " / ".join(str(r.get(k, 0)) for k in phases)
+                  + f"; before the read {r['read']}, early {early_ops(r)}, finish {finish_ops(r)}, "
+                    f"run {run_ops(r)}, first fetch {issue_ops(r)}")
+    for lf in (False, True):  # the same before the read in both orders
+        for name, ops in (("MASK_OPS", eager_ops), ("GRAPHED_MASK_OPS", graphed_ops)):
+            for kind, s in KINDS.items():
+                pts = {G: ops(kind, rows[(s, 1, lf)]) for G, rows in table.items()}
+                print(_fitted(f"{name}[{kind!r}] ({'local first' if lf else 'in order'})", pts))
+        for kind, s in KINDS.items():
+            pts = {G: finish_ops(rows[(s, 1, lf)]) for G, rows in table.items()}
+            print(_fitted(f"FINISH_OPS[{kind!r}] ({'local first' if lf else 'in order'})", pts))
     for G, rows in table.items():
-        more = {u: eager_ops("direct", rows[len(KINDS) + j]) - eager_ops("direct", rows[base])
-                for j, u in enumerate(UNITS)}
-        print(f"G={G}: sparsp mask ops more with both drain payloads in u units: {more}")
-    names = [s for s, _ in jobs]
-    for kind, strategy in RUN_KINDS.items():
-        i = names.index(strategy)  # the unchunked job
-        got = {G: run_ops(rows[i]) for G, rows in table.items()}
-        parts = []
-        for j, what in enumerate(("first", "last", "tail")):
-            pts = {G: v[j] for G, v in got.items()}
-            if len(pts) < 3:
-                parts.append(f"{what} {pts}")
+        for lf in (False, True):
+            base = rows[("sparsp", 1, lf)]
+            more = {u: (eager_ops("direct", rows[("sparsp", u, lf)]) - eager_ops("direct", base),
+                        graphed_ops("direct", rows[("sparsp", u, lf)]) - graphed_ops("direct", base),
+                        finish_ops(rows[("sparsp", u, lf)]) - finish_ops(base)) for u in UNITS}
+            print(f"G={G} ({'local first' if lf else 'in order'}): sparsp ops more with both drain "
+                  f"payloads in u units (before the read eager, graphed; finish): {more}")
+    for kind, s in KINDS.items():
+        for j, what in enumerate(("before the local launch", "after it, before the wait")):
+            pts = {G: early_ops(rows[(s, 1, True)])[j] for G, rows in table.items()}
+            print(_fitted(f"EARLY_OPS[{kind!r}] {what}", pts))
+    for name, lf in (("RUN_OPS", False), ("LOCAL_FIRST_RUN_OPS", True)):
+        for kind, s in RUN_KINDS.items():
+            if lf and s == "ulysses":
                 continue
-            a, b, c = fit(pts)
-            exact = all(a + b * (G - 1) + c * (G - 1) ** 2 == y for G, y in pts.items())
-            parts.append(f"{what} ({a}, {b}, {c}){'' if exact else f' NOT exact: {pts}'}")
-        print(f"RUN_OPS[{kind!r}]: " + "; ".join(parts))
+            got = {G: (issue_ops(rows[(s, 1, lf)]),) + run_ops(rows[(s, 1, lf)]) for G, rows in table.items()}
+            parts = [_fitted(what, {G: v[j] for G, v in got.items()})
+                     for j, what in enumerate(("first fetch", "first", "last", "tail"))]
+            print(f"{name}[{kind!r}]: " + "; ".join(parts))
     return 0
 
 

@@ -19,10 +19,17 @@ A message first pays the transport's latency and the sender's pack (bytes / devi
 bandwidth), then its bytes flow.
 
 Kernel steps run at the measured rate of their shape, layout and density
-(``Profile.kernel_rate``), and none starts before the host launched it: after the call's host
-sync the host issues the counted ops of the run phase (``Work.run_ops``) and a launch per
-kernel call (``_HostIssue``), so a call whose device work is short (LTX sizes, ``ulysses``'
-per-slice copies and merges) waits for its host.
+(``Profile.kernel_rate``). None starts before the host launched it, and no first-round
+transfer before both ends' hosts issued it (``_HostIssue``): every call's mask phase ends in the start
+of its one host read, which lands when the device's mask path is done. In order
+(``Work.local_first`` false, ``ulysses``), the host then finishes the read and issues the run's
+counted ops (``Work.finish_ops``, ``Work.issue_ops``, ``Work.run_ops``) and a launch per kernel
+call, the local kernel among them. Local first, the host launches the local kernel before it
+waits for the read (``Work.early_ops``), so the kernel starts when the device's mask path is
+done; the host's finish and the run's ops up to the first remote kernel run beside it, and so
+does the first round's pack and transfer (a side stream, not the compute stream); the remote
+step waits for its transfer, the local step and its launch. A call whose device work is short
+(LTX sizes, ``ulysses``' per-slice copies and merges) waits for its host.
 """
 
 from __future__ import annotations
@@ -213,19 +220,20 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
                                    density=work.density[r] if work.density else None)
         return work.flops[r][i] / (rate * 1e9) + merge
 
-    def transfer(r: int, k: int, nbytes: int, after: list[int], phase: int = 1) -> int:
+    def transfer(r: int, k: int, nbytes: int, after: list[int], phase: int = 1, not_before: float = 0.0) -> int:
         s = work.sender(r, k)
         if nbytes == 0 or "transfer" in skip:  # nothing to send: no message at all
-            return add(Task("transfer", r, k, after, sender=s, phase=phase))
+            return add(Task("transfer", r, k, after, sender=s, phase=phase, not_before=not_before))
         pre = tf.latency_ms + _ms(nbytes, profile.hbm_gbps)  # handshake + the sender's pack
         return add(Task("transfer", r, k, after, pre, float(nbytes), route(profile, s, r, caps), s, phase,
-                        efficiency=tf.efficiency, loaded=tf.under_load))
+                        efficiency=tf.efficiency, loaded=tf.under_load, not_before=not_before))
 
     gather_rate = collective_gbps(profile)
     fixed = []
     for r in range(G):
-        # the mask phase ends in the host sync: the host issues its ops while the device reads
-        # the inputs, waits for the metadata all-gather and selects the mask
+        # the mask phase ends in the start of the host read: the host issues its ops while the
+        # device reads the inputs, waits for the metadata all-gather and selects the mask; the
+        # read lands when both are done
         device = SYNCS_PER_CALL * profile.sync_ms if G > 1 else 0.0  # a group of one waits for no peer
         device += _ms(work.mask_bytes[r], profile.hbm_gbps) if work.mask_bytes else 0.0
         device += _ms(work.gather_bytes[r], gather_rate) if work.gather_bytes else 0.0
@@ -242,9 +250,9 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
                         end_not_before=last + dur / max(1, work.launches[r][i])))
 
     if work.schedule == "all-to-all":
-        _ulysses(work, fixed, add, transfer, compute)
+        _ulysses(work, fixed, add, transfer, compute, issue)
     else:
-        _overlapped(work, fixed, add, transfer, compute, prefetch)
+        _overlapped(work, fixed, add, transfer, compute, prefetch, issue)
     for r in range(G):  # the host's last op (the output) ends the call at the earliest
         add(Task("fixed", r, 1, [fixed[r]], not_before=issue.done(r)))
     _run(tasks, caps)
@@ -253,26 +261,58 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
 
 
 class _HostIssue:
-    """When the host has issued each kernel launch after the call's host sync: its counted ops
-    (``Work.run_ops``, ``Profile.op_ms`` each, spread evenly between the first launch and the
-    last) and every launch before and with it (``Profile.launch_ms`` each: FA4's Python and the
-    driver). The device waits for the host where it is ahead of it (LTX sizes); where it is
-    behind (large shards), the host's issue is hidden."""
+    """When the host has issued each kernel launch and the first round's transfers, from the
+    counted ops in program order (``Profile.op_ms`` each; ``Work``'s ``*_ops``) and the
+    launches (``Profile.launch_ms`` each: FA4's Python and the driver). The device waits for
+    the host where it is ahead of it (LTX sizes); where it is behind (large shards), the host's
+    issue is hidden.
 
-    def __init__(self, work: Work, profile: Profile, sync: list[float], *, free: bool) -> None:
-        self.work, self.profile, self.sync, self.free = work, profile, sync, free
+    ``mask[r]``: when rank r's mask phase ends (``call_ms`` + the longer of its host ops and its
+    device path): the host read's copy lands then. In order, the host's finish and the run
+    start after that; local first, the host launches the local kernel as soon as it issued the
+    mask phase and ``EARLY_OPS`` (``call_ms`` + its ops; the device starts it once the mask path
+    is done), then waits for the read, and the finish and the run start when the read landed
+    and the host reached its wait."""
+
+    def __init__(self, work: Work, profile: Profile, mask: list[float], *, free: bool) -> None:
+        self.work, self.profile, self.mask, self.free = work, profile, mask, free
+
+    @staticmethod
+    def _ops(values: tuple, r: int, default):
+        """Rank r's entry of a ``Work`` count (``default`` when the work models none)."""
+        return values[r] if values else default
+
+    def local_launch(self, r: int) -> float:
+        """(ms) local first: when the host has launched the local kernel."""
+        w, p = self.work, self.profile
+        before, _ = self._ops(w.early_ops, r, (0, 0))
+        mask = self._ops(w.host_ops, r, 0)
+        return p.call_ms + (mask + before) * p.op_ms + p.launch_ms
+
+    def run_start(self, r: int) -> float:
+        """(ms) when the host has finished the read and begins the run's ops."""
+        w, p = self.work, self.profile
+        read = self.mask[r]
+        if w.local_first:
+            _, after = self._ops(w.early_ops, r, (0, 0))
+            read = max(read, self.local_launch(r) + after * p.op_ms)
+        return read + self._ops(w.finish_ops, r, 0) * p.op_ms
 
     def _slots(self, r: int) -> int:
-        # one launch per step (ring-like, sparsp: a step without kept blocks is walked all the
-        # same), or the one step's many (ulysses)
+        # the run's kernel launches: one per step (ring-like, sparsp: a step without kept
+        # blocks is walked all the same; local first, the local step's was before the read),
+        # or the one step's many (ulysses)
         w = self.work
-        return w.launches[r][0] if w.schedule == "all-to-all" else len(w.flops[r])
+        if w.schedule == "all-to-all":
+            return w.launches[r][0]
+        return len(w.flops[r]) - (1 if w.local_first else 0)
 
     def _at(self, r: int, j: int) -> float:
-        first, last, _ = self.work.run_ops[r] if self.work.run_ops else (0, 0, 0)
+        """(ms) when the host has launched the run's j-th kernel call (from 0)."""
+        first, last, _ = self._ops(self.work.run_ops, r, (0, 0, 0))
         n = self._slots(r)
         ops = first + (last - first) * j / (n - 1) if n > 1 else first
-        return self.sync[r] + ops * self.profile.op_ms + (j + 1) * self.profile.launch_ms
+        return self.run_start(r) + ops * self.profile.op_ms + (j + 1) * self.profile.launch_ms
 
     def launched(self, r: int, step: int) -> tuple[float, float]:
         """(ms) when the host has launched compute step ``step``'s first kernel and its last."""
@@ -280,17 +320,27 @@ class _HostIssue:
             return 0.0, 0.0
         if self.work.schedule == "all-to-all":
             return self._at(r, 0), self._at(r, self._slots(r) - 1)
+        if self.work.local_first:
+            at = self.local_launch(r) if step == 0 else self._at(r, step - 1)
+            return at, at
         return self._at(r, step), self._at(r, step)
+
+    def issued(self, r: int) -> float:
+        """(ms) when the host has issued the run's first fetch (and the first round's pack and
+        publish before it; in either order no kernel launch comes first)."""
+        if self.free:
+            return 0.0
+        return self.run_start(r) + self._ops(self.work.issue_ops, r, 0) * self.profile.op_ms
 
     def done(self, r: int) -> float:
         """(ms) when the host has issued the call's every op."""
         if self.free:
             return 0.0
-        _, last, tail = self.work.run_ops[r] if self.work.run_ops else (0, 0, 0)
-        return self.sync[r] + (last + tail) * self.profile.op_ms + self._slots(r) * self.profile.launch_ms
+        _, last, tail = self._ops(self.work.run_ops, r, (0, 0, 0))
+        return self.run_start(r) + (last + tail) * self.profile.op_ms + self._slots(r) * self.profile.launch_ms
 
 
-def _overlapped(work: Work, fixed, add, transfer, compute, prefetch: int) -> None:
+def _overlapped(work: Work, fixed, add, transfer, compute, prefetch: int, issue: _HostIssue) -> None:
     """ring / ring-sparse / ring-relay (double-buffered relay) and sparsp (direct, prefetched)."""
     G = work.ranks
     T = [[None] * G for _ in range(G)]  # T[r][k]: transfer of round k into r
@@ -298,12 +348,14 @@ def _overlapped(work: Work, fixed, add, transfer, compute, prefetch: int) -> Non
     ring = work.schedule == "relay-ring"
     ahead = 1 if ring else prefetch
     for r in range(G):
+        # local first: launched before the host read, it starts once the mask path is done
         C[r][0] = compute(r, 0, [fixed[r]])
     for k in range(1, G):
         for r in range(G):
             s = work.sender(r, k)
             after = [fixed[r], fixed[s]]
             j = k - ahead  # the round whose landing lets this one be issued
+            not_before = 0.0
             if j >= 1:
                 # Issued after the wait on round j, on both ends; the sender's pack/publish is
                 # queued on its compute stream behind step j−1; the receive buffer is the one
@@ -311,17 +363,25 @@ def _overlapped(work: Work, fixed, add, transfer, compute, prefetch: int) -> Non
                 after += [T[r][j], T[s][j], C[s][j - 1]]
                 if ring or j - 1 >= 1:
                     after.append(C[r][j - 1])
-            T[r][k] = transfer(r, k, work.recv[r][k - 1], after)
+            else:
+                # the first rounds start once both hosts issued them; local first, they are
+                # packed and sent on a side stream beside the local kernel (the pack is the
+                # transfer's own lead time in either order, never the compute stream's)
+                not_before = max(issue.issued(r), issue.issued(s))
+            T[r][k] = transfer(r, k, work.recv[r][k - 1], after, not_before=not_before)
         for r in range(G):
             C[r][k] = compute(r, k, [C[r][k - 1], T[r][k]])
 
 
-def _ulysses(work: Work, fixed, add, transfer, compute) -> None:
-    """All-to-all in (G−1 sequential rounds), one compute step, all-to-all out; no overlap."""
+def _ulysses(work: Work, fixed, add, transfer, compute, issue: _HostIssue) -> None:
+    """All-to-all in (G−1 sequential rounds, the first once both hosts issued it), one compute
+    step, all-to-all out; no overlap."""
     G = work.ranks
     prev = {r: [fixed[r]] for r in range(G)}
     for k in range(1, G):
-        cur = {r: transfer(r, k, work.recv[r][k - 1], prev[r] + prev[work.sender(r, k)]) for r in range(G)}
+        cur = {r: transfer(r, k, work.recv[r][k - 1], prev[r] + prev[work.sender(r, k)],
+                           not_before=max(issue.issued(r), issue.issued(work.sender(r, k))) if k == 1 else 0.0)
+               for r in range(G)}
         prev = {r: [cur[r]] for r in range(G)}
     C = {r: compute(r, 0, prev[r]) for r in range(G)}
     prev = {r: [C[r]] for r in range(G)}

@@ -129,22 +129,28 @@ def profile_for(transport: str, ranks: int):
 
 
 def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int, dtype_bytes: int,
-           prefetch: int = 1) -> tuple[str, dict]:
-    """(choice, predicted ms per candidate) for a measured ``simulate.model.Demand``."""
-    from ..simulate.model import gather_bytes, mask_bytes, work
+           prefetch: int = 1, local_first: bool | None = None) -> tuple[str, dict]:
+    """(choice, predicted ms per candidate) for a measured ``simulate.model.Demand``.
+    ``local_first``: the call's ``SparspConfig.local_first`` (None: the config's default).
+    Auto's call is staged as ``PLANNED``'s, so only that candidate runs local first; another
+    choice runs in order on a call of its own (``Call.without_plan``)."""
+    from ..simulate.model import LOCAL_FIRST, gather_bytes, mask_bytes, work
     from ..simulate.timeline import timeline
 
+    local_first = LOCAL_FIRST if local_first is None else local_first
     known = {t.name for t in profile.transports}
     figure = transport if transport in known else None
     # auto computes the mask for every candidate: the same mask work and metadata all-gather
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)
     gathered = gather_bytes(d, head_dim=head_dim, sparse=True)
-    # ... and the same plan stage (PLANNED's, with auto's figures): the same host ops
-    staged = work(PLANNED, d, head_dim=head_dim, dtype_bytes=dtype_bytes).host_ops
+    # ... and the same plan stage and host read (PLANNED's, with auto's figures): the same host
+    # ops before the read and in its finish
+    planned = work(PLANNED, d, head_dim=head_dim, dtype_bytes=dtype_bytes)
     times = {}
     for s in names:
-        w = replace(work(s, d, head_dim=head_dim, dtype_bytes=dtype_bytes), mask_bytes=masking,
-                    gather_bytes=gathered, host_ops=staged)
+        w = replace(work(s, d, head_dim=head_dim, dtype_bytes=dtype_bytes, local_first=local_first and s == PLANNED),
+                    mask_bytes=masking, gather_bytes=gathered, host_ops=planned.host_ops,
+                    finish_ops=planned.finish_ops)
         times[s] = round(timeline(w, profile, transport=figure, head_dim=head_dim,
                                   prefetch=prefetch).latency_ms, 4)
     best = min(times.values())
@@ -186,11 +192,12 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
     d = exact.rounded(DIGITS)
     profile = profile_for(transport.name, G)
     key = (profile.name, id(profile), transport.name, names, sh.head_dim, q.element_size(),
-           config.prefetch, d)
+           config.prefetch, config.local_first, d)
     hit = _cache.get(key)
     if hit is None:
         hit = decide(d, profile, transport.name, names, head_dim=sh.head_dim,
-                     dtype_bytes=q.element_size(), prefetch=config.prefetch)
+                     dtype_bytes=q.element_size(), prefetch=config.prefetch,
+                     local_first=config.local_first)
         _cache[key] = hit
         if len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)

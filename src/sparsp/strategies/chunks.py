@@ -63,10 +63,11 @@ class Fabric:
     min_chunk_bytes: int
     """Chunks smaller than this are never chosen automatically."""
     unit_s: float = 0.0
-    """Host cost of one more head-group unit before the call's host sync, whatever the chunk
-    count chosen after it: the unit's selection, counts and layout are eager ops issued while
-    the device waits (both payloads of a rank: 2 × ``simulate.model.MASK_UNIT_OPS`` ops at the
-    profile's ``op_ms``)."""
+    """Host cost of one more head-group unit, whatever the chunk count chosen after the call's
+    host read: the unit's selection and counts before the read and its layout's slicing in the
+    read's finish are eager ops issued while the device waits (both payloads of a rank:
+    2 × (``simulate.model.MASK_UNIT_OPS`` + ``FINISH_UNIT_OPS``) ops at the profile's
+    ``op_ms``)."""
 
 
 MIN_CHUNK_BYTES = 256 << 10
@@ -114,11 +115,11 @@ def profile_fabric(profile, transport: str, head_dim: int) -> Fabric:
         caps.append(profile.duplex_gbps / 2)
     if not profile.peer_access and profile.host_gbps is not None:
         caps.append(profile.host_gbps / 4)
-    from ..simulate.model import MASK_UNIT_OPS
+    from ..simulate.model import FINISH_UNIT_OPS, MASK_UNIT_OPS
 
     return Fabric(min(caps) * fig.efficiency * 1e9, profile.kernel(head_dim).sparse_tflops * 1e12,
                   profile.launch_ms * 1e-3, fig.latency_ms * 1e-3, MIN_CHUNK_BYTES,
-                  2 * MASK_UNIT_OPS * profile.op_ms * 1e-3)
+                  2 * (MASK_UNIT_OPS + FINISH_UNIT_OPS) * profile.op_ms * 1e-3)
 
 
 @dataclass(frozen=True)
