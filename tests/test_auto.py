@@ -182,6 +182,30 @@ def test_decide_on_measured_demand():
     assert sum(d.head_pairs) == H * 256 ** 2 and d.pairs[1][2] == H * 64 * 64
 
 
+def test_decide_runs_sparsp_in_the_order_the_code_would():
+    """``decide(local_first=None)`` (the config's default, automatic) predicts ``sparsp`` — the
+    candidate auto stages — in the order ``Call.local_first_pays`` gives it
+    (``simulate.model.resolve_local_first``): local first over a copy-engine transport whose
+    first round lands within the local kernel, in order over ``nccl``; True and False force it."""
+    from sparsp.simulate.model import Blocks, measure
+    from sparsp.strategies.auto import decide
+
+    lens, bs, H, B = (64, 64, 64, 64), 16, 8, 1
+    d = measure(torch.ones(B * H, 16, 16, dtype=torch.bool), Blocks.of_call(lens, bs), batch=B)
+    both = (TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.0),
+            TransportFigure(name="nccl", efficiency=1.0, latency_ms=0.0))
+    prof = _profile(1e6, transports=both, op_ms=0.01, launch_ms=0.1)  # the round lands at once
+
+    def sparsp_ms(transport, local_first):
+        return decide(d, prof, transport, ("ring", "sparsp"), head_dim=16, dtype_bytes=2,
+                      local_first=local_first)[1]["sparsp"]
+
+    early, in_order = sparsp_ms("ipc", True), sparsp_ms("ipc", False)
+    assert early < in_order  # the host's finish and run ops hide behind the local kernel
+    assert sparsp_ms("ipc", None) == early
+    assert sparsp_ms("nccl", None) == sparsp_ms("nccl", False) > sparsp_ms("nccl", True)
+
+
 def test_validate_accepts_auto_only_by_name():
     from sparsp.strategies.base import validate
 

@@ -172,16 +172,20 @@ def test_local_first_pack_runs_beside_the_local_kernel():
 
 
 def test_work_knows_its_order():
-    """``local_first`` (the config's, default on) applies to the strategies registered
-    ``local_first``; ``ulysses`` runs in order; the counts follow the order."""
-    from sparsp.simulate.model import EARLY_OPS, issue_ops, run_ops
+    """``local_first`` True applies to the strategies registered ``local_first``; ``ulysses``
+    runs in order; the counts follow the order. Automatic (None, the config's default) without
+    a profile: in order (no figures to decide from); ``Work.local_first`` is always a bool."""
+    from sparsp.simulate.model import EARLY_OPS, LOCAL_FIRST, issue_ops, run_ops
 
+    assert LOCAL_FIRST is None  # SparspConfig's default: automatic
     pl = make_placement("periodic", GEOM, 2)
     masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(3)) < 0.4
     for s in strategy_names():
-        w = build_work(masks, pl, s, head_dim=GEOM.head_dim)
+        w = build_work(masks, pl, s, head_dim=GEOM.head_dim, local_first=True)
         off = build_work(masks, pl, s, head_dim=GEOM.head_dim, local_first=False)
-        assert w.local_first == strategy_spec(s).local_first == (s != "ulysses") and not off.local_first, s
+        auto = build_work(masks, pl, s, head_dim=GEOM.head_dim)
+        assert w.local_first is (strategy_spec(s).local_first and s != "ulysses") and off.local_first is False, s
+        assert auto.local_first is False and auto == off, s
         assert (w.host_ops, w.finish_ops) == (off.host_ops, off.finish_ops), s  # the same before the run
         rule = strategy_spec(s).byte_rule if strategy_spec(s).sparse else "dense"
         assert off.run_ops == (run_ops(rule, 2),) * 2 and off.issue_ops == (issue_ops(rule, 2),) * 2, s
@@ -189,6 +193,53 @@ def test_work_knows_its_order():
         if w.local_first:
             assert w.run_ops == (run_ops(rule, 2, True),) * 2 and w.early_ops == (EARLY_OPS,) * 2, s
             assert w.issue_ops == (issue_ops(rule, 2, True),) * 2, s
+    with pytest.raises(ValueError, match="local_first must be None"):
+        build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim, local_first="yes")
+
+
+def test_automatic_local_first_follows_the_code_rule():
+    """``SparspConfig.local_first=None``: the rule of ``Call.local_first_pays`` on the simulated
+    profile — in order over ``nccl``; else local first where the first round's rows (K and V)
+    move over ``chunks.profile_fabric``'s pair bandwidth in no more time than the local kept
+    pairs take at its kernel rate. LTX-Video, G = 2: on the host-staged 2×H200 fabric the round
+    is transfer-bound (in order), over NVLink's ``ipc`` it lands early (local first)."""
+    from sparsp.simulate.model import Blocks, local_first_pays, measure, resolve_local_first
+    from sparsp.strategies import chunks
+
+    geom = geometry("ltx-video")
+    masks = MaskCache().get(geom, 0.9)
+    pl = make_placement("periodic", geom, 2)
+    d = measure(masks, Blocks.of(pl))
+    host, nvlink = PROFILES["h200x2-host"], PROFILES["h200x2-nvlink"]
+    kw = dict(head_dim=geom.head_dim, dtype_bytes=2)
+
+    def margin(profile, transport, r=0):  # compute − transfer (s) of rank r, by hand
+        fab = chunks.profile_fabric(profile, transport, geom.head_dim)
+        rows = max(d.direct[1 - r][r], d.direct[r][1 - r])
+        return 4 * geom.head_dim * d.pairs[r][r] / fab.flops_per_s - rows * 2 * geom.head_dim * 2 / fab.bytes_per_s
+
+    assert margin(host, "host") < 0 < margin(nvlink, "ipc")
+    assert local_first_pays("sparsp", d, host, "host", **kw) == (False, False)
+    assert local_first_pays("sparsp", d, nvlink, "ipc", **kw) == (True, True)
+    assert local_first_pays("sparsp", d, nvlink, None, **kw) == (True, True)  # the profile's default: ipc
+    assert local_first_pays("sparsp", d, nvlink, "nccl", **kw) == (False, False)  # never over nccl
+    assert local_first_pays("ulysses", d, nvlink, "ipc", **kw) == (False, False)  # not registered
+    for setting, want in ((None, True), (True, True), (False, False)):
+        assert resolve_local_first(setting, "sparsp", d, nvlink, "ipc", **kw) is want
+    assert resolve_local_first(None, "sparsp", d, host, "host", **kw) is False
+    assert resolve_local_first(True, "sparsp", d, host, "nccl", **kw) is True  # forced on
+    assert resolve_local_first(None, "sparsp", d, None, "ipc", **kw) is False  # no profile: in order
+    # the same through the work the sweep and the validation simulate
+    for prof, transport, want in ((host, "host", False), (nvlink, "ipc", True), (nvlink, "nccl", False)):
+        for s in ("ring", "ring-sparse", "ring-relay", "sparsp"):
+            spl = make_placement(strategy_spec(s).placement, geom, 2)
+            w = build_work(masks, spl, s, head_dim=geom.head_dim, profile=prof, transport=transport)
+            assert w.local_first is want, (s, prof.name, transport)
+            row = simulate_one(masks, geom, s, 2, prof, transport=transport)
+            assert row["local_first"] is want, (s, prof.name, transport)
+    # a kernel slow enough (its local step outlasting the round) flips the host fabric's call
+    slow = replace(host, kernels=tuple(replace(k, sparse_tflops=k.sparse_tflops / 100) for k in host.kernels))
+    assert local_first_pays("sparsp", d, slow, "host", **kw) == (True, True)
 
 
 def test_all_to_all_does_not_overlap():
@@ -429,15 +480,18 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "pcie5-8gpu-nop2p-calibrated" in printed and "validation" in printed
     doc = json.loads((out / "simulate.json").read_text())
     assert {(r["strategy"], r["ranks"]) for r in doc["results"]} == {(s, G) for s in strategy_names() for G in (2, 4)}
-    assert doc["local_first"] is True
-    for r in doc["results"]:
-        assert r["local_first"] == strategy_spec(r["strategy"]).local_first  # the config's default
+    assert doc["local_first"] is None  # the config's default: automatic
+    prof = get_profile(str(out / "profile-pcie5-8gpu-nop2p-calibrated.json"))
+    geom, masks = geometry("ltx-video"), MaskCache().get(geometry("ltx-video"), 0.9)
+    for r in doc["results"]:  # each row in the order the code's rule gives it on that profile
+        pl = make_placement(strategy_spec(r["strategy"]).placement, geom, r["ranks"])
+        w = build_work(masks, pl, r["strategy"], head_dim=geom.head_dim, profile=prof)
+        assert r["local_first"] is w.local_first, r["strategy"]
         assert r["bottleneck"] in ("compute", "transfer", "fixed")
         assert r["predicted_ms"] == pytest.approx(max(r["finish_ms"]))
         assert r["rounds"] and r["speedup_vs_ring"] > 0
     assert [v["strategy"] for v in doc["validation"]] == ["ring"]
     assert (out / "latency_vs_ranks.png").stat().st_size > 0 and (out / "speedup_vs_ranks.png").exists()
-    prof = get_profile(str(out / "profile-pcie5-8gpu-nop2p-calibrated.json"))
     assert prof.transport("host").latency_ms == pytest.approx(0.2, rel=1e-3)
 
 
@@ -521,9 +575,9 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
     # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
     # the plan stage a CUDA graph (the default on GPUs)
-    assert mask_ops("direct", 4, graphed=False) == 131 + 117 * 3
-    assert mask_ops("relay", 3, graphed=False) == 159 + 61 * 2 + 4 * 4
-    assert mask_ops("direct", 4) == 49 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
+    assert mask_ops("direct", 4, graphed=False) == 121 + 118 * 3
+    assert mask_ops("relay", 3, graphed=False) == 149 + 62 * 2 + 4 * 4
+    assert mask_ops("direct", 4) == 24 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
     prof = _profile(op_ms=0.01, hbm_gbps=1.0)
     work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300))
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # 300 ops x 10 µs
@@ -618,6 +672,30 @@ def test_mask_phase_collective_is_device_time_beside_the_host_ops():
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # host: 300 x 10 µs
     work = replace(work, gather_bytes=(50_000_000,) * 2)
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(1.0 + 5.0)
+
+
+def test_gather_bytes_are_the_rows_the_code_sends():
+    """``model.gather_bytes``: G−1 rows of what a rank sends in the metadata all-gather — the
+    cached header and ``plan._summaries`` (q's and k's block sums, k's sum, v's sum for the
+    check; a dense call its q, k, v sums) — padded to the largest rank's, in float32."""
+    from sparsp import SparspConfig
+    from sparsp.plan import _header, _summaries
+    from sparsp.simulate.model import Blocks, gather_bytes, measure
+
+    G = 3
+    pl = make_placement("contiguous", GEOM, G)
+    masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(1)) < 0.5
+    d = measure(masks, Blocks.of(pl))
+    cfg = SparspConfig(block_size=GEOM.block_size)
+    S = max(pl.tokens_per_rank)  # the largest rank's summaries set the padded row
+    q = k = v = torch.randn(1, S, GEOM.heads, GEOM.head_dim)
+    for sparse in (True, False):
+        data, _ = _summaries(q, k, v, None, cfg, sparse)
+        row = _header(q, cfg, "sparsp", data.numel()).numel() + data.numel()
+        assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=sparse) == ((G - 1) * 4 * row,) * G, sparse
+    n = -(-S // GEOM.block_size)
+    assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=True)[0] == (G - 1) * 4 * (
+        11 + 2 * n * GEOM.heads * GEOM.head_dim + GEOM.heads * GEOM.head_dim + 1)
 
 
 def test_sparsp_drain_units_charge_mask_ops():

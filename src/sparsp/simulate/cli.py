@@ -39,8 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=1, help="sparsp rounds fetched ahead")
     p.add_argument("--no-local-first", action="store_true",
                    help="simulate every strategy in order, the local kernel after the host read "
-                        "(SparspConfig(local_first=False)); default: ring, ring-sparse, ring-relay "
-                        "and sparsp launch it before the read")
+                        "(SparspConfig(local_first=False)); default (None, automatic): ring, "
+                        "ring-sparse, ring-relay and sparsp launch it before the read where the "
+                        "code's rule would (not over nccl; the first round moves in less time "
+                        "than the local kernel computes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
     p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
                    help="bench transport (and bench kernel) results to fit the profile to: "
@@ -81,10 +83,10 @@ def main(args) -> int:
         cfg = SimulateConfig(
             model=args.model, ranks=tuple(args.ranks), fabric=args.fabric, cdf=tuple(args.cdf),
             strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
-            text=args.text, dtype=args.dtype, prefetch=args.prefetch, local_first=not args.no_local_first,
-            seed=args.seed,
+            text=args.text, dtype=args.dtype, prefetch=args.prefetch, seed=args.seed,
             calibrate=tuple(args.calibrate or ()),
             validate=None if args.validate is None else tuple(args.validate),
+            **({"local_first": False} if args.no_local_first else {}),  # else the config's default
         )
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
@@ -105,7 +107,8 @@ def print_tables(doc: dict, console) -> None:
     from rich.table import Table
 
     transports = ", ".join(dict.fromkeys(r["transport"] for r in doc["results"]))
-    order = "local first where registered" if doc.get("local_first") else "in order"
+    order = {None: "local first where it pays", True: "local first where registered",
+             False: "in order"}.get(doc.get("local_first"), "in order")
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"on {doc['fabric']} ({transports}); simulated ({order}), {doc['masks']} masks")
     for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "exposed", "MiB/rank",

@@ -51,10 +51,12 @@ class SimulateConfig:
     """Include the model's text tokens (``bench attention`` leaves them out by default)."""
     dtype: str = "bf16"
     prefetch: int = 1
-    local_first: bool = LOCAL_FIRST
+    local_first: bool | None = LOCAL_FIRST
     """``SparspConfig.local_first`` of the simulated calls: strategies registered
-    ``local_first`` launch the local kernel before the host read; False: every strategy in
-    order (``--no-local-first``)."""
+    ``local_first`` launch the local kernel before the host read — None (the config's default,
+    automatic): where ``model.local_first_pays`` says so on the simulated profile and transport,
+    as ``Call.local_first_pays`` decides; True: always —; False: every strategy in order
+    (``--no-local-first``)."""
     seed: int = 0
     calibrate: tuple[Path, ...] = ()
     """``bench transport`` / ``bench kernel`` result files to fit the profile to."""
@@ -82,8 +84,8 @@ class SimulateConfig:
             raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"--prefetch must be an int >= 1, got {self.prefetch!r}")
-        if not isinstance(self.local_first, bool):
-            raise ValueError(f"local_first must be True or False, got {self.local_first!r}")
+        if self.local_first is not None and not isinstance(self.local_first, bool):
+            raise ValueError(f"local_first must be None (automatic), True or False, got {self.local_first!r}")
 
 
 def geometry(model: str, text: bool = False) -> VideoGeometry:
@@ -114,13 +116,14 @@ def placement_for(strategy: str, kind: str) -> str:
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
                  placement: str = "auto", transport: str | None = None, prefetch: int = 1,
                  dtype_bytes: int = 2, chunking: Profile | None = None,
-                 local_first: bool = LOCAL_FIRST) -> dict:
+                 local_first: bool | None = LOCAL_FIRST) -> dict:
     """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
 
-    ``chunking``: the profile ``sparsp`` decides its drain units from (``strategies/chunks.py``
-    reads ``$SPARSP_PROFILE``, else the built-in 2×H200 profile of the path); default
-    ``profile``, the machine's own. ``local_first``: the calls' ``SparspConfig.local_first``
-    (the row's ``local_first`` says whether ``strategy`` then runs local first)."""
+    ``chunking``: the profile ``sparsp`` decides its drain units from, and an automatic
+    ``local_first`` its order (``strategies/chunks.py`` reads ``$SPARSP_PROFILE``, else the
+    built-in 2×H200 profile of the path); default ``profile``, the machine's own.
+    ``local_first``: the calls' ``SparspConfig.local_first`` (the row's ``local_first`` says
+    whether ``strategy`` then runs local first)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
     work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
@@ -148,15 +151,16 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     }
 
 
-def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile, local_first: bool = LOCAL_FIRST) -> dict:
+def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile,
+            local_first: bool | None = LOCAL_FIRST) -> dict:
     """The same call on one GPU: ``sparsp`` on a group of one (what ``bench attention``'s
     ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload;
-    ``local_first``: that kernel launched before the host read), and dense attention (kernel
-    time only)."""
+    ``local_first``: that kernel launched before the host read — automatic, never: the row runs
+    over ``nccl``), and dense attention (kernel time only)."""
     pl = make_placement("contiguous", geom, 1)
     kf = profile.kernel(geom.head_dim)
-    sparse = timeline(build_work(masks, pl, "sparsp", head_dim=geom.head_dim, local_first=local_first), profile,
-                      head_dim=geom.head_dim)
+    sparse = timeline(build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=profile, transport="nccl",
+                                 local_first=local_first), profile, head_dim=geom.head_dim)
     dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
     return {"sparse_ms": round(sparse.latency_ms, 4),
             "dense_ms": round(dense / (kf.dense_tflops * 1e9) + profile.launch_ms, 4)}

@@ -18,12 +18,13 @@ call's one host read, the longer of the host issuing its counted ops and the dev
 (the metadata all-gather, the input passes, the mask selection). Where the rest of the host's
 counted ops fall depends on the call's order (``Work.local_first``): in order, the host waits
 for the read, finishes it (``FINISH_OPS``) and issues the run's ops, which no kernel may outrun
-(``RUN_OPS``); local first (``SparspConfig.local_first`` with a strategy registered
-``local_first``), the host launches the local kernel before it waits for the read
-(``EARLY_OPS``), then finishes the read and issues the run while that kernel runs
-(``LOCAL_FIRST_RUN_OPS``). The constants below are counted from the code of the strategies and
-``sparsp.plan`` (docs/simulate.md says how; ``opcount`` recounts the ops); nothing here is
-fitted to ``bench attention`` rows.
+(``RUN_OPS``); local first (a strategy registered ``local_first`` whose
+``SparspConfig.local_first`` is True, or None — the default, automatic — where
+``local_first_pays`` says so, the rule of ``Call.local_first_pays``), the host launches the
+local kernel before it waits for the read (``EARLY_OPS``), then finishes the read and issues
+the run while that kernel runs (``LOCAL_FIRST_RUN_OPS``). The constants below are counted from
+the code of the strategies and ``sparsp.plan`` (docs/simulate.md says how; ``opcount``
+recounts the ops); nothing here is fitted to ``bench attention`` rows.
 """
 
 from __future__ import annotations
@@ -34,15 +35,22 @@ import torch
 
 from .. import demand
 from ..config import SparspConfig
+from ..plan import _HEADER_SLOTS, _summary_size
 from ..placement import Placement
 from ..strategies.registry import strategy_names, strategy_spec
 from .profiles import Profile
 
+_DEFAULTS = {f.name: f.default for f in fields(SparspConfig)}
 # ``SparspConfig.local_first``'s default: what a call does unless its config says otherwise
-LOCAL_FIRST: bool = {f.name: f.default for f in fields(SparspConfig)}["local_first"]
+# (None: automatic, ``local_first_pays``; True: always local first; False: always in order)
+LOCAL_FIRST: bool | None = _DEFAULTS["local_first"]
+# ... and the defaults that size the metadata all-gather (``gather_bytes``): the block
+# similarity off (``sim_threshold`` None), the non-finite check on
+SIMILARITY: bool = _DEFAULTS["sim_threshold"] is not None
+CHECK_FINITE: bool = _DEFAULTS["check_finite"]
 
 # Collectives on every call's device path (plan.py): ONE, the metadata all-gather (header +
-# pooled summaries, from which every rank derives the whole mask and every demand). On NCCL
+# block sums, from which every rank derives the whole mask and every demand). On NCCL
 # the stream waits for it while the host goes on issuing the mask (``groups.stream_ordered``),
 # so its latency (``Profile.sync_ms``) and its bytes are device time of the mask phase, not
 # host time. The transport's fence is no collective: NCCL waits for the previous call's sends,
@@ -58,28 +66,33 @@ SYNCS_PER_CALL = 1
 # reads the mask once, 1) and the kept counts of ``Call.kept_counts`` (≤ 1): 88 bytes.
 _MASK_BYTES_PER_SCORE = 88
 # Full reads of the inputs before the call's host sync (``plan.gather_metadata``): a sparse call
-# pools q and k (block sums) and sums v for the non-finite flag (the pooled sums serve for q and
-# k); a dense one sums q, k and v for the flag. Three passes over a (B, S, H, D) input either way.
+# sums q and k per block (``masks.block_sums``) and v for the non-finite flag; a dense one sums
+# q, k and v for the flag. Three passes over a (B, S, H, D) input either way (a sparse call's
+# key sum, ``masks.key_sum``, is a fourth pass over k, not charged).
 INPUT_PASSES = 3
 # Eager PyTorch ops the mask phase issues on the host before the call's host read is started
-# (header, the metadata all-gather, pooling, mask selection, the strategy's plan, the layouts
-# the plan stage prepares, the read's copy queued), which the GPU waits for: counted with
-# ``python -m sparsp.simulate.opcount`` (a ``TorchDispatchMode`` over one call after a warm-up
-# call, on every rank of a gloo group, ``check_finite`` on, steady-state chunks off) at
-# G = 2, 3, 4, 6, exact for all four as (constant, per peer, per peer²) by the strategy's kind;
-# the same in both orders (``SparspConfig.local_first`` moves what comes after the read).
-MASK_OPS = {"dense": (54, 0, 0), "sparse": (122, 13, 0), "direct": (131, 117, 0),
-            "relay": (159, 61, 4)}
-# The same on CUDA, where the sparse strategies replay the stage from the gathered summaries
-# to the counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the
-# stage's ops become two (a copy of the gathered rows, the graph launch); what remains is the
-# header, pooling and all-gather before it and the read's start after it (``opcount``'s
-# ``GRAPHED_MASK_OPS``). Dense strategies compute no mask and run no graph.
-GRAPHED_MASK_OPS = {"dense": (54, 0, 0), "sparse": (49, 0, 0), "direct": (49, 0, 0),
-                    "relay": (49, 0, 0)}
+# (q's and k's block sums, k's and v's sums, the metadata all-gather with its cached header;
+# then the plan stage: the means, their layout and the non-finite flags from the gathered rows,
+# the mask selection, the strategy's plan, the layouts it prepares, the counts; the read's copy
+# queued), which the GPU waits for: counted with ``python -m sparsp.simulate.opcount`` (a
+# ``TorchDispatchMode`` over one call after a warm-up call, on every rank of a gloo group,
+# ``check_finite`` on, steady-state chunks off) at G = 2, 3, 4, 6, exact for all four as
+# (constant, per peer, per peer²) by the strategy's kind; the same in both orders
+# (``SparspConfig.local_first`` moves what comes after the read). Recounted at cec0721 (the
+# leaner all-gather: 248 → 239 for ``sparsp`` at G = 2).
+MASK_OPS = {"dense": (55, 0, 0), "sparse": (112, 14, 0), "direct": (121, 118, 0),
+            "relay": (149, 62, 4)}
+# The same on CUDA, where the sparse strategies replay the stage from the gathered rows to the
+# counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the stage's
+# ops become two (a copy of the gathered rows, the graph launch); what remains is the block
+# sums and the all-gather before it and the read's start after it (``opcount``'s
+# ``GRAPHED_MASK_OPS``: 49 → 24 at cec0721, which moved the means and the flags into the
+# stage). Dense strategies compute no mask and run no graph.
+GRAPHED_MASK_OPS = {"dense": (55, 0, 0), "sparse": (24, 0, 0), "direct": (24, 0, 0),
+                    "relay": (24, 0, 0)}
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 121 eager, 48 graphed.
-ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 121}, {"direct": 48}
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 111 eager, 24 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 111}, {"direct": 24}
 # Ops after the host read, before the strategy's run, in both orders (``Metadata.finish``: the
 # header checks and the layouts from the read's counts, and the end of its profiler range): the
 # device waits for them before the run's first kernel (in order, the local one; local first, the
@@ -204,9 +217,10 @@ class Work:
     ``FINISH_UNIT_OPS``); () = none."""
     local_first: bool = False
     """The call launches the local kernel (step 0) before it waits for its host read and issues
-    the first round on a side stream while that kernel runs (``SparspConfig.local_first`` and a
-    strategy registered ``local_first``); False: in order, the local kernel after the read and
-    the run's first ops."""
+    the first round on a side stream while that kernel runs (a strategy registered
+    ``local_first`` whose ``SparspConfig.local_first`` is True, or None where
+    ``local_first_pays``: ``resolve_local_first``); False: in order, the local kernel after the
+    read and the run's first ops."""
     early_ops: tuple[tuple[int, int], ...] = ()
     """Per rank, local first: ops after the read's start before the local kernel's launch, and
     after that launch before the host waits for the read (``EARLY_OPS``); () = none."""
@@ -403,12 +417,16 @@ def mask_bytes(d: Demand, *, head_dim: int, dtype_bytes: int, sparse: bool = Tru
 
 def gather_bytes(d: Demand, *, head_dim: int, sparse: bool) -> tuple[int, ...]:
     """Bytes each rank receives in the metadata all-gather: G−1 rows of float32, each a header
-    (11 slots) and, for a sparse call, the summaries padded to the largest rank's
-    (``plan._summary_size``: pooled q and k means and similarities, the key sum)."""
-    BH = d.batch * d.heads
+    (11 slots: ``plan._HEADER_SLOTS`` + the summaries' size) and the summaries padded to the
+    largest rank's (``plan._summary_size`` with the config's defaults, similarity off and
+    ``check_finite`` on: q's and k's block sums 2·B·n·H·D, k's sum B·H·D and v's sum 1 for a
+    sparse call — the means and similarities are no longer sent since cec0721 —; a dense call
+    sends its q, k and v sums for the check, 3). A dense call in a group whose capacity a
+    sparse call grew pads to it; not charged."""
+    B, H = d.batch, d.heads
     n = max(-(-t // d.block_size) for t in d.tokens) if d.block_size else -(-d.blocks // d.ranks)
-    row = 11 + (2 * BH * n * (head_dim + 1) + BH * head_dim if sparse else 0)
-    return tuple((d.ranks - 1) * 4 * row for _ in d.tokens)
+    body = _summary_size(B, H, head_dim, n, SIMILARITY, CHECK_FINITE) if sparse else 3 * int(CHECK_FINITE)
+    return tuple((d.ranks - 1) * 4 * (_HEADER_SLOTS + 1 + body) for _ in d.tokens)
 
 
 def pair_flops(masks: torch.Tensor, placement: Placement, head_dim: int, dense: bool = False) -> torch.Tensor:
@@ -421,7 +439,7 @@ def pair_flops(masks: torch.Tensor, placement: Placement, head_dim: int, dense: 
 
 def build_work(masks: torch.Tensor, placement: Placement, strategy: str, *, head_dim: int,
                dtype_bytes: int = 2, profile: Profile | None = None, transport: str | None = None,
-               local_first: bool = LOCAL_FIRST) -> Work:
+               local_first: bool | None = LOCAL_FIRST) -> Work:
     """Per-rank, per-round work of ``strategy`` for masks bool [heads, nB, nB] (original order);
     ``profile``/``transport``/``local_first``: see ``work``."""
     if strategy not in strategy_names():
@@ -433,20 +451,24 @@ def build_work(masks: torch.Tensor, placement: Placement, strategy: str, *, head
 
 
 def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profile: Profile | None = None,
-         transport: str | None = None, graphed: bool = True, local_first: bool = LOCAL_FIRST) -> Work:
+         transport: str | None = None, graphed: bool = True, local_first: bool | None = LOCAL_FIRST) -> Work:
     """Per-rank, per-round work of ``strategy`` for a measured ``Demand``.
 
-    Hardware-independent but for one decision the ``direct`` schedule (``sparsp``) makes from
-    the machine's profile: into how many head-group units it cuts its drain payloads before
-    the host sync (``chunk_ops``), which costs host ops. Given ``profile`` (and the call's
-    ``transport`` on it), they are charged; without, none. ``graphed``: the plan stage is a
-    CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the default); False counts it eagerly.
-    ``local_first``: the call's ``SparspConfig.local_first`` (default, the config's default);
-    the call runs local first only with a strategy registered ``local_first``
-    (``Work.local_first``)."""
+    Hardware-independent but for two decisions the code makes from the machine's figures
+    (``chunks.fabric``; here those of ``profile``, ``chunks.profile_fabric``, with the call's
+    ``transport`` on it, None = the profile's default): into how many head-group units
+    ``sparsp`` cuts its drain payloads before the host sync (``chunk_ops``), which costs host
+    ops, and, with ``local_first`` None, whether the call runs local first
+    (``resolve_local_first``). Without ``profile`` no units are charged and an automatic call
+    runs in order (as the code's first call of a geometry, which has no figures yet).
+    ``graphed``: the plan stage is a CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the
+    default); False counts it eagerly. ``local_first``: the call's ``SparspConfig.local_first``
+    (default, the config's: None, automatic); only a strategy registered ``local_first`` runs
+    local first (``Work.local_first``, always a bool)."""
     spec = strategy_spec(strategy)
     schedule = schedule_of(strategy)
-    early = local_first and spec.local_first
+    early = resolve_local_first(local_first, strategy, d, profile, transport, head_dim=head_dim,
+                                dtype_bytes=dtype_bytes)
     G, BH = d.ranks, d.batch * d.heads
     tokens = d.tokens
     kv = 2 * head_dim * dtype_bytes  # K+V bytes per token and head
@@ -496,6 +518,71 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
     density = tuple(1.0 if dense else sum(d.pairs[r]) / max(1, BH * tokens[r] * sum(tokens)) for r in range(G))
     return Work(strategy, schedule, G, flops, launches, recv, (), masking, merge_bytes=merge,
                 gather_bytes=gathered, heads=d.heads, tokens=sum(tokens), density=density, **host)
+
+
+def resolve_local_first(setting: bool | None, strategy: str, d: Demand, profile: Profile | None,
+                        transport: str | None, *, head_dim: int, dtype_bytes: int = 2) -> bool:
+    """Whether a call of ``strategy`` with ``SparspConfig.local_first`` = ``setting`` runs local
+    first (``sp_attention``): never for a strategy not registered ``local_first``; True: always;
+    False: never; None (automatic): where ``local_first_pays`` says so on every rank (the code
+    decides per rank, the model simulates one order per call: a call whose ranks disagree is
+    simulated in order); without ``profile``, in order."""
+    if setting is not None and not isinstance(setting, bool):
+        raise ValueError(f"local_first must be None (automatic), True or False, got {setting!r}")
+    if not strategy_spec(strategy).local_first or setting is False:
+        return False
+    if setting:
+        return True
+    if profile is None:
+        return False
+    return all(local_first_pays(strategy, d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes))
+
+
+def local_first_pays(strategy: str, d: Demand, profile: Profile, transport: str | None, *,
+                     head_dim: int, dtype_bytes: int = 2) -> tuple[bool, ...]:
+    """Per rank: ``Call.local_first_pays`` (``SparspConfig.local_first=None``) on this demand,
+    as a steady call of the geometry sees it (its last call's figures are this call's).
+
+    Never over ``nccl`` (``transport``: the call's transport name, None = the profile's
+    default). Else yes where the first round's payload rows (K and V) take no longer over the
+    pair's bandwidth than the local kept pairs take to compute, with the fabric figures the
+    code uses (``chunks.profile_fabric`` of ``profile``: ``chunks.fabric`` reads the same from
+    the built-in profile of the transport's kind or ``$SPARSP_PROFILE``). The rows are, as in
+    ``Call._remember_round``, the larger of the round-1 payloads the rank sends and receives
+    (for a plan: ``sparsp``, ``ring-relay``; a payload cut into head-group units counts whole,
+    its units summed); without one (``ring``, ``ring-sparse``, a group of one) the previous
+    rank's whole shard. The local pairs are
+    counted in tokens (the code counts kept blocks × block size²: a short tail block counts
+    whole there)."""
+    from ..strategies import chunks
+
+    spec = strategy_spec(strategy)
+    G, BH = d.ranks, d.batch * d.heads
+    if not spec.local_first:
+        return (False,) * G
+    name = transport if transport is not None else profile.transport(None).name
+    if name == "nccl":
+        return (False,) * G
+    fab = chunks.profile_fabric(profile, name, head_dim)
+    rule = spec.byte_rule
+    out = []
+    for r in range(G):
+        nxt, prv = (r + 1) % G, (r - 1) % G
+        if G == 1 or rule == "full-shards":
+            rows = BH * d.tokens[prv]
+        elif rule == "direct":
+            rows = max(d.direct[nxt][r], d.direct[r][prv])
+        elif rule == "relay":
+            if d.relay is None:
+                raise ValueError(f"{strategy}: the demand was measured without relay=True")
+            rows = max(d.relay[nxt][0], d.relay[r][0])
+        else:
+            raise ValueError(f"{strategy}: no local-first rule for byte rule {rule!r}")
+        local = BH * d.tokens[r] ** 2 if not spec.sparse else d.pairs[r][r]
+        transfer_s = rows * 2 * head_dim * dtype_bytes / fab.bytes_per_s
+        compute_s = 4 * head_dim * local / fab.flops_per_s
+        out.append(transfer_s <= compute_s)
+    return tuple(out)
 
 
 def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,

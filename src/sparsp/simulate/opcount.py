@@ -2,7 +2,9 @@
 
 The cost model charges the host's issue time of a call's ops (``Profile.op_ms`` each) where the
 device waits for them, and no kernel starts before the host launched it. Where each op falls
-depends on the call's order (``SparspConfig.local_first``, ``StrategySpec.local_first``):
+depends on the call's order (``SparspConfig.local_first``, ``StrategySpec.local_first``; the
+automatic setting, None, takes one of the two per call — on the CPU always local first — so
+the counts are made with False and True):
 
 * in order (``local_first`` off, and ``ulysses``): the mask phase up to the start of the host
   read (``model.MASK_OPS``), the read, its finish (header checks, layouts:
@@ -56,7 +58,7 @@ counts as ``sparse``)."""
 RUN_KINDS = {"dense": "ring", "full-shards": "ring-sparse", "direct": "sparsp", "relay": "ring-relay",
              "all-to-all": "ulysses"}
 """A strategy of each kind ``model.RUN_OPS`` distinguishes (a sparse strategy's byte rule); all
-but ``all-to-all`` run local first by default (``LOCAL_FIRST_RUN_OPS``)."""
+but ``all-to-all`` may run local first (``LOCAL_FIRST_RUN_OPS``)."""
 HEADS, HEAD_DIM, BLOCK, BLOCKS_PER_RANK = 12, 16, 16, 4
 """The counting geometry: 12 heads (divisible by G = 2, 3, 4, 6), whole blocks on every rank."""
 
@@ -324,8 +326,9 @@ def _fitted(name: str, points: dict[int, int]) -> str:
 def jobs() -> list[tuple[str, int, bool]]:
     """What ``main`` counts: a strategy of each kind in order, the local-first ones local
     first too, ``sparsp``'s drain cut into each of ``UNITS`` (both orders), ``ulysses``. A
-    dense call first: once a sparse call has grown the group's summary capacity, a dense one
-    issues 2 ops more (the padded body of the all-gather)."""
+    dense call first (before cec0721 a dense call issued 2 ops more once a sparse call had grown
+    the group's summary capacity; since, its padding is one cached tensor either way: 55 ops
+    before the read at G = 2 before and after a ``sparsp`` call)."""
     out = [(s, 1, lf) for s in KINDS.values() for lf in (False, True)]
     out += [("sparsp", u, lf) for lf in (False, True) for u in UNITS]
     return out + [("ulysses", 1, False)]

@@ -131,15 +131,18 @@ def profile_for(transport: str, ranks: int):
 def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int, dtype_bytes: int,
            prefetch: int = 1, local_first: bool | None = None) -> tuple[str, dict]:
     """(choice, predicted ms per candidate) for a measured ``simulate.model.Demand``.
-    ``local_first``: the call's ``SparspConfig.local_first`` (None: the config's default).
-    Auto's call is staged as ``PLANNED``'s, so only that candidate runs local first; another
-    choice runs in order on a call of its own (``Call.without_plan``)."""
-    from ..simulate.model import LOCAL_FIRST, gather_bytes, mask_bytes, work
+    ``local_first``: the call's ``SparspConfig.local_first`` (None: automatic, the default),
+    through the code's rule (``simulate.model.resolve_local_first``: ``Call.local_first_pays``
+    on ``PLANNED``'s payloads over ``transport`` with the figures of ``profile``). Auto's call is
+    staged as ``PLANNED``'s, so only that candidate runs local first; another choice runs in
+    order on a call of its own (``Call.without_plan``)."""
+    from ..simulate.model import gather_bytes, mask_bytes, resolve_local_first, work
     from ..simulate.timeline import timeline
 
-    local_first = LOCAL_FIRST if local_first is None else local_first
     known = {t.name for t in profile.transports}
     figure = transport if transport in known else None
+    local_first = resolve_local_first(local_first, PLANNED, d, profile, transport, head_dim=head_dim,
+                                      dtype_bytes=dtype_bytes)
     # auto computes the mask for every candidate: the same mask work and metadata all-gather
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)
     gathered = gather_bytes(d, head_dim=head_dim, sparse=True)

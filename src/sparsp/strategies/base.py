@@ -424,12 +424,14 @@ class Call:
         layouts; a full shard for strategies without a plan) and the local kept block pairs,
         for the next call's ``local_first_pays``."""
         sh = self.shapes
-        rows = [lay.num_rows for key, lay in self.layouts.items()
-                if isinstance(key, tuple) and len(key) > 1 and key[1] == 1]
+        rows: dict = {}  # per payload of round 1 ("send", "recv"), its head-group units summed
+        for key, lay in self.layouts.items():
+            if isinstance(key, tuple) and len(key) > 1 and key[1] == 1:
+                rows[key[0]] = rows.get(key[0], 0) + lay.num_rows
         if not rows:  # full shards: the previous rank's
-            rows = [sh.batch * sh.heads * sh.seq_lens[(sh.rank - 1) % sh.world_size]]
+            rows = {"full": sh.batch * sh.heads * sh.seq_lens[(sh.rank - 1) % sh.world_size]}
         pairs = self.kept.get(sh.rank, sh.batch * sh.heads * sh.num_blocks[sh.rank] ** 2)
-        self._geo.last_round = (max(rows), pairs)
+        self._geo.last_round = (max(rows.values()), pairs)
 
     def side(self, on: bool = True):
         """Context for issuing the first round's packs and transfers (``Call.pack_local``,
