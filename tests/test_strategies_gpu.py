@@ -128,6 +128,16 @@ def test_sparsp_identical_across_transports():
     _spawn(_same_output_worker, 2, transports)
 
 
+def _drifting_inputs(rank: int, step: int, S: int, H: int, D: int):
+    """bf16 (1, S, H, D) q, k, v of one rank and call: a shared direction plus noise and a
+    drift along the sequence (a mask that keeps some remote blocks and drops others)."""
+    g = torch.Generator(device="cuda").manual_seed(100 * step + rank)
+    c = torch.randn(1, 1, H, D, device="cuda", generator=g)
+    drift = torch.linspace(-2, 2, S, device="cuda").view(1, S, 1, 1) * (rank + 1)
+    qkv = (c + torch.randn(1, S, H, D, device="cuda", generator=g) + drift * i for i in range(3))
+    return tuple(x.to(torch.bfloat16).contiguous() for x in qkv)
+
+
 def _graph_worker(rank, world, kernel):
     import dataclasses
 
@@ -142,12 +152,7 @@ def _graph_worker(rank, world, kernel):
             graphs = SparspConfig(cdf_threshold=0.9, transport=transport, kernel=kernel, **extra)
             eager = dataclasses.replace(graphs, cuda_graphs=False)
             for step in range(3):  # eager, capture + replay, replay: new inputs every call
-                g = torch.Generator(device="cuda").manual_seed(100 * step + rank)
-                c = torch.randn(1, 1, H, D, device="cuda", generator=g)
-                drift = torch.linspace(-2, 2, S, device="cuda").view(1, S, 1, 1) * (rank + 1)
-                q, k, v = (c + torch.randn(1, S, H, D, device="cuda", generator=g) + drift * i
-                           for i in range(3))
-                q, k, v = (x.to(torch.bfloat16).contiguous() for x in (q, k, v))
+                q, k, v = _drifting_inputs(rank, step, S, H, D)
                 a = sp_attention(q, k, v, strategy=strategy, config=graphs)
                 b = sp_attention(q, k, v, strategy=strategy, config=eager)
                 err = (a.float() - b.float()).abs().max().item()
@@ -175,12 +180,7 @@ def _local_first_worker(rank, world, kernel):
             first = SparspConfig(cdf_threshold=0.9, transport=transport, kernel=kernel, local_first=True)
             later = dataclasses.replace(first, local_first=False)
             for step in range(3):  # eager, capture + replay, replay
-                g = torch.Generator(device="cuda").manual_seed(100 * step + rank)
-                c = torch.randn(1, 1, H, D, device="cuda", generator=g)
-                drift = torch.linspace(-2, 2, S, device="cuda").view(1, S, 1, 1) * (rank + 1)
-                q, k, v = (c + torch.randn(1, S, H, D, device="cuda", generator=g) + drift * i
-                           for i in range(3))
-                q, k, v = (x.to(torch.bfloat16).contiguous() for x in (q, k, v))
+                q, k, v = _drifting_inputs(rank, step, S, H, D)
                 want = sp_attention(q, k, v, strategy=strategy, config=later).clone()
                 got = sp_attention(q, k, v, strategy=strategy, config=first)
                 # the caller reuses its inputs at once: the side stream's packs must be ordered
