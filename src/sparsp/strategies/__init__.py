@@ -135,8 +135,10 @@ def sp_attention(
         transport.reserve(call.shapes.capacity_rows * 2 * call.shapes.head_dim * q.element_size())
         transport.fence()
         with record_function("sparsp.run"):
-            spec.run(call)
-            call.join()  # the compute stream after the side stream's packs and transfers
+            try:
+                spec.run(call)
+            finally:  # the compute stream after the side stream's packs and transfers, also
+                call.join()  # when the run raised: nothing of the call stays unordered
         # the transfers the GPU waits for on its own: the host checks their flags now, with the
         # timeout, so a dead peer raises in this call (transport/slots.py, settle)
         transport.settle()
