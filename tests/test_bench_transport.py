@@ -84,3 +84,27 @@ def test_pipeline_must_fit_the_window():
     args = parser.parse_args(["--pipeline", "4", "--window", "3"])
     with pytest.raises(SystemExit, match="--pipeline must be between 0 and the window"):
         bt.run(args)
+
+
+@pytest.mark.parametrize("order", [bt.EXCHANGE_FIRST, bt.ATTENTION_FIRST])
+def test_under_load_orders_the_attention_and_the_first_exchange(monkeypatch, order):
+    """``--load-order``: exchange first puts the first exchange in flight before the attention
+    is queued (a ring step), attention first queues the attention before any exchange (a call
+    that launches its local kernel first); every exchange is waited for and released."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(bt, "_time_attention", lambda attn, stream, iters, device: [50.0])
+    monkeypatch.setattr(bt, "_slowest", lambda times, device: times)
+    t = _Recorder()
+    src = torch.arange(64, dtype=torch.uint8)
+    ex = bt._Exchange(t, 1, src, torch.zeros(64, dtype=torch.uint8), lambda: None)
+    args = type("A", (), {"warmup": 0, "iters": 1})()
+    row = bt._under_load(ex, 16, 10.0, lambda: t.log.append("attention"), None, 50.0, args,
+                         torch.device("cpu"), "rec", "host", order)
+    first_publish, attention = t.log.index("publish"), t.log.index("attention")
+    assert (first_publish < attention) == (order == bt.EXCHANGE_FIRST)
+    assert t.log.count("publish") == t.log.count("wait") == t.log.count("release") == 5  # 50 / 10 ms
+    assert row["load_order"] == order and row["under_load"] and row["exchanges_per_attention"] == 5

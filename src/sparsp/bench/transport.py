@@ -30,6 +30,11 @@ Under load, an attention kernel (``scaled_dot_product_attention``, bf16, DESIGN'
 × 24×128 heads) runs on a second stream of the same GPU while back-to-back exchanges fill its
 duration; ``attention_slowdown`` = median attention time during transfers / alone − 1 (DESIGN
 "Contention": NCCL without P2P turned 21.1 ms into 33.0 ms; copy engines stayed within 5 %).
+Two orders (``--load-order``, row field ``load_order``): ``exchange first`` puts the first
+exchange in flight before the attention starts (as a ring step that packs and sends before it
+computes); ``attention first`` queues the attention first and issues the exchanges behind it
+(as a call that launches its local kernel before the first transfer): an exchange whose copies
+are kernels (NCCL) then waits for SMs the attention holds, copy engines need none.
 
 Result: ``bench/results/transport-all-<machine>-<date>.json`` with rows
 ``{"transport", "fabric", "bytes", "gbps", "under_load", "attention_slowdown", ...}`` and a PNG
@@ -50,6 +55,9 @@ import torch.nn.functional as F
 from .common import init_distributed, median, result_path, save_figure, write_result
 
 FABRICS = ("nvlink", "host")
+EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
+LOAD_ORDERS = {"exchange-first": (EXCHANGE_FIRST,), "attention-first": (ATTENTION_FIRST,),
+               "both": (EXCHANGE_FIRST, ATTENTION_FIRST)}
 DEFAULT_TRANSPORTS = {"nvlink": ("nccl", "ipc"), "host": ("nccl", "host")}
 
 
@@ -78,6 +86,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pipeline", type=int, default=None,
                    help="exchanges in flight in the pipelined rows (default: --window; 0: none)")
     p.add_argument("--no-load", action="store_true", help="skip the under-attention-load runs")
+    p.add_argument("--load-order", choices=("exchange-first", "attention-first", "both"), default="both",
+                   help="under load: the first exchange in flight before the attention starts, the "
+                        "attention queued before the exchanges, or both (default)")
     p.add_argument("--attn-tokens", type=int, default=32768)
     p.add_argument("--attn-heads", type=int, default=24)
     p.add_argument("--attn-dim", type=int, default=128)
@@ -259,14 +270,15 @@ def run(args) -> dict:
         for n in sizes:
             row = _timed(exchange, n, expect, args, device, name, fabric, t)
             piped_row = None if piped is None else _timed(piped, n, expect, args, device, name, fabric, t)
-            loaded = None if attn is None else _under_load(exchange, n, row["median_ms"], attn, attn_stream,
-                                                           attn_alone, args, device, name, fabric)
-            rows += [r for r in (row, piped_row, loaded) if r is not None]
+            loaded = [] if attn is None else [
+                _under_load(exchange, n, row["median_ms"], attn, attn_stream, attn_alone, args, device,
+                            name, fabric, order) for order in LOAD_ORDERS[args.load_order]]
+            rows += [r for r in (row, piped_row, *loaded) if r is not None]
             if console:
                 console.print(f"{name:5s} {fabric:6s} {_fmt(n):>9s}: {row['gbps']:7.2f} GB/s"
                               + (f", {pipeline} in flight {piped_row['gbps']:7.2f}" if piped_row else "")
-                              + (f", under load {loaded['gbps']:7.2f} GB/s, attention "
-                                 f"{100 * loaded['attention_slowdown']:+.1f} %" if loaded else ""))
+                              + "".join(f", under load ({r['load_order']}) {r['gbps']:7.2f} GB/s, attention "
+                                        f"{100 * r['attention_slowdown']:+.1f} %" for r in loaded))
         t.close()
     doc = {}
     if rank == 0:
@@ -302,13 +314,15 @@ def _timed(exchange: _Exchange, n: int, expect, args, device, name: str, fabric:
 
 
 def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, device, name,
-                fabric) -> dict:
+                fabric, order: str = EXCHANGE_FIRST) -> dict:
     """Attention on a second stream while exchanges run back to back for its duration.
 
     Each iteration times the attention twice, alone and under load, so both see the same GPU
     state (clocks, caches): a baseline taken once at the start was ~10 % slower than later
-    runs on the H200s. The first exchange is put in flight *before* the attention starts, so
-    the two compete from the first microsecond (as in a ring step).
+    runs on the H200s. ``order`` ``EXCHANGE_FIRST``: the first exchange is put in flight
+    *before* the attention starts, so the two compete from the first microsecond (as in a ring
+    step); ``ATTENTION_FIRST``: the attention is queued first and every exchange is issued
+    behind it, so an exchange's time counts from its issue, waiting for SMs included.
     """
     # same count on both ranks (alone_ms and attn_alone are max-reduced): fences must pair up
     reps = max(1, min(100, math.ceil(attn_alone / max(alone_ms, 1e-3))))
@@ -318,11 +332,13 @@ def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, devi
     for it in range(args.warmup + args.iters):
         alone_it = _time_attention(attn, attn_stream, 1, device)[0]
         a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        first = exchange.start(n)
+        first = exchange.start(n) if order == EXCHANGE_FIRST else None
         with torch.cuda.stream(attn_stream):
             a0.record(attn_stream)
             attn()
             a1.record(attn_stream)
+        if first is None:  # the attention holds the GPU already: every exchange comes behind it
+            first = exchange.start(n)
         events = [exchange.finish(first)] + [exchange(n) for _ in range(reps - 1)]
         torch.cuda.synchronize(device)
         if it >= args.warmup:
@@ -333,9 +349,14 @@ def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, devi
     attn_ms = median(_slowest(loaded, device))
     attn_alone_now = median(alone)  # already the slowest rank's (max-reduced per iteration)
     return {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
-            "under_load": True, "attention_slowdown": attn_ms / attn_alone_now - 1.0,
+            "under_load": True, "load_order": order, "attention_slowdown": attn_ms / attn_alone_now - 1.0,
             "median_ms": ms, "iters": len(xfer_times), "attention_ms": attn_ms,
             "attention_alone_ms": attn_alone_now, "exchanges_per_attention": reps}
+
+
+def load_order(row: dict) -> str:
+    """An under-load row's order; rows written before the field existed ran exchange first."""
+    return row.get("load_order", EXCHANGE_FIRST)
 
 
 def _fmt(n: int) -> str:
@@ -360,20 +381,22 @@ def _write(rows: list[dict], args, console) -> dict:
     table = Table(title=f"transport bandwidth, {doc['machine']} (GB/s per direction, 2 ranks "
                         "exchanging)")
     for col in ("transport", "fabric", "size", "GB/s", "repeats", "GB/s pipelined",
-                "GB/s under load", "attention"):
+                "GB/s under load", "attention", "GB/s behind attention"):
         table.add_column(col, justify="left" if col in ("transport", "fabric") else "right")
     alone = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if one(r)}
-    loaded = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"] if r["under_load"]}
+    loaded = {(r["transport"], r["fabric"], r["bytes"], load_order(r)): r for r in doc["rows"]
+              if r["under_load"]}
     piped = {(r["transport"], r["fabric"], r["bytes"]): r for r in doc["rows"]
              if not r["under_load"] and r.get("inflight", 1) > 1}
     for key, r in alone.items():
-        lr, pr = loaded.get(key), piped.get(key)
+        lr, br, pr = loaded.get((*key, EXCHANGE_FIRST)), loaded.get((*key, ATTENTION_FIRST)), piped.get(key)
         reps = r.get("gbps_repeats") or [r["gbps"]]
         table.add_row(r["transport"], r["fabric"], _fmt(r["bytes"]), f"{r['gbps']:.2f}",
                       f"{min(reps):.1f}–{max(reps):.1f}",
                       f"{pr['gbps']:.2f} ({pr['inflight']})" if pr else "",
                       f"{lr['gbps']:.2f}" if lr else "",
-                      f"{100 * lr['attention_slowdown']:+.1f} %" if lr else "")
+                      f"{100 * lr['attention_slowdown']:+.1f} %" if lr else "",
+                      f"{br['gbps']:.2f}" if br else "")
     console.print(table)
     console.print(f"wrote {path}")
     if not args.no_plot:
@@ -394,7 +417,9 @@ def plot(path: Path) -> Path:
         color = f"C{i}"
         kinds = ((lambda r: not r["under_load"] and r.get("inflight", 1) == 1, "-o", ""),
                  (lambda r: not r["under_load"] and r.get("inflight", 1) > 1, ":s", " pipelined"),
-                 (lambda r: r["under_load"], "--x", " under attention"))
+                 (lambda r: r["under_load"] and load_order(r) == EXCHANGE_FIRST, "--x", " under attention"),
+                 (lambda r: r["under_load"] and load_order(r) == ATTENTION_FIRST, "-.+",
+                  " issued behind attention"))
         for keep, style, label in kinds:
             rs = sorted((r for r in doc["rows"] if (r["transport"], r["fabric"]) == (name, fabric)
                          and keep(r)), key=lambda r: r["bytes"])

@@ -69,11 +69,14 @@ def fit_transport(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def transport_points(rows: list[dict], fabric: str, *, loaded: bool) -> dict[str, list[tuple[float, float]]]:
     """(bytes, ms) per transport of ``bench transport`` rows on ``fabric``: the single
-    exchanges (``inflight`` 1) alone, or those ``under_load``."""
+    exchanges (``inflight`` 1) alone, or those ``under_load`` with the exchange in flight first
+    (the order the model's loaded rate stands for; rows issued behind the attention are not
+    fitted)."""
     out: dict[str, list] = {}
     for r in rows:
         if (r.get("fabric") == fabric and bool(r.get("under_load")) == loaded and r.get("median_ms")
-                and r.get("inflight", 1) == 1):  # the fit is per single message
+                and r.get("inflight", 1) == 1  # the fit is per single message
+                and r.get("load_order", "exchange first") == "exchange first"):
             out.setdefault(r["transport"], []).append((float(r["bytes"]), float(r["median_ms"])))
     return out
 
@@ -104,6 +107,7 @@ def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
             loaded[name] = fit_transport(sorted(pts))
             slow = [float(r["attention_slowdown"]) for r in transport_rows if r.get("under_load")
                     and r.get("transport") == name and r.get("fabric") == profile.bench_fabric
+                    and r.get("load_order", "exchange first") == "exchange first"
                     and r.get("attention_slowdown") is not None]
             # The loaded rows run back to back without the gate, so their intercept holds the
             # host's issue of each exchange (and the slot transports' host-polled waits): only
