@@ -82,11 +82,11 @@ def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = 
         raise ValueError(f"expected (B, S, H, D), got shape {tuple(x.shape)}")
     _check_block("block_size", block_size)
     B, S, H, D = x.shape
+    if center is None and not similarity:  # the common case
+        return PooledBlocks.from_sums(block_sums(x, block_size), S, block_size)
     n = math.ceil(S / block_size)
     pad = n * block_size - S
     lengths, denom = block_lengths(S, block_size, x.device)
-    if center is None and not similarity:  # the common case
-        return PooledBlocks.from_sums(block_sums(x, block_size), S, block_size)
     xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
     if center is not None:
         xf = xf - center.float()[:, :, None, :]

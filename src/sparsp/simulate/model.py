@@ -579,9 +579,8 @@ def local_first_pays(strategy: str, d: Demand, profile: Profile, transport: str 
         else:
             raise ValueError(f"{strategy}: no local-first rule for byte rule {rule!r}")
         local = BH * d.tokens[r] ** 2 if not spec.sparse else d.pairs[r][r]
-        transfer_s = rows * 2 * head_dim * dtype_bytes / fab.bytes_per_s
-        compute_s = 4 * head_dim * local / fab.flops_per_s
-        out.append(transfer_s <= compute_s)
+        out.append(chunks.transfer_hides(fab, rows=rows, pairs=local, head_dim=head_dim,
+                                         dtype_bytes=dtype_bytes))
     return tuple(out)
 
 

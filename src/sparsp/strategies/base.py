@@ -414,10 +414,9 @@ class Call:
             return False
         rows, pairs = last
         sh = self.shapes
-        fab = chunks.fabric("cuda", self.transport.name, sh.head_dim)
-        transfer_s = rows * 2 * sh.head_dim * self.q.element_size() / fab.bytes_per_s
-        compute_s = pairs * 4 * sh.block_size ** 2 * sh.head_dim / fab.flops_per_s
-        return transfer_s <= compute_s
+        return chunks.transfer_hides(chunks.fabric("cuda", self.transport.name, sh.head_dim),
+                                     rows=rows, pairs=pairs * sh.block_size ** 2,
+                                     head_dim=sh.head_dim, dtype_bytes=self.q.element_size())
 
     def _remember_round(self) -> None:
         """After the host read: the first round's payload rows (the largest of the round-1

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 __all__ = ["AUTO_DRAIN_UNITS", "AUTO_STEADY_UNITS", "CPU_FABRIC", "Fabric", "PairCost", "Piece",
            "combine", "fabric", "finish_time", "head_groups", "merge", "order", "pair_cost",
-           "profile_fabric", "schedule", "unit_count"]
+           "profile_fabric", "schedule", "transfer_hides", "unit_count"]
 
 AUTO_DRAIN_UNITS = 4
 """Automatic drain: at most this many head groups (the paper's Fig. 11 splits the last block
@@ -120,6 +120,16 @@ def profile_fabric(profile, transport: str, head_dim: int) -> Fabric:
     return Fabric(min(caps) * fig.efficiency * 1e9, profile.kernel(head_dim).sparse_tflops * 1e12,
                   profile.launch_ms * 1e-3, fig.latency_ms * 1e-3, MIN_CHUNK_BYTES,
                   2 * (MASK_UNIT_OPS + FINISH_UNIT_OPS) * profile.op_ms * 1e-3)
+
+
+def transfer_hides(fab: Fabric, *, rows: int, pairs: int, head_dim: int, dtype_bytes: int) -> bool:
+    """Whether a payload of ``rows`` K rows (and as many V rows) moves in no more time than the
+    kernel takes over ``pairs`` kept (query token, key token) pairs: the rule that decides
+    ``SparspConfig.local_first=None`` (``Call.local_first_pays``; ``simulate.model`` applies
+    the same to simulated calls)."""
+    transfer_s = rows * 2 * head_dim * dtype_bytes / fab.bytes_per_s
+    compute_s = pairs * 4 * head_dim / fab.flops_per_s  # QKᵀ and PV per kept pair
+    return transfer_s <= compute_s
 
 
 @dataclass(frozen=True)
