@@ -6,3 +6,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # Triton kernels (sparsp.cdf_select) run in Triton's interpreter on CPU tensors; the switch
+    # must be on before Triton is first imported. On a GPU machine they compile as in use.
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -589,16 +589,22 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
 
 
 def test_work_merge_traffic_follows_the_kernel_calls():
-    from sparsp.simulate.model import MERGE_BYTES, MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, RESULT_BYTES
+    from sparsp.simulate.model import (FINAL_BYTES, FINAL_SECOND_BYTES, MERGE_BYTES, MERGE_FIRST_BYTES,
+                                       MERGE_SECOND_BYTES)
 
-    # the first partial is kept (no copy), the second merged from two kernel outputs, later
-    # ones into the fp32 accumulator; only a merged result is cast back
-    assert (MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES, RESULT_BYTES) == (0, 8, 10, 6)
+    # the first partial is kept (no copy); each later one is folded into the fp32 accumulator
+    # after the next kernel (from two kernel outputs, then from the accumulator); the last one
+    # is merged straight into the output in the input dtype
+    assert (MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES) == (0, 8, 10)
+    assert (FINAL_SECOND_BYTES, FINAL_BYTES) == (6, 8)
     pl = make_placement("contiguous", GEOM, 3)
     masks = torch.ones(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, dtype=torch.bool)
     w = build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim)
     elems = GEOM.heads * pl.tokens_per_rank[0] * GEOM.head_dim
-    assert w.merge_bytes[0] == (0, elems * 8, elems * (10 + 6))
+    assert w.merge_bytes[0] == (0, 0, elems * (8 + 8))  # the second folded, the third final
+    pl2 = make_placement("contiguous", GEOM, 2)
+    w = build_work(masks, pl2, "sparsp", head_dim=GEOM.head_dim)
+    assert w.merge_bytes[0] == (0, GEOM.heads * pl2.tokens_per_rank[0] * GEOM.head_dim * 6)
     local = masks & (pl.owner[:, None] == pl.owner[None, :])  # no remote block: one partial
     w = build_work(local, pl, "sparsp", head_dim=GEOM.head_dim)
     assert w.merge_bytes[0] == (0, 0, 0)

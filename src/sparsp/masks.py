@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cdf_select
+
 Threshold = float | torch.Tensor
 
 
@@ -252,20 +254,29 @@ def select_blocks(
     # float32 throughout: a float64 softmax and sort cost ~2x on the GPU (radix passes), and
     # every rank runs this same arithmetic on the same gathered summaries, so the mask is the
     # same bits everywhere (``split_mask`` runs it too)
-    probs = torch.softmax(scores.float(), dim=-1)
-    if sim_threshold is not None:
-        probs.nan_to_num_(0.0)  # a row of all −inf (no similar K block) → 0
-    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-    keep_sorted = ordered.cumsum(dim=-1) <= cdf[None, :, None, None]
-    keep_sorted[..., 0] = True  # at least one block per row
-    if _keeps_all(cdf_threshold):
-        # cdf = 1 keeps everything: a cumulative sum can round to 1 + ε before the last block.
-        keep_sorted |= (cdf >= 1.0)[None, :, None, None]  # (device ops: no host sync)
-    mask = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    if cdf_select.available(scores):  # on CUDA: softmax and selection in one kernel, no sort
+        mask = cdf_select.select(scores, cdf)
+    else:
+        mask = _select_sorted(scores, cdf, _keeps_all(cdf_threshold), sim_threshold is not None)
     if sim_threshold is not None:
         mask |= ~k_similar[:, :, None, :]
         mask |= ~q_similar[:, :, :, None]
     return mask
+
+
+def _select_sorted(scores: torch.Tensor, cdf: torch.Tensor, keeps_all: bool, empty_rows: bool) -> torch.Tensor:
+    """The selection of ``select_blocks`` with torch ops (the CPU path and the reference of
+    ``cdf_select``): softmax, a stable descending sort of every row, the prefix mass."""
+    probs = torch.softmax(scores.float(), dim=-1)
+    if empty_rows:
+        probs.nan_to_num_(0.0)  # a row of all −inf (no similar K block) → 0
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep_sorted = ordered.cumsum(dim=-1) <= cdf[None, :, None, None]
+    keep_sorted[..., 0] = True  # at least one block per row
+    if keeps_all:
+        # cdf = 1 keeps everything: a cumulative sum can round to 1 + ε before the last block.
+        keep_sorted |= (cdf >= 1.0)[None, :, None, None]  # (device ops: no host sync)
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
 def block_mask(

@@ -30,7 +30,7 @@ from torch import Tensor
 from . import fa4, flex, torch_ref
 from .buffer import KVBuffer, canonical_block_ids, kernel_indices
 from .local import LocalKV
-from .merge import merge_pair, merge_partials, update_out_and_lse
+from .merge import merge_final, merge_pair, merge_partials, update_out_and_lse
 
 __all__ = [
     "KVBuffer",
@@ -42,6 +42,7 @@ __all__ = [
     "get_kernel",
     "kernel_indices",
     "kernel_names",
+    "merge_final",
     "merge_pair",
     "reads_token_major",
     "merge_partials",

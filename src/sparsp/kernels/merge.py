@@ -13,12 +13,19 @@ which equals attention over the union of the key sets.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
-__all__ = ["fold", "merge_pair", "merge_partials", "update_out_and_lse"]
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch build without Triton
+    triton = tl = None
+
+__all__ = ["fold", "merge_final", "merge_pair", "merge_partials", "update_out_and_lse"]
 
 
 def update_out_and_lse(
@@ -97,31 +104,96 @@ def _pair(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tup
     return new_out, m + torch.log(total)
 
 
-_FUSED: dict[str, object] = {}
+def _rows(t: Tensor) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a (B, H, S[, D]) tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+if triton is not None:
+    @triton.jit
+    def _merge_rows(a_ptr, la_ptr, b_ptr, lb_ptr, o_ptr, lo_ptr, H, S, D,
+                    sa_b, sa_h, sa_s, sla_b, sla_h, sla_s, sb_b, sb_h, sb_s, slb_b, slb_h, slb_s,
+                    so_b, so_h, so_s, slo_b, slo_h, slo_s,
+                    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program: BLOCK_S query rows of one (batch, head), every head-dim column
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        rows = s < S
+        tile = rows[:, None] & (d < D)[None, :]
+        la = tl.load(la_ptr + b * sla_b + h * sla_h + s * sla_s, mask=rows, other=float("-inf")).to(tl.float32)
+        lb = tl.load(lb_ptr + b * slb_b + h * slb_h + s * slb_s, mask=rows, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(la, lb)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        wa = tl.exp(la - m)
+        wb = tl.exp(lb - m)
+        total = wa + wb
+        inv = 1.0 / tl.where(total > 0, total, 1.0)
+        xa = tl.load(a_ptr + b * sa_b + h * sa_h + s[:, None] * sa_s + d[None, :], mask=tile, other=0.0)
+        xb = tl.load(b_ptr + b * sb_b + h * sb_h + s[:, None] * sb_s + d[None, :], mask=tile, other=0.0)
+        out = xa.to(tl.float32) * (wa * inv)[:, None] + xb.to(tl.float32) * (wb * inv)[:, None]
+        tl.store(o_ptr + b * so_b + h * so_h + s[:, None] * so_s + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=tile)
+        if WRITE_LSE:
+            tl.store(lo_ptr + b * slo_b + h * slo_h + s * slo_s, m + tl.log(total), mask=rows)
+
+
+def _triton_ok(*ts: Tensor) -> bool:
+    """Whether the Triton merge runs on these (B, H, S, D) partials: CUDA, Triton importable,
+    head-dim contiguous (any other strides), not switched off by ``SPARSP_TRITON_MERGE=0``.
+    (The CPU suite runs ``_launch`` itself in Triton's interpreter.)"""
+    if triton is None or os.environ.get("SPARSP_TRITON_MERGE", "1") == "0":
+        return False
+    return ts[0].device.type == "cuda" and all(t.stride(-1) == 1 for t in ts)
+
+
+def _launch(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dest: Tensor,
+            dest_lse: Tensor | None) -> None:
+    B, H, S, D = out.shape
+    if B * H * S == 0:
+        return
+    block_d = triton.next_power_of_2(D)
+    block_s = max(1, min(64, 8192 // block_d))
+    lo = dest_lse if dest_lse is not None else lse  # not written without WRITE_LSE
+    grid = (triton.cdiv(S, block_s), B * H)
+    _merge_rows[grid](out, lse, block_out, block_lse, dest, lo, H, S, D,
+                      *_rows(out), *_rows(lse), *_rows(block_out), *_rows(block_lse),
+                      *_rows(dest), *_rows(lo),
+                      WRITE_LSE=dest_lse is not None, BLOCK_S=block_s, BLOCK_D=block_d)
 
 
 def merge_pair(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """``update_out_and_lse`` for two given partials (any float dtypes, any strides) → fp32.
+    """``update_out_and_lse`` for two given partials (any float dtypes, any strides but a
+    contiguous head dim) → fp32 ``(B, H, S, D)``, ``(B, H, S)``.
 
-    On CUDA one fused kernel (``torch.compile``, dynamic shapes: one graph for every geometry)
-    reads both partials once and writes the fp32 result once — the eager form makes ~6 passes
-    over the (B, H, S, D) tensors, 3.5 ms per call at HunyuanVideo's shard size on an H200.
-    Elsewhere, or where compiling fails (no Triton), the eager arithmetic (same result up to
-    float rounding order)."""
-    if out.device.type != "cuda":
+    On CUDA one Triton kernel reads both partials once and writes the fp32 result once (the
+    eager form makes ~6 passes over the (B, H, S, D) tensors: 3.5 ms per call at HunyuanVideo's
+    shard size on an H200). Elsewhere the eager arithmetic (the same up to float rounding)."""
+    if not _triton_ok(out, block_out):
         return _pair(out, lse, block_out, block_lse)
-    fn = _FUSED.get("pair")
-    if fn is None:
-        fn = torch.compile(_pair, dynamic=True, fullgraph=True)
-        _FUSED["pair"] = fn
-    if fn is _pair:
-        return _pair(out, lse, block_out, block_lse)
-    try:
-        return fn(out, lse, block_out, block_lse)
-    except Exception as e:  # noqa: BLE001  (a compiler that cannot run here: eager from now on)
-        import warnings
+    dest = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    dest_lse = torch.empty(lse.shape, dtype=torch.float32, device=out.device)
+    _launch(out, lse, block_out, block_lse, dest, dest_lse)
+    return dest, dest_lse
 
-        warnings.warn(f"sparsp: the fused LSE merge does not compile here ({type(e).__name__}: {e}); "
-                      "merging eagerly", RuntimeWarning, stacklevel=2)
-        _FUSED["pair"] = _pair
-        return _pair(out, lse, block_out, block_lse)
+
+def _final(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dtype: torch.dtype) -> Tensor:
+    return _pair(out, lse, block_out, block_lse)[0].permute(0, 2, 1, 3).to(dtype).contiguous()
+
+
+def merge_final(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dtype: torch.dtype) -> Tensor:
+    """The last merge of a call, written as the caller's output: ``update_out_and_lse``'s
+    output only, token-major (B, S, H, D) in ``dtype``.
+
+    ``merge_pair`` followed by the output's cast and transpose would write the float32 result
+    and read it back (at HunyuanVideo's shard, 0.78 GB each way); here the partials are read
+    once and the output written once, by ``merge_pair``'s kernel with the output's strides
+    (eager elsewhere)."""
+    if not _triton_ok(out, block_out):
+        return _final(out, lse, block_out, block_lse, dtype)
+    B, H, S, D = out.shape
+    result = torch.empty(B, S, H, D, dtype=dtype, device=out.device)
+    _launch(out, lse, block_out, block_lse, result.permute(0, 2, 1, 3), None)
+    return result

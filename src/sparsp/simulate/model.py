@@ -57,14 +57,15 @@ CHECK_FINITE: bool = _DEFAULTS["check_finite"]
 # the slot transports meet at a shared-memory barrier.
 SYNCS_PER_CALL = 1
 # Device-memory traffic per (batch·head, q block, k block) score to select the whole mask,
-# counted op by op from ``masks.select_blocks`` (float32 throughout; a ``TorchDispatchMode``
-# summing every op's tensor inputs and outputs gives the same figures except the sort's inner
-# passes): scores written by the matmul (4), scaled (8), softmax (8), the stable descending
-# sort — rows of ≤ 4096 blocks take ATen's small-sort path: values copied (8), indices filled
-# (8), keys and int64 indices sorted in place (24) —, cumulative sum (8), threshold (5), |= (2),
-# zeros (1), scatter (8-byte index + value + write: 10) = 86; plus the demand (``remote_demand``
-# reads the mask once, 1) and the kept counts of ``Call.kept_counts`` (≤ 1): 88 bytes.
-_MASK_BYTES_PER_SCORE = 88
+# counted op by op from ``masks.select_blocks`` on CUDA (float32): scores written by the matmul
+# (4) and scaled in place (8), then ``cdf_select``'s one kernel — softmax and selection per row
+# in registers — reads them (4) and writes the bool mask (1) = 17; plus the demand
+# (``remote_demand`` reads the mask once, 1) and the kept counts of ``Call.kept_counts`` (≤ 1):
+# 19 bytes. (The sorted path it replaced, still the CPU one and that of rows wider than
+# ``cdf_select.MAX_COLS``, moved 88.) The kernel's bisection is not bandwidth-bound: at
+# HunyuanVideo's 24 × 992² scores it takes 0.25 ms on an H200 against 0.03 ms for its bytes
+# at HBM rate (``scripts/probe_call_kernels.py``); not modelled.
+_MASK_BYTES_PER_SCORE = 19
 # Full reads of the inputs before the call's host sync (``plan.gather_metadata``): a sparse call
 # sums q and k per block (``masks.block_sums``) and v for the non-finite flag; a dense one sums
 # q, k and v for the flag. Three passes over a (B, S, H, D) input either way (a sparse call's
@@ -143,13 +144,15 @@ ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 4)}  # no fetch, no remote k
 MASK_CUT_OPS, MASK_UNIT_OPS = -7, 41
 GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 0
 FINISH_UNIT_OPS = 2.5
-# Merge traffic per output element (``Call.merge``, ``kernels.merge.merge_pair``): the first
-# partial is kept as the kernel returned it (0); a later one is merged in one fused pass that
-# reads both partials and writes fp32 — the second reads two kernel outputs (2 + 2 + 4 = 8),
-# every further one the fp32 accumulator (4 + 2 + 4 = 10); a merged result is cast back to the
-# input dtype (``Call.result``: 4 + 2 = 6); a single partial (FA4's token-major output) needs no
-# copy at all.
-MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES, RESULT_BYTES = 0, 8, 10, 6
+# Merge traffic per output element (``Call.merge``, ``kernels.merge``, Triton kernels that read
+# each partial once and write once): the first partial is kept as the kernel returned it (0);
+# a later one waits until the next partial comes, which folds it into an fp32 accumulator —
+# the second partial reads two kernel outputs (2 + 2 + 4 = 8), every further one the fp32
+# accumulator (4 + 2 + 4 = 10) — and the last one is merged straight into the output in the
+# input dtype, token-major (``merge_final``: 2 + 2 + 2 = 6 from two kernel outputs, 4 + 2 + 2 = 8
+# from the accumulator); a single partial (FA4's token-major output) needs no copy at all.
+MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES = 0, 8, 10
+FINAL_SECOND_BYTES, FINAL_BYTES = 6, 8
 # ``ulysses`` merges eagerly (``update_out_and_lse`` per query slice over the G key slices):
 # the first partial converted and cloned (2 + 4 + 4 + 4 = 14), every further one converted
 # (6), both sides weighted (8 + 8) and added (12) = 34; per element of its output once: the
@@ -669,14 +672,15 @@ def issue_ops(kind: str, ranks: int, local_first: bool = False) -> int:
 
 def _merge_steps(launches: tuple[int, ...], elements: int) -> tuple[int, ...]:
     """Merge traffic of each compute step of one rank whose output has ``elements`` values
-    (``MERGE_*``: the first partial kept, later ones merged in one fused pass)."""
-    out, merged = [], 0
+    (``MERGE_*``, ``FINAL_*``: the first partial kept, each later one folded in after the next
+    kernel, the last merged into the output after the last kernel)."""
+    out, partials = [], 0
     for n in launches:
-        out.append(0 if n == 0 else elements * (MERGE_FIRST_BYTES if merged == 0 else
-                                                MERGE_SECOND_BYTES if merged == 1 else MERGE_BYTES))
-        merged += n > 0
-    if out and merged > 1:
-        out[-1] += elements * RESULT_BYTES
+        partials += n > 0
+        fold = n > 0 and partials >= 3  # the previous partial into the accumulator
+        out.append(elements * (MERGE_SECOND_BYTES if partials == 3 else MERGE_BYTES) if fold else 0)
+    if out and partials > 1:
+        out[-1] += elements * (FINAL_SECOND_BYTES if partials == 2 else FINAL_BYTES)
     return tuple(out)
 
 

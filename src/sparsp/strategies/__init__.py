@@ -137,6 +137,7 @@ def sp_attention(
         with record_function("sparsp.run"):
             try:
                 spec.run(call)
+                call.finish()  # the last merge, written as the output
             finally:  # the compute stream after the side stream's packs and transfers, also
                 call.join()  # when the run raised: nothing of the call stays unordered
         # the transfers the GPU waits for on its own: the host checks their flags now, with the

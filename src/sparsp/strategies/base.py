@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..config import SparspConfig
 from ..demand import remote_demand
-from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, merge_pair, reads_token_major
+from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_pair, reads_token_major
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
@@ -178,6 +178,7 @@ class Call:
         self.consumes: dict = {}  # plan key -> origin: payloads this rank computes on whole
         self.out = None
         self.lse = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last partial (``merge``)
         self.scale = self.q.shape[-1] ** -0.5
         self.final: torch.Tensor | None = None  # a strategy that assembles its own output
         self.layouts: dict = {}
@@ -344,14 +345,20 @@ class Call:
         """Fold a partial result (``o`` (B, H', S, D), ``lse`` (B, H', S)) of query heads
         ``heads`` (all when ``None``) into the call's output.
 
-        The first whole-head partial is kept as the kernel returned it (no copy); every later
-        one is merged by ``merge_pair`` (one fused pass on CUDA) into float32."""
+        The first whole-head partial is kept as the kernel returned it (no copy). A later
+        whole-head one waits in ``_pending`` until the next partial comes, which merges it by
+        ``merge_pair`` (one fused pass on CUDA) into float32; the last one is merged by
+        ``finish`` straight into the caller's dtype and layout (``merge_final``)."""
+        whole = heads is None or heads == (0, self.shapes.heads)
+        if whole and self.out is None:
+            self.out, self.lse = o, lse
+            return
         with self.phase("merge"):
-            if heads is None or heads == (0, self.shapes.heads):
-                if self.out is None:
-                    self.out, self.lse = o, lse
-                else:
-                    self.out, self.lse = merge_pair(self.out, self.lse, o, lse)
+            if self._pending is not None:
+                self.out, self.lse = merge_pair(self.out, self.lse, *self._pending)
+                self._pending = None
+            if whole:
+                self._pending = (o, lse)
                 return
             h0, h1 = heads
             if self.out is None:  # nothing merged yet: an empty partial for every head
@@ -470,8 +477,17 @@ class Call:
         ids = LocalKV.ids_for(self.shapes.num_blocks[self.rank], self.bh, self.q.device)
         return self.lists(self.rank, ids)
 
+    def finish(self) -> None:
+        """The last partial merged into the caller's output (``merge_final``: one pass that
+        writes (B, S, H, D) in q's dtype), queued right after the run's last kernel."""
+        if self._pending is not None and self.final is None:
+            with self.phase("merge"):
+                self.final = merge_final(self.out, self.lse, *self._pending, self.q.dtype)
+            self.out = self.lse = self._pending = None
+
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""
+        self.finish()
         if self.final is not None:
             return self.final
         if self.out is None:  # no block selected at all: every row is empty, output zeros

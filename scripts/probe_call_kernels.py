@@ -1,0 +1,126 @@
+"""Time the per-call kernels around the attention on one GPU: the mask selection and the merge.
+
+Every rank of a sparse call builds the *whole* block mask from the gathered summaries, so its
+cost is paid once per rank per call, on the critical path before any byte moves; and every
+call ends with the LSE merge of its partial results written as the output. This probe times
+each step of the selection (``masks.select_blocks``: the torch ops of the sorted path, and the
+Triton kernel of ``sparsp.cdf_select`` at several warp counts) and the merge (``merge_pair``
+then the output's cast and transpose, against ``merge_final``) at the presets' full
+geometries (B = 1; N = the whole sequence's blocks; the merge at a 2-GPU shard), with CUDA
+events, warm-up and the median of ``--iters`` runs:
+
+    python scripts/probe_call_kernels.py [--models hunyuan-video ltx-video] [--iters 20]
+
+Prints one table per model and writes JSON to ``--out`` when given. Not a benchmark of the
+library's speed (that is ``sparsp bench attention``); a measurement to decide what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from sparsp.geometry import MODELS, preset
+from sparsp import cdf_select
+from sparsp.kernels.merge import _pair, merge_final, merge_pair
+from sparsp.masks import PooledBlocks, _select_sorted, select_blocks
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def keep_mask(probs, order, keep):
+    keep = keep.clone()
+    keep[..., 0] = True
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
+def probe(model: str, iters: int, cdf: float) -> dict:
+    spec = MODELS[model]
+    H, D = spec.heads, spec.head_dim
+    N = preset(model).num_blocks
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pq = torch.randn(1, H, N, D, device="cuda", generator=g)
+    pk = torch.randn(1, H, N, D, device="cuda", generator=g) * 0.5
+    cdf_t = torch.full((H,), cdf, device="cuda")
+    scores = torch.matmul(pq, pk.transpose(-1, -2)).mul_(D**-0.5)
+    probs = torch.softmax(scores, -1)
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep = ordered.cumsum(-1) <= cdf_t[None, :, None, None]
+    out = {"model": model, "heads": H, "blocks": N, "elements": H * N * N}
+    steps = {
+        "matmul+scale": lambda: torch.matmul(pq, pk.transpose(-1, -2)).mul_(D**-0.5),
+        "softmax": lambda: torch.softmax(scores, -1),
+        "sort (stable)": lambda: probs.sort(dim=-1, descending=True, stable=True),
+        "sort (unstable)": lambda: probs.sort(dim=-1, descending=True),
+        "sort values, int32 keys": lambda: probs.view(torch.int32).sort(dim=-1, descending=True),
+        "topk(N)": lambda: probs.topk(N, dim=-1),
+        "cumsum+compare": lambda: ordered.cumsum(-1) <= cdf_t[None, :, None, None],
+        "scatter": lambda: torch.zeros_like(keep).scatter_(-1, order, keep),
+        "sorted selection (softmax..scatter)": lambda: _select_sorted(scores, cdf_t, False, False),
+        "select_blocks (whole)": lambda: select_blocks(
+            PooledBlocks(pq, None, None), PooledBlocks(pk, None, None), cdf_threshold=cdf),
+    }
+    block = 1 << (N - 1).bit_length()
+    out_mask = torch.empty(scores.shape, dtype=torch.bool, device="cuda")
+    for warps in (1, 2, 4, 8, 16):
+        steps[f"fused select, {warps} warps"] = (
+            lambda w=warps: cdf_select._kernel("cuda")[(H * N,)](
+                scores, cdf_t, out_mask, N, N, H, BLOCK=block, num_warps=w))
+    steps["fused select (default)"] = lambda: cdf_select.select(scores, cdf_t)
+    fused = cdf_select.select(scores, cdf_t)
+    out["fused differs from sort (rows)"] = int((fused != keep_mask(probs, order, keep)).any(-1).sum())
+    S = preset(model).num_tokens // 2  # one rank's queries at G = 2
+    o1 = torch.randn(1, H, S, D, device="cuda", generator=g).bfloat16()
+    o2 = torch.randn(1, H, S, D, device="cuda", generator=g).bfloat16()
+    l1, l2 = torch.randn(1, H, S, device="cuda", generator=g), torch.randn(1, H, S, device="cuda", generator=g)
+    steps["merge: merge_pair + output cast"] = (
+        lambda: merge_pair(o1, l1, o2, l2)[0].permute(0, 2, 1, 3).to(torch.bfloat16).contiguous())
+    steps["merge: eager merge + output cast"] = (
+        lambda: _pair(o1, l1, o2, l2)[0].permute(0, 2, 1, 3).to(torch.bfloat16).contiguous())
+    steps["merge: merge_final"] = lambda: merge_final(o1, l1, o2, l2, torch.bfloat16)
+    for name, fn in steps.items():
+        try:
+            out[name] = round(_time(fn, iters), 4)
+        except Exception as exc:  # a step that does not run on this build is reported, not fatal
+            out[name] = f"error: {type(exc).__name__}: {exc}"[:120]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["hunyuan-video", "wan2.1-14b", "ltx-video", "ltx-2"],
+                    choices=sorted(MODELS))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cdf", type=float, default=0.9)
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_mask_select needs a CUDA device")
+    rows = [probe(m, args.iters, args.cdf) for m in args.models]
+    for row in rows:
+        print(f"== {row['model']}: {row['heads']} heads x {row['blocks']}^2 blocks")
+        for key, value in row.items():
+            if key not in ("model", "heads", "blocks", "elements"):
+                print(f"  {key:32s} {value} ms" if isinstance(value, float) else f"  {key:32s} {value}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

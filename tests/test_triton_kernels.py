@@ -1,0 +1,175 @@
+"""sparsp's Triton kernels against the torch code they replace: the CDF selection
+(``sparsp.cdf_select``) against the sort, the LSE merge (``kernels.merge``) against the eager one.
+
+On a CPU machine the kernel runs in Triton's interpreter (``conftest`` turns it on), so its
+logic — bisection over the probabilities' bits, ties taken in index order, at least one block,
+``cdf`` ≥ 1 keeps all, rows of −inf — is checked here; on the GPU machine the same tests run
+the compiled kernel. Masks must equal the sort's except in rows where some prefix mass lies
+within float32 rounding of the threshold (summed by a tree there, a scan here).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+
+from sparsp import cdf_select  # noqa: E402
+from sparsp.masks import PooledBlocks, _select_sorted, select_blocks  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton's interpreter was not switched on before Triton was imported",
+                allow_module_level=True)
+
+
+def _reference(scores: torch.Tensor, cdf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sort's mask, and per row whether a prefix mass is within rounding of its cdf."""
+    mask = _select_sorted(scores, cdf, True, True)
+    probs = torch.softmax(scores.double(), -1).nan_to_num(0.0)
+    prefix = probs.sort(dim=-1, descending=True).values.cumsum(-1)
+    close = ((prefix - cdf.double()[None, :, None, None]).abs() < 1e-5).any(-1)
+    return mask, close
+
+
+def _check(scores: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
+    got = cdf_select.select(scores.to(DEVICE), cdf.to(DEVICE)).cpu()
+    want, close = _reference(scores, cdf)
+    differ = (got != want).any(-1)
+    assert not (differ & ~close).any(), f"rows differ away from the threshold: {differ.nonzero()[:5].tolist()}"
+    assert got.any(-1).all(), "a row kept no block"
+    return got
+
+
+@pytest.mark.parametrize("cols", [1, 7, 144, 300])
+def test_random_rows_match_the_sort(cols):
+    g = torch.Generator().manual_seed(cols)
+    scores = torch.randn(2, 4, 3, cols, generator=g) * 3
+    _check(scores, torch.tensor([0.0, 0.5, 0.9, 1.0]))
+
+
+def test_ties_are_taken_in_index_order():
+    # quantized scores: many equal probabilities, the boundary inside a run of ties
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 3, (1, 3, 8, 40), generator=g).float()
+    for cdf in (0.05, 0.2, 0.37, 0.5, 0.8):
+        got = _check(scores, torch.full((3,), cdf))
+        want, _ = _reference(scores, torch.full((3,), cdf))
+        assert torch.equal(got, want)  # exact here: ties sum the same way on both sides
+    flat = torch.zeros(1, 1, 1, 10)  # ten equal blocks: 0.1 each
+    assert cdf_select.select(flat.to(DEVICE), torch.tensor([0.35], device=DEVICE)).cpu().sum() == 3
+
+
+def test_near_ties_are_told_apart():
+    # probabilities a few ulps apart: the bisection must end on the exact value, not near it
+    scores = (torch.arange(40, dtype=torch.float32) * 1e-6).flip(0).expand(1, 2, 3, 40).contiguous()
+    got = _check(scores, torch.tensor([0.51, 0.26]))
+    assert (got[0, 0].sum(-1) == 20).all() and (got[0, 1].sum(-1) == 10).all()
+    assert got[0, 0, :, :20].all()  # the largest (the first, here) are the kept ones
+
+
+def test_empty_rows_and_excluded_columns():
+    scores = torch.randn(1, 2, 4, 12)
+    scores[0, 0, 1] = float("-inf")  # no similar key block at all: every block kept
+    scores[0, 1, :, ::3] = float("-inf")  # excluded columns: probability 0
+    got = _check(scores, torch.tensor([0.6, 0.6]))
+    assert got[0, 0, 1].all()
+
+
+def test_threshold_one_keeps_everything_and_zero_keeps_the_largest():
+    scores = torch.randn(1, 2, 5, 33) * 4
+    got = cdf_select.select(scores.to(DEVICE), torch.tensor([1.0, 0.0], device=DEVICE)).cpu()
+    assert got[0, 0].all()
+    assert torch.equal(got[0, 1], torch.nn.functional.one_hot(scores[0, 1].argmax(-1), 33).bool())
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="one value per head"):
+        cdf_select.select(torch.zeros(1, 2, 3, 4, device=DEVICE), torch.tensor([0.5], device=DEVICE))
+    with pytest.raises(ValueError, match="MAX_COLS"):
+        cdf_select.select(torch.zeros(1, 1, 1, cdf_select.MAX_COLS + 1, device=DEVICE),
+                          torch.tensor([0.5], device=DEVICE))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), cols=st.integers(1, 70), scale=st.sampled_from([0.1, 1.0, 8.0]),
+       cdf=st.sampled_from([0.0, 0.3, 0.85, 0.9, 0.95, 0.999, 1.0]))
+def test_kept_set_is_the_top_mass(seed, cols, scale, cdf):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(1, 1, 4, cols, generator=g) * scale
+    got = _check(scores, torch.tensor([cdf]))
+    probs = torch.softmax(scores.double(), -1)
+    for row, keep in zip(probs[0, 0], got[0, 0]):
+        if cdf < 1.0 and keep.sum() > 1:  # the kept mass stays within the threshold ...
+            assert row[keep].sum() <= cdf + 1e-5
+        if (~keep).any():  # ... every kept block outweighs every dropped one
+            assert row[keep].min() >= row[~keep].max()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="select_blocks takes the kernel on CUDA only")
+def test_select_blocks_takes_the_kernel_on_cuda():
+    g = torch.Generator().manual_seed(3)
+    pq = PooledBlocks(torch.randn(1, 3, 20, 16, generator=g).cuda(), None, None)
+    pk = PooledBlocks(torch.randn(1, 3, 50, 16, generator=g).cuda(), None, None)
+    assert cdf_select.available(torch.zeros(1, 1, 1, 50, device="cuda"))
+    got = select_blocks(pq, pk, cdf_threshold=0.9).cpu()
+    scores = (pq.mean @ pk.mean.transpose(-1, -2) * 16**-0.5).cpu()
+    want, close = _reference(scores, torch.full((3,), 0.9))
+    assert not ((got != want).any(-1) & ~close).any()
+
+
+# --- the Triton LSE merge (kernels.merge): the same interpreter / GPU arrangement ------------
+
+
+def _partials(B, H, S, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    la, lb = torch.randn(B, H, S, generator=g) * 3, torch.randn(B, H, S, generator=g) * 3
+    la[0, 0, :2] = float("-inf")  # empty on one side
+    lb[0, 0, 1:3] = float("-inf")  # empty on both sides at row 1
+    return a, la, b, lb
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log(0) = −inf: intended
+@pytest.mark.parametrize("shape", [(1, 2, 5, 4), (2, 3, 70, 24), (1, 1, 129, 64)])
+def test_triton_merge_equals_the_reference(shape):
+    from sparsp.kernels import merge
+
+    a, la, b, lb = _partials(*shape, seed=sum(shape))
+    want_out, want_lse = merge.update_out_and_lse(a.bfloat16().float(), la, b.bfloat16(), lb)
+    a, la, b, lb = (t.to(DEVICE) for t in (a, la, b, lb))
+    out = torch.empty(a.shape, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(la.shape, dtype=torch.float32, device=DEVICE)
+    merge._launch(a.bfloat16(), la, b.bfloat16(), lb, out, lse)  # head-major, fp32 (merge_pair)
+    assert torch.allclose(out.cpu(), want_out, atol=1e-5)
+    assert torch.equal(lse.isneginf().cpu(), want_lse.isneginf())
+    finite = ~want_lse.isneginf()
+    assert torch.allclose(lse.cpu()[finite], want_lse[finite], atol=1e-5)
+    B, H, S, D = shape
+    final = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=DEVICE)
+    # token-major in the caller's dtype (merge_final), from a head slice of wider partials
+    merge._launch(a.bfloat16(), la, b.bfloat16(), lb, final.permute(0, 2, 1, 3), None)
+    assert torch.allclose(final.cpu().float(), want_out.permute(0, 2, 1, 3), atol=1e-2, rtol=1e-2)  # bf16 rounding
+    wide = torch.zeros(B, H + 2, S, D, device=DEVICE)
+    wide_lse = torch.zeros(B, H + 2, S, device=DEVICE)
+    merge._launch(a, la, b, lb, wide[:, 1:H + 1], wide_lse[:, 1:H + 1])
+    assert (wide[:, 0] == 0).all() and (wide[:, H + 1] == 0).all()
+    assert torch.allclose(wide[:, 1:H + 1].cpu(), merge.update_out_and_lse(a.cpu(), la.cpu(), b.cpu(), lb.cpu())[0], atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="merge_pair / merge_final take Triton on CUDA only")
+def test_merge_entry_points_take_triton_on_cuda():
+    from sparsp.kernels import merge
+
+    a, la, b, lb = (t.cuda() for t in _partials(1, 4, 300, 128, seed=5))
+    out, lse = merge.merge_pair(a.bfloat16(), la, b.bfloat16(), lb)
+    want_out, want_lse = merge._pair(a.bfloat16(), la, b.bfloat16(), lb)
+    assert torch.allclose(out, want_out, atol=1e-5)
+    final = merge.merge_final(a.bfloat16(), la, b.bfloat16(), lb, torch.bfloat16)
+    assert final.shape == (1, 300, 4, 128) and final.is_contiguous()
+    assert torch.allclose(final.float(), want_out.permute(0, 2, 1, 3), atol=1e-2, rtol=1e-2)  # bf16 rounding
