@@ -1,12 +1,13 @@
-"""Time the per-call kernels around the attention on one GPU: the mask selection and the merge.
+"""Time the per-call kernels around the attention on one GPU: mask selection, merge and pack.
 
 Every rank of a sparse call builds the *whole* block mask from the gathered summaries, so its
 cost is paid once per rank per call, on the critical path before any byte moves; and every
 call ends with the LSE merge of its partial results written as the output. This probe times
 each step of the selection (``masks.select_blocks``: the torch ops of the sorted path, and the
 Triton kernel of ``sparsp.cdf_select`` at several warp counts) and the merge (``merge_pair``
-then the output's cast and transpose, against ``merge_final``) at the presets' full
-geometries (B = 1; N = the whole sequence's blocks; the merge at a 2-GPU shard), with CUDA
+then the output's cast and transpose, against ``merge_final``) and the pack's gather
+(two ``index_select`` against ``packing.gather_rows``) at the presets' full geometries (B = 1;
+N = the whole sequence's blocks; the merge and the pack at a 2-GPU shard), with CUDA
 events, warm-up and the median of ``--iters`` runs:
 
     python scripts/probe_call_kernels.py [--models hunyuan-video ltx-video] [--iters 20]
@@ -27,6 +28,7 @@ from sparsp.geometry import MODELS, preset
 from sparsp import cdf_select
 from sparsp.kernels.merge import _pair, merge_final, merge_pair
 from sparsp.masks import PooledBlocks, _select_sorted, select_blocks
+from sparsp.packing import gather_rows
 
 
 def _time(fn, iters: int) -> float:
@@ -93,6 +95,20 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     steps["merge: eager merge + output cast"] = (
         lambda: _pair(o1, l1, o2, l2)[0].permute(0, 2, 1, 3).to(torch.bfloat16).contiguous())
     steps["merge: merge_final"] = lambda: merge_final(o1, l1, o2, l2, torch.bfloat16)
+    # the pack of one G = 2 payload: a half of the shard's (head, block) pairs, head-major rows
+    k = torch.randn(1, S, H, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn_like(k)
+    order = (torch.arange(S, device="cuda")[None, :] * H + torch.arange(H, device="cuda")[:, None]).reshape(-1)
+    nb = order.numel() // 128
+    keep = torch.rand(nb, device="cuda", generator=g) < 0.5
+    rows = order[: nb * 128].view(nb, 128)[keep].reshape(-1)
+    buf = torch.empty(2 * rows.numel() * D, dtype=k.dtype, device="cuda")
+    n = rows.numel() * D
+    out["pack rows"] = rows.numel()
+    steps["pack: two index_select"] = lambda: (
+        torch.index_select(k.reshape(-1, D), 0, rows, out=buf[:n].view(-1, D)),
+        torch.index_select(v.reshape(-1, D), 0, rows, out=buf[n:].view(-1, D)))
+    steps["pack: gather_rows"] = lambda: gather_rows(k, v, rows, buf)
     for name, fn in steps.items():
         try:
             out[name] = round(_time(fn, iters), 4)
@@ -115,7 +131,7 @@ def main() -> None:
     for row in rows:
         print(f"== {row['model']}: {row['heads']} heads x {row['blocks']}^2 blocks")
         for key, value in row.items():
-            if key not in ("model", "heads", "blocks", "elements"):
+            if key not in ("model", "heads", "blocks", "elements", "pack rows"):
                 print(f"  {key:32s} {value} ms" if isinstance(value, float) else f"  {key:32s} {value}")
     if args.out:
         with open(args.out, "w") as f:

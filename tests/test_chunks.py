@@ -158,6 +158,46 @@ def test_unit_count_rules():
     assert chunks.unit_count(None, drain=True, heads=8, cost=costly, max_rows=big) == 4
 
 
+def test_drain_rule_reads_the_known_figures_of_an_earlier_call():
+    """With (packed rows, kept block pairs) of the pair's drain payload from the geometry's
+    first call, transfer against compute comes from those, not from the read-fraction estimate:
+    the Wan 2.1 host-fabric drain (read fraction 0.35, not 0.5) was called compute-bound by the
+    estimate while its transfer outlasted the kernel."""
+    from dataclasses import replace
+
+    fab = chunks.fabric("cuda", "host", 128, "fa4")
+    cost = chunks.pair_cost(fab, head_dim=128, dtype_bytes=2, block_size=128, consumer_blocks=296)
+    assert cost.pair_s == pytest.approx(4 * 128 ** 2 * 128 / fab.flops_per_s)
+    assert cost.ratio < 1.0  # the estimate: compute-bound, one unit
+    max_rows = 40 * 37_800
+    assert chunks.unit_count(None, drain=True, heads=40, cost=cost, max_rows=max_rows) == 1
+    rows = 1_270_000  # 652 MB of K and V: 19 ms at 33.5 GB/s
+    pairs = int(13e-3 / cost.pair_s)  # 13 ms of kernel at FA4's rate
+    assert rows * cost.row_s > pairs * cost.pair_s
+    assert chunks.unit_count(None, drain=True, heads=40, cost=cost, max_rows=max_rows,
+                             known=(rows, pairs)) == chunks.AUTO_DRAIN_UNITS
+    # the same payload computing for longer than it moves: whole
+    assert chunks.unit_count(None, drain=True, heads=40, cost=cost, max_rows=max_rows,
+                             known=(rows, 3 * pairs)) == 1
+    # known but not worth it: the payload computes for less than the units' host cost
+    dear = replace(cost, unit_s=pairs * cost.pair_s)
+    assert chunks.unit_count(None, drain=True, heads=40, cost=dear, max_rows=max_rows,
+                             known=(rows, pairs)) == 1
+    # nothing known (no kept pair): the estimate
+    assert chunks.unit_count(None, drain=True, heads=40, cost=cost, max_rows=max_rows,
+                             known=(rows, 0)) == 1
+
+
+def test_fabric_runs_at_the_calls_kernel_rate(monkeypatch):
+    monkeypatch.delenv(chunks.PROFILE_ENV, raising=False)
+    from sparsp.simulate.profiles import get_profile
+
+    fig = get_profile("h200x2-host").kernel(128)
+    assert chunks.fabric("cuda", "host", 128, "fa4").flops_per_s == pytest.approx(fig.fa4_tflops * 1e12)
+    assert chunks.fabric("cuda", "host", 128, "flex").flops_per_s == pytest.approx(fig.sparse_tflops * 1e12)
+    assert chunks.fabric("cuda", "host", 128).flops_per_s == pytest.approx(fig.sparse_tflops * 1e12)
+
+
 def test_units_pay_their_host_cost_before_the_sync():
     big = 64 * 100_000
     base = _cost(bytes_per_s=1e6)  # transfer-bound: the drain is worth cutting

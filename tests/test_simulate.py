@@ -575,8 +575,8 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
     # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
     # the plan stage a CUDA graph (the default on GPUs)
-    assert mask_ops("direct", 4, graphed=False) == 121 + 118 * 3
-    assert mask_ops("relay", 3, graphed=False) == 149 + 62 * 2 + 4 * 4
+    assert mask_ops("direct", 4, graphed=False) == 124 + 118 * 3
+    assert mask_ops("relay", 3, graphed=False) == 152 + 62 * 2 + 4 * 4
     assert mask_ops("direct", 4) == 24 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
     prof = _profile(op_ms=0.01, hbm_gbps=1.0)
     work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300))
@@ -593,7 +593,7 @@ def test_work_merge_traffic_follows_the_kernel_calls():
                                        MERGE_SECOND_BYTES)
 
     # the first partial is kept (no copy); each later one is folded into the fp32 accumulator
-    # after the next kernel (from two kernel outputs, then from the accumulator); the last one
+    # before the next kernel (from two kernel outputs, then from the accumulator); the last one
     # is merged straight into the output in the input dtype
     assert (MERGE_FIRST_BYTES, MERGE_SECOND_BYTES, MERGE_BYTES) == (0, 8, 10)
     assert (FINAL_SECOND_BYTES, FINAL_BYTES) == (6, 8)
@@ -601,7 +601,7 @@ def test_work_merge_traffic_follows_the_kernel_calls():
     masks = torch.ones(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, dtype=torch.bool)
     w = build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim)
     elems = GEOM.heads * pl.tokens_per_rank[0] * GEOM.head_dim
-    assert w.merge_bytes[0] == (0, 0, elems * (8 + 8))  # the second folded, the third final
+    assert w.merge_bytes[0] == (0, elems * 8, elems * 8)  # the second folded, the third final
     pl2 = make_placement("contiguous", GEOM, 2)
     w = build_work(masks, pl2, "sparsp", head_dim=GEOM.head_dim)
     assert w.merge_bytes[0] == (0, GEOM.heads * pl2.tokens_per_rank[0] * GEOM.head_dim * 6)

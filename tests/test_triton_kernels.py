@@ -173,3 +173,21 @@ def test_merge_entry_points_take_triton_on_cuda():
     final = merge.merge_final(a.bfloat16(), la, b.bfloat16(), lb, torch.bfloat16)
     assert final.shape == (1, 300, 4, 128) and final.is_contiguous()
     assert torch.allclose(final.float(), want_out.permute(0, 2, 1, 3), atol=1e-2, rtol=1e-2)  # bf16 rounding
+
+
+# --- the pack's Triton gather (packing.gather_rows) ----------------------------------------
+
+
+@pytest.mark.parametrize("D", [8, 64, 100])
+def test_triton_gather_equals_index_select(D):
+    from sparsp.packing import gather_rows
+
+    g = torch.Generator().manual_seed(D)
+    k, v = torch.randn(2, 50, 3, D, generator=g), torch.randn(2, 50, 3, D, generator=g)
+    rows = torch.randint(0, 2 * 50 * 3, (137,), generator=g)
+    out = torch.full((2 * 137 + 5, D), 7.0)  # a longer buffer: nothing past the payload is touched
+    gather_rows(k.to(DEVICE), v.to(DEVICE), rows.to(DEVICE), out_d := out.to(DEVICE))
+    got = out_d.cpu()
+    assert torch.equal(got[:137], k.reshape(-1, D)[rows])
+    assert torch.equal(got[137:274], v.reshape(-1, D)[rows])
+    assert (got[274:] == 7.0).all()

@@ -43,6 +43,7 @@ __all__ = [
     "kernel_indices",
     "kernel_names",
     "merge_final",
+    "resolve_kernel",
     "merge_pair",
     "reads_token_major",
     "merge_partials",
@@ -119,6 +120,23 @@ def kernel_names(*, with_auto: bool = False) -> tuple[str, ...]:
     return (KernelName.AUTO.value,) + names if with_auto else names
 
 
+def _resolve(name: KernelName | str, dev: torch.device) -> KernelName:
+    key = _parse_name(name)
+    if key is KernelName.AUTO:
+        key = KernelName.TORCH
+        for candidate in _AUTO_ORDER:
+            entry = _REGISTRY.get(candidate)
+            if entry is not None and dev.type in entry.devices and entry.available(dev):
+                key = candidate
+                break
+    return key
+
+
+def resolve_kernel(name: KernelName | str, device: torch.device | str) -> str:
+    """The kernel ``get_kernel(name, device)`` runs, by name (``auto`` resolved)."""
+    return _resolve(name, torch.device(device)).value
+
+
 def get_kernel(name: KernelName | str, device: torch.device | str) -> KernelFn:
     """The forward function registered as ``name`` for ``device``.
 
@@ -129,15 +147,8 @@ def get_kernel(name: KernelName | str, device: torch.device | str) -> KernelFn:
     Raises ``ValueError`` for an unknown name or a device type the kernel does not support,
     ``RuntimeError`` when the kernel's runtime check fails.
     """
-    key = _parse_name(name)
+    key = _resolve(name, torch.device(device))
     dev = torch.device(device)
-    if key is KernelName.AUTO:
-        key = KernelName.TORCH
-        for candidate in _AUTO_ORDER:
-            entry = _REGISTRY.get(candidate)
-            if entry is not None and dev.type in entry.devices and entry.available(dev):
-                key = candidate
-                break
     entry = _REGISTRY.get(key)
     if entry is None:
         raise ValueError(f"kernel {key.value!r} is not registered")

@@ -80,9 +80,10 @@ INPUT_PASSES = 3
 # ``check_finite`` on, steady-state chunks off) at G = 2, 3, 4, 6, exact for all four as
 # (constant, per peer, per peer²) by the strategy's kind; the same in both orders
 # (``SparspConfig.local_first`` moves what comes after the read). Recounted at cec0721 (the
-# leaner all-gather: 248 → 239 for ``sparsp`` at G = 2).
-MASK_OPS = {"dense": (55, 0, 0), "sparse": (112, 14, 0), "direct": (121, 118, 0),
-            "relay": (149, 62, 4)}
+# leaner all-gather: 248 → 239 for ``sparsp`` at G = 2), and again for the drain rule's kept
+# pairs of the previous rank's rows (``Call.kept_counts``: + 3).
+MASK_OPS = {"dense": (55, 0, 0), "sparse": (115, 14, 0), "direct": (124, 118, 0),
+            "relay": (152, 62, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered rows to the
 # counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the stage's
 # ops become two (a copy of the gathered rows, the graph launch); what remains is the block
@@ -146,7 +147,7 @@ GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 0
 FINISH_UNIT_OPS = 2.5
 # Merge traffic per output element (``Call.merge``, ``kernels.merge``, Triton kernels that read
 # each partial once and write once): the first partial is kept as the kernel returned it (0);
-# a later one waits until the next partial comes, which folds it into an fp32 accumulator —
+# a later one is folded into an fp32 accumulator before the next kernel's launch —
 # the second partial reads two kernel outputs (2 + 2 + 4 = 8), every further one the fp32
 # accumulator (4 + 2 + 4 = 10) — and the last one is merged straight into the output in the
 # input dtype, token-major (``merge_final``: 2 + 2 + 2 = 6 from two kernel outputs, 4 + 2 + 2 = 8
@@ -672,15 +673,18 @@ def issue_ops(kind: str, ranks: int, local_first: bool = False) -> int:
 
 def _merge_steps(launches: tuple[int, ...], elements: int) -> tuple[int, ...]:
     """Merge traffic of each compute step of one rank whose output has ``elements`` values
-    (``MERGE_*``, ``FINAL_*``: the first partial kept, each later one folded in after the next
-    kernel, the last merged into the output after the last kernel)."""
-    out, partials = [], 0
+    (``MERGE_*``, ``FINAL_*``: the first partial kept, each later one folded into the
+    accumulator before the next kernel, the last one merged into the output after the last)."""
+    total = sum(n > 0 for n in launches)
+    out, k = [], 0
     for n in launches:
-        partials += n > 0
-        fold = n > 0 and partials >= 3  # the previous partial into the accumulator
-        out.append(elements * (MERGE_SECOND_BYTES if partials == 3 else MERGE_BYTES) if fold else 0)
-    if out and partials > 1:
-        out[-1] += elements * (FINAL_SECOND_BYTES if partials == 2 else FINAL_BYTES)
+        k += n > 0
+        if n == 0 or k == 1:
+            out.append(0)
+        elif k == total:
+            out.append(elements * (FINAL_SECOND_BYTES if k == 2 else FINAL_BYTES))
+        else:
+            out.append(elements * (MERGE_SECOND_BYTES if k == 2 else MERGE_BYTES))
     return tuple(out)
 
 

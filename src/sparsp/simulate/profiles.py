@@ -69,12 +69,21 @@ class KernelFigure:
     """The block-sparse kernel the strategies run, counted on kept blocks only."""
     dense_tflops: float
     """The best dense kernel on one GPU (the single-GPU reference)."""
+    fa4_tflops: float | None = None
+    """FlashAttention-4's block-sparse rate where the box runs it (``kernel=auto`` picks it
+    there; ``sparse_tflops`` stays the portable kernel's): the run-time rules of
+    ``strategies/chunks.py`` use it for a call that runs FA4. None: FA4 does not run here."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 1:
             raise ValueError(f"KernelFigure.head_dim must be a positive int, got {self.head_dim!r}")
         _positive("KernelFigure", "sparse_tflops", self.sparse_tflops)
         _positive("KernelFigure", "dense_tflops", self.dense_tflops)
+        _positive("KernelFigure", "fa4_tflops", self.fa4_tflops, allow_none=True)
+
+    def rate(self, kernel: str | None = None) -> float:
+        """Block-sparse TFLOP/s of ``kernel`` (``fa4`` where measured; else ``sparse_tflops``)."""
+        return self.fa4_tflops if kernel == "fa4" and self.fa4_tflops is not None else self.sparse_tflops
 
 
 KERNEL_LAYOUTS = ("local", "packed", "dense")
@@ -297,11 +306,11 @@ class Profile:
 # d64; cuDNN dense 619 / 485 is the one-GPU reference. With the `sparsp[fa4]` extra, kernel=auto
 # runs FA4 instead (606.8 / 415.0 kept: the median of the FA4 local and packed rows of
 # bench/results/kernel-all-1xH200-2026-11-30.json), which `--calibrate` reads. The built-in
-# figures stay flex's: the PCIe profiles scale from them (FA4's block-sparse path is sm90 only,
+# sparse figures stay flex's: the PCIe profiles scale from them (FA4's block-sparse path is sm90 only,
 # so an L40S or an RTX PRO 6000 runs flex), and `strategies/chunks.py` decides chunks at run
-# time with them (the 2026-11-30 attention rows were measured so).
-_H200_KERNELS = (KernelFigure(head_dim=64, sparse_tflops=392.0, dense_tflops=485.0),
-                 KernelFigure(head_dim=128, sparse_tflops=409.0, dense_tflops=619.0))
+# time with them for a call that runs flex; a call that runs FA4 uses ``fa4_tflops`` there.
+_H200_KERNELS = (KernelFigure(head_dim=64, sparse_tflops=392.0, dense_tflops=485.0, fa4_tflops=415.0),
+                 KernelFigure(head_dim=128, sparse_tflops=409.0, dense_tflops=619.0, fa4_tflops=606.8))
 # Fixed costs: "≈ 12 communication ops ... ≈ 6 ms of host time in collective bookkeeping" per
 # call at LTX size → 0.5 ms per small collective (one per call now; `--calibrate` takes NCCL's
 # fitted latency); call_ms and launch_ms are estimates.

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ..config import SparspConfig
 from ..demand import remote_demand
-from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_pair, reads_token_major
+from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_pair, reads_token_major,
+                       resolve_kernel)
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
@@ -148,6 +149,7 @@ class _Geometry:
         self.full: dict[int, Layout] = {}
         self.buffers: list[torch.Tensor] = []
         self.last_round: tuple[int, int] | None = None  # Call._remember_round
+        self.drain: dict | None = None  # sparsp's first call: its last round's figures
 
 
 _GEOMETRIES: dict[tuple, _Geometry] = {}
@@ -172,7 +174,8 @@ class Call:
     timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
 
     def __post_init__(self) -> None:
-        self.kernel = get_kernel(self.config.kernel, self.q.device)
+        self.kernel_name = resolve_kernel(self.config.kernel, self.q.device)
+        self.kernel = get_kernel(self.kernel_name, self.q.device)
         self._q_hm: torch.Tensor | None = None
         self._lists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kernel block lists
         self.consumes: dict = {}  # plan key -> origin: payloads this rank computes on whole
@@ -190,6 +193,10 @@ class Call:
         self._in_side = False  # issuing on the side stream now (the timer names its pack apart)
         key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
         self._geo = _GEOMETRIES.setdefault(key, _Geometry())
+        # (packed rows, kept block pairs) of the last round's payloads ("send", "recv") in the
+        # geometry's first call, read once here: a call's plan and its run see the same figures
+        self.drain_figures: dict = self._geo.drain or {}
+        self.kept_by: dict[int, int] = {}
 
     def without_plan(self, spec) -> "Call":
         """This call run by ``spec``, a strategy without a plan (auto's choice after the host
@@ -267,14 +274,22 @@ class Call:
         return self.demand[consumer][..., self.shapes.blocks_of(owner)].reshape(self.bh, -1)
 
     def kept_counts(self) -> dict:
-        """0-dim tensors: kept block pairs of my rows against each origin (for the host read, ``Metadata.stage``)."""
+        """0-dim tensors for the host read (``Metadata.stage``): kept block pairs of my rows
+        against each origin, and of the previous rank's rows against mine (the consumer of my
+        last ring-order round: what the drain rule of ``sparsp`` needs on both ends of a pair)."""
         if self.full_mask is None:
             return {}
-        return {("kept", p): self.mask[..., self.shapes.blocks_of(p)].sum() for p in range(self.world)}
+        out = {("kept", p): self.mask[..., self.shapes.blocks_of(p)].sum() for p in range(self.world)}
+        if self.world > 1:
+            c = (self.rank - 1) % self.world
+            rows = self.full_mask[..., self.shapes.blocks_of(c), :]
+            out[("kept_by", c)] = rows[..., self.shapes.blocks_of(self.rank)].sum()
+        return out
 
     def set_resolved(self, layouts: dict, values: dict) -> None:
         self.layouts = layouts
         self.kept = {key[1]: n for key, n in values.items() if key[0] == "kept"}
+        self.kept_by = {key[1]: n for key, n in values.items() if key[0] == "kept_by"}
         self._remember_round()
 
     def payload_buffers(self, n: int) -> list[torch.Tensor]:
@@ -326,6 +341,7 @@ class Call:
         merge work. ``None``: every head."""
         if self.full_mask is not None and self.kept.get(origin, 1) == 0:
             return  # no local query block reads a block of origin (known from the host copy)
+        self._fold()
         q = self.q_hm
         with self.phase("compute"):
             if heads is None:
@@ -346,17 +362,15 @@ class Call:
         ``heads`` (all when ``None``) into the call's output.
 
         The first whole-head partial is kept as the kernel returned it (no copy). A later
-        whole-head one waits in ``_pending`` until the next partial comes, which merges it by
-        ``merge_pair`` (one fused pass on CUDA) into float32; the last one is merged by
-        ``finish`` straight into the caller's dtype and layout (``merge_final``)."""
+        whole-head one waits in ``_pending``: the next kernel launch folds it into float32 first
+        (``_fold``: ``merge_pair``, one pass on CUDA), or, when no kernel follows, ``finish``
+        merges it straight into the caller's dtype and layout (``merge_final``)."""
         whole = heads is None or heads == (0, self.shapes.heads)
         if whole and self.out is None:
             self.out, self.lse = o, lse
             return
+        self._fold()
         with self.phase("merge"):
-            if self._pending is not None:
-                self.out, self.lse = merge_pair(self.out, self.lse, *self._pending)
-                self._pending = None
             if whole:
                 self._pending = (o, lse)
                 return
@@ -382,6 +396,7 @@ class Call:
         self._local_done = True
         if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
+        self._fold()
         with self.phase("compute"):
             kv = LocalKV(self.k, self.v, self.shapes.block_size)
             kv_num, kv_idx = self.local_lists()
@@ -421,7 +436,7 @@ class Call:
             return False
         rows, pairs = last
         sh = self.shapes
-        return chunks.transfer_hides(chunks.fabric("cuda", self.transport.name, sh.head_dim),
+        return chunks.transfer_hides(chunks.fabric("cuda", self.transport.name, sh.head_dim, self.kernel_name),
                                      rows=rows, pairs=pairs * sh.block_size ** 2,
                                      head_dim=sh.head_dim, dtype_bytes=self.q.element_size())
 
@@ -476,6 +491,13 @@ class Call:
         """``lists`` of this rank's own blocks (``LocalKV``'s ids)."""
         ids = LocalKV.ids_for(self.shapes.num_blocks[self.rank], self.bh, self.q.device)
         return self.lists(self.rank, ids)
+
+    def _fold(self) -> None:
+        """The pending partial into the float32 accumulator: another one follows it."""
+        if self._pending is not None:
+            with self.phase("merge"):
+                self.out, self.lse = merge_pair(self.out, self.lse, *self._pending)
+            self._pending = None
 
     def finish(self) -> None:
         """The last partial merged into the caller's output (``merge_final``: one pass that

@@ -81,33 +81,34 @@ same variable ``strategy="auto"`` reads. It must be the same on every rank."""
 _FABRICS: dict[tuple, Fabric] = {}
 
 
-def fabric(device_type: str, transport: str, head_dim: int) -> Fabric:
+def fabric(device_type: str, transport: str, head_dim: int, kernel: str | None = None) -> Fabric:
     """The ``Fabric`` of this machine: ``CPU_FABRIC`` off CUDA; on CUDA from a hardware profile
     of ``sparsp.simulate`` (``$SPARSP_PROFILE``, else the measured 2×H200 profile of the
     transport's kind of path: ``h200x2-nvlink`` for ``ipc`` and for ``nccl`` unless
-    ``NCCL_P2P_DISABLE=1``, ``h200x2-host`` otherwise). NCCL picks its own path; assuming the
-    peer-copy one errs towards fewer chunks (the unchunked call), never towards chunks a fast
-    link does not need."""
+    ``NCCL_P2P_DISABLE=1``, ``h200x2-host`` otherwise), at the rate of ``kernel`` (the call's
+    resolved kernel: ``KernelFigure.rate``). NCCL picks its own path; assuming the peer-copy
+    one errs towards fewer chunks (the unchunked call), never towards chunks a fast link does
+    not need."""
     if device_type != "cuda":
         return CPU_FABRIC
     peer = transport == "ipc" or (transport == "nccl" and os.environ.get("NCCL_P2P_DISABLE") != "1")
     name = os.environ.get(PROFILE_ENV) or ("h200x2-nvlink" if peer else "h200x2-host")
-    key = (name, transport, head_dim)
+    key = (name, transport, head_dim, kernel)
     if key not in _FABRICS:
         # imported here: the simulate package imports the strategy registry
         from ..simulate.profiles import get_profile
 
-        _FABRICS[key] = profile_fabric(get_profile(name), transport, head_dim)
+        _FABRICS[key] = profile_fabric(get_profile(name), transport, head_dim, kernel)
     return _FABRICS[key]
 
 
-def profile_fabric(profile, transport: str, head_dim: int) -> Fabric:
+def profile_fabric(profile, transport: str, head_dim: int, kernel: str | None = None) -> Fabric:
     """A ``Fabric`` from a ``sparsp.simulate.Profile``: the pair bandwidth is the GPU's link,
     capped by half its duplex limit (every rank sends and receives at once) and, for a
     host-staged path, by a quarter of the host's DMA capacity (two GPUs each write and read it:
     134 / 4 = 33.5 GB/s on the 2×H200 box, its measured exchange rate); the transport's
-    efficiency and latency, the kernel's sparse rate at ``head_dim`` and the per-kernel
-    ``launch_ms`` come from the profile as they are."""
+    efficiency and latency, ``kernel``'s sparse rate at ``head_dim`` (``KernelFigure.rate``)
+    and the per-kernel ``launch_ms`` come from the profile as they are."""
     names = [t.name for t in profile.transports]
     fig = profile.transport(transport if transport in names else None)
     caps = [profile.link_gbps]
@@ -117,7 +118,7 @@ def profile_fabric(profile, transport: str, head_dim: int) -> Fabric:
         caps.append(profile.host_gbps / 4)
     from ..simulate.model import FINISH_UNIT_OPS, MASK_UNIT_OPS
 
-    return Fabric(min(caps) * fig.efficiency * 1e9, profile.kernel(head_dim).sparse_tflops * 1e12,
+    return Fabric(min(caps) * fig.efficiency * 1e9, profile.kernel(head_dim).rate(kernel) * 1e12,
                   profile.launch_ms * 1e-3, fig.latency_ms * 1e-3, MIN_CHUNK_BYTES,
                   2 * (MASK_UNIT_OPS + FINISH_UNIT_OPS) * profile.op_ms * 1e-3)
 
@@ -144,6 +145,9 @@ class PairCost:
     block_size: int
     min_chunk_rows: int
     unit_s: float = 0.0  # ``Fabric.unit_s``
+    pair_s: float = 0.0
+    """Compute of one kept (query block, key block) pair: ``block_s`` without the estimated
+    reads per block (``read_fraction``), for a payload whose kept pairs are known."""
 
     @property
     def ratio(self) -> float:
@@ -158,7 +162,8 @@ def pair_cost(fab: Fabric, *, head_dim: int, dtype_bytes: int, block_size: int,
     reads = max(read_fraction * consumer_blocks, 1.0)  # a demanded block is read at least once
     flops = 4 * block_size * block_size * head_dim  # QKᵀ and PV of one (query, key) block pair
     return PairCost(row_bytes / fab.bytes_per_s, reads * flops / fab.flops_per_s, fab.chunk_s,
-                    fab.message_s, block_size, max(1, -(-fab.min_chunk_bytes // row_bytes)), fab.unit_s)
+                    fab.message_s, block_size, max(1, -(-fab.min_chunk_bytes // row_bytes)), fab.unit_s,
+                    flops / fab.flops_per_s)
 
 
 def head_groups(heads: int, count: int) -> list[tuple[int, int]]:
@@ -175,27 +180,39 @@ def head_groups(heads: int, count: int) -> list[tuple[int, int]]:
 
 
 def unit_count(requested: int | None, *, drain: bool, heads: int, cost: PairCost,
-               max_rows: int) -> int:
+               max_rows: int, known: tuple[int, int] | None = None) -> int:
     """How many head groups a payload's selection is cut into before the host sync.
 
     ``requested`` (``SparspConfig.chunks`` / ``drain_chunks``) wins when set (clamped to the
     heads). Automatic: ``AUTO_STEADY_UNITS`` in the steady state; for the drain 1 when the pair
-    is not transfer-bound (``cost.ratio <= 1``: the payload lands while the previous payload,
-    estimated as large, is computed, so chunks only add launches) or when even the largest
-    possible payload (``max_rows``, the owner's whole shard) would not give two chunks of
-    ``min_chunk_bytes``, or could not save more compute (half of it, with two chunks) than one
-    more chunk and message cost plus the units' own host cost before the sync (``unit_s`` each:
-    paid whatever the chunk count chosen after it); else ``AUTO_DRAIN_UNITS``. Each unit costs a selection in the
-    plan, so this keeps them out wherever chunking cannot win.
+    is not transfer-bound (its transfer no longer than its compute: the payload lands while the
+    previous payload, estimated as large, is computed, so chunks only add launches) or when even
+    the largest possible payload (``max_rows``, the owner's whole shard) would not give two
+    chunks of ``min_chunk_bytes``, or could not save more compute (half of it, with two chunks)
+    than one more chunk and message cost plus the units' own host cost before the sync
+    (``unit_s`` each: paid whatever the chunk count chosen after it); else ``AUTO_DRAIN_UNITS``.
+    Each unit costs a selection in the plan, so this keeps them out wherever chunking cannot win.
+
+    Transfer against compute: with ``known`` = (packed rows, kept block pairs) of this pair's
+    payload in an earlier call of the geometry (both ends hold the same two numbers), from
+    those; else per selected block (``cost.ratio``), its reads estimated by ``read_fraction``
+    (0.5 against 0.33–0.38 measured on Wan 2.1: the estimate called that host-fabric drain
+    compute-bound while its transfer outlasted the local kernel by 7 ms).
     """
     if requested is not None:
         return max(1, min(requested, heads))
     if not drain:
         return max(1, min(AUTO_STEADY_UNITS, heads))
-    most = max_rows / cost.block_size * cost.block_s  # compute of the largest payload
+    if known is not None and known[1] > 0:
+        rows, pairs = known
+        most = pairs * cost.pair_s
+        bound = rows * cost.row_s > most
+    else:
+        most = max_rows / cost.block_size * cost.block_s  # compute of the largest payload
+        bound = cost.ratio > 1.0
     units = max(1, min(AUTO_DRAIN_UNITS, heads))
     # the units' ops are paid before the sync even when the payload then travels whole
-    if cost.ratio <= 1.0 or max_rows < 2 * cost.min_chunk_rows or \
+    if not bound or max_rows < 2 * cost.min_chunk_rows or \
             most / 2 <= cost.chunk_s + cost.message_s + (units - 1) * cost.unit_s:
         return 1
     return units

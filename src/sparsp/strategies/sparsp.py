@@ -45,7 +45,7 @@ class Chunk:
 
 def _pair_cost(call: Call, consumer: int) -> chunks.PairCost:
     sh = call.shapes
-    fab = chunks.fabric(call.q.device.type, call.transport.name, sh.head_dim)
+    fab = chunks.fabric(call.q.device.type, call.transport.name, sh.head_dim, call.kernel_name)
     return chunks.pair_cost(fab, head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
                             block_size=sh.block_size, consumer_blocks=sh.num_blocks[consumer])
 
@@ -58,9 +58,11 @@ def _units(call: Call, k: int, owner: int, consumer: int) -> list[tuple[int, int
     """The head groups of round k's payload owner → consumer (config + shapes only: both
     ends compute the same before the host sync)."""
     sh = call.shapes
-    n = chunks.unit_count(_requested(call, k), drain=k == call.world - 1, heads=sh.heads,
+    drain = k == call.world - 1
+    known = call.drain_figures.get("send" if owner == call.rank else "recv") if drain else None
+    n = chunks.unit_count(_requested(call, k), drain=drain, heads=sh.heads,
                           cost=_pair_cost(call, consumer),
-                          max_rows=sh.batch * sh.heads * sh.seq_lens[owner])
+                          max_rows=sh.batch * sh.heads * sh.seq_lens[owner], known=known)
     return chunks.head_groups(sh.heads, n)
 
 
@@ -133,10 +135,26 @@ def _region(call: Call, buf: torch.Tensor, heads: tuple[int, int] | None) -> tor
     return buf[heads[0] * per_head: heads[1] * per_head]
 
 
+def _remember_drain(call: Call) -> None:
+    """The first call of a geometry leaves its last round's (packed rows, kept block pairs) of
+    both payloads for the drain rule of every later call (``Call.drain_figures``); kept once, so
+    the unit count, and with it a captured plan stage, stays the same from the second call on."""
+    geo, G, r = call._geo, call.world, call.rank
+    if geo.drain is not None or G < 2:
+        return
+    rows = {"send": 0, "recv": 0}
+    for key, lay in call.layouts.items():
+        if isinstance(key, tuple) and len(key) > 1 and key[0] in rows and key[1] == G - 1 and lay is not None:
+            rows[key[0]] += lay.num_rows
+    geo.drain = {"send": (rows["send"], call.kept_by.get((r - 1) % G, 0)),
+                 "recv": (rows["recv"], call.kept.get((r + 1) % G, 0))}
+
+
 @register_strategy("sparsp", sparse=True, placement="periodic", byte_rule="direct", plan=plan, local_first=True,
                    description="round k: exactly D[r,·,(r−k) mod G] from its owner, per head; "
                                "chunked by head groups, merged as chunks land")
 def run(call: Call) -> None:
+    _remember_drain(call)
     r, G = call.rank, call.world
     t = call.transport
     D = call.q.shape[-1]
