@@ -1,12 +1,13 @@
-"""Time the per-call kernels around the attention on one GPU: mask selection, merge and pack.
+"""Time the per-call kernels around the attention on one GPU: mask, lists, pack and merge.
 
 Every rank of a sparse call builds the *whole* block mask from the gathered summaries, so its
 cost is paid once per rank per call, on the critical path before any byte moves; and every
 call ends with the LSE merge of its partial results written as the output. This probe times
 each step of the selection (``masks.select_blocks``: the torch ops of the sorted path, and the
 Triton kernel of ``sparsp.cdf_select`` at several warp counts) and the merge (``merge_pair``
-then the output's cast and transpose, against ``merge_final``) and the pack's gather
-(two ``index_select`` against ``packing.gather_rows``) at the presets' full geometries (B = 1;
+then the output's cast and transpose, against ``merge_final``) the pack's gather
+(two ``index_select`` against ``packing.gather_rows``) and the kernel's block lists (the torch
+prefix sum and scatter against ``kernels.buffer.compact_rows``) at the presets' full geometries (B = 1;
 N = the whole sequence's blocks; the merge and the pack at a 2-GPU shard), with CUDA
 events, warm-up and the median of ``--iters`` runs:
 
@@ -28,6 +29,7 @@ from sparsp.geometry import MODELS, preset
 from sparsp import cdf_select
 from sparsp.kernels.merge import _pair, merge_final, merge_pair
 from sparsp.masks import PooledBlocks, _select_sorted, select_blocks
+from sparsp.kernels.buffer import compact_rows
 from sparsp.packing import gather_rows
 
 
@@ -43,6 +45,14 @@ def _time(fn, iters: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def _torch_lists(keep, ids, width):
+    pos = keep.cumsum(-1) - 1
+    target = torch.where(keep, pos, width)
+    packed = torch.zeros(*keep.shape[:-1], width + 1, dtype=torch.int32, device=keep.device)
+    packed.scatter_(-1, target, ids.to(torch.int32).expand(keep.shape))
+    return keep.sum(-1, dtype=torch.int32), packed[..., :width].contiguous()
 
 
 def keep_mask(probs, order, keep):
@@ -98,10 +108,10 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     # the pack of one G = 2 payload: a half of the shard's (head, block) pairs, head-major rows
     k = torch.randn(1, S, H, D, device="cuda", generator=g).bfloat16()
     v = torch.randn_like(k)
-    order = (torch.arange(S, device="cuda")[None, :] * H + torch.arange(H, device="cuda")[:, None]).reshape(-1)
-    nb = order.numel() // 128
-    keep = torch.rand(nb, device="cuda", generator=g) < 0.5
-    rows = order[: nb * 128].view(nb, 128)[keep].reshape(-1)
+    token_rows = (torch.arange(S, device="cuda")[None, :] * H + torch.arange(H, device="cuda")[:, None]).reshape(-1)
+    nb = token_rows.numel() // 128
+    take = torch.rand(nb, device="cuda", generator=g) < 0.5
+    rows = token_rows[: nb * 128].view(nb, 128)[take].reshape(-1)
     buf = torch.empty(2 * rows.numel() * D, dtype=k.dtype, device="cuda")
     n = rows.numel() * D
     out["pack rows"] = rows.numel()
@@ -109,6 +119,12 @@ def probe(model: str, iters: int, cdf: float) -> dict:
         torch.index_select(k.reshape(-1, D), 0, rows, out=buf[:n].view(-1, D)),
         torch.index_select(v.reshape(-1, D), 0, rows, out=buf[n:].view(-1, D)))
     steps["pack: gather_rows"] = lambda: gather_rows(k, v, rows, buf)
+    # the local shard's block lists at G = 2: a [1, H, N/2, N/2] column slice of the whole mask
+    half = N // 2
+    rows_mask = keep_mask(probs, order, keep)[:, :, :half, :half]
+    ids = torch.arange(half, device="cuda").view(1, 1, 1, half).expand(1, H, 1, half)
+    steps["lists: torch prefix sum + scatter"] = lambda: _torch_lists(rows_mask, ids, half)
+    steps["lists: compact_rows"] = lambda: compact_rows(rows_mask, ids.expand(rows_mask.shape), half)
     for name, fn in steps.items():
         try:
             out[name] = round(_time(fn, iters), 4)

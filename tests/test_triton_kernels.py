@@ -191,3 +191,22 @@ def test_triton_gather_equals_index_select(D):
     assert torch.equal(got[:137], k.reshape(-1, D)[rows])
     assert torch.equal(got[137:274], v.reshape(-1, D)[rows])
     assert (got[274:] == 7.0).all()
+
+
+# --- the kernels' block lists (kernels.buffer.compact_rows) ---------------------------------
+
+
+@pytest.mark.parametrize("width", [37, 50])
+def test_triton_compact_equals_the_torch_lists(width):
+    from sparsp.kernels.buffer import compact_indices, compact_rows
+
+    g = torch.Generator().manual_seed(width)
+    whole = torch.rand(2, 3, 5, 60, generator=g) < 0.4
+    keep = whole[..., 10:47]  # a column slice of a wider mask, as Call.rows_for gives
+    keep[0, 0, 0] = False  # an empty list
+    keep[1, 2, 4] = True  # a full one
+    ids = (torch.arange(37) * 2 + 1).view(1, 1, 1, 37).expand(2, 3, 1, 37)
+    want_num, want_idx = compact_indices(keep, ids, width)  # CPU: the torch form
+    num, idx = compact_rows(keep.to(DEVICE), ids.to(DEVICE).expand(2, 3, 5, 37), width)
+    assert torch.equal(num.cpu(), want_num) and torch.equal(idx.cpu(), want_idx)
+    assert num[0, 0, 0] == 0 and num[1, 2, 4] == 37

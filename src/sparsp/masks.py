@@ -177,7 +177,10 @@ def split_mask(q: torch.Tensor, k: torch.Tensor, seq_lens, block_size: int, *, c
                          f"(same shape), got q {tuple(q.shape)}, k {tuple(k.shape)}")
     sim = sim_threshold is not None
     slices = list(zip(bounds, bounds[1:]))
-    sums = torch.stack([key_sum(k[:, a:b]) for a, b in slices])
+    # each slice's key sum as the distributed call makes it: from the slice's block sums
+    # without similarity (``plan._summaries``), over its tokens with it (all-reduced first)
+    sums = torch.stack([block_sums(k[:, a:b], block_size).sum(1) if not sim else key_sum(k[:, a:b])
+                        for a, b in slices])
     center = sums.sum(0) / bounds[-1]
     pq = PooledBlocks.cat([pool_blocks(q[:, a:b], block_size, similarity=sim) for a, b in slices])
     pk = PooledBlocks.cat([pool_blocks(k[:, a:b], block_size, center=center if sim else None,

@@ -381,7 +381,7 @@ def _summaries(q, k, v, group, config: SparspConfig, sparse: bool) -> tuple[torc
     """(float32 data this rank sends, the global key mean when similarity smoothed the keys).
 
     Sparse calls, similarity off (the default): q's and k's block sums (B, n, H, D) and k's
-    sum over the sequence (B, H, D); similarity on: pooled means and similarities around the
+    sum over the sequence (B, H, D), the sum of its block sums; similarity on: pooled means and similarities around the
     all-reduced key mean (``masks.summarize``; two more collectives). With
     ``config.check_finite`` one more value, v's sum (a dense call: q's, k's and v's): a NaN or
     Inf in q, k or v reaches a value sent, and ``table_of`` flags the rank from its row (a sum
@@ -390,7 +390,8 @@ def _summaries(q, k, v, group, config: SparspConfig, sparse: bool) -> tuple[torc
     parts, center = [], None
     if sparse and config.sim_threshold is None:
         bs = config.block_size
-        parts = [block_sums(q, bs).reshape(-1), block_sums(k, bs).reshape(-1), key_sum(k).reshape(-1)]
+        ksums = block_sums(k, bs)  # k's sum from its block sums: no second pass over k
+        parts = [block_sums(q, bs).reshape(-1), ksums.reshape(-1), ksums.sum(1).reshape(-1)]
     elif sparse:
         # similarity of smoothed keys needs the global key mean before pooling: one all-reduce
         ksum = key_sum(k)

@@ -30,7 +30,7 @@ from torch import Tensor
 from . import fa4, flex, torch_ref
 from .buffer import KVBuffer, canonical_block_ids, kernel_indices
 from .local import LocalKV
-from .merge import merge_final, merge_pair, merge_partials, update_out_and_lse
+from .merge import merge_final, merge_into, merge_pair, merge_partials, update_out_and_lse
 
 __all__ = [
     "KVBuffer",
@@ -43,6 +43,7 @@ __all__ = [
     "kernel_indices",
     "kernel_names",
     "merge_final",
+    "merge_into",
     "resolve_kernel",
     "merge_pair",
     "reads_token_major",

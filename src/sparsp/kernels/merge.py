@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - a torch build without Triton
     triton = tl = None
 
-__all__ = ["fold", "merge_final", "merge_pair", "merge_partials", "update_out_and_lse"]
+__all__ = ["fold", "merge_final", "merge_into", "merge_pair", "merge_partials", "update_out_and_lse"]
 
 
 def update_out_and_lse(
@@ -177,6 +177,20 @@ def merge_pair(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
     dest_lse = torch.empty(lse.shape, dtype=torch.float32, device=out.device)
     _launch(out, lse, block_out, block_lse, dest, dest_lse)
     return dest, dest_lse
+
+
+def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dest: Tensor,
+               dest_lse: Tensor | None = None) -> None:
+    """``update_out_and_lse`` written into ``dest`` (B, H, S, D), any dtype and strides (a head
+    slice of an accumulator, a transposed view of an output), and its LSE into ``dest_lse``
+    when given; in place over ``out`` is allowed. One Triton pass on CUDA, eager elsewhere."""
+    if _triton_ok(out, block_out, dest):
+        _launch(out, lse, block_out, block_lse, dest, dest_lse)
+        return
+    new_out, new_lse = _pair(out, lse, block_out, block_lse)
+    dest.copy_(new_out)
+    if dest_lse is not None:
+        dest_lse.copy_(new_lse)
 
 
 def _final(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dtype: torch.dtype) -> Tensor:

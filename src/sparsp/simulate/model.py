@@ -69,7 +69,7 @@ _MASK_BYTES_PER_SCORE = 19
 # Full reads of the inputs before the call's host sync (``plan.gather_metadata``): a sparse call
 # sums q and k per block (``masks.block_sums``) and v for the non-finite flag; a dense one sums
 # q, k and v for the flag. Three passes over a (B, S, H, D) input either way (a sparse call's
-# key sum, ``masks.key_sum``, is a fourth pass over k, not charged).
+# key sum is the sum of k's block sums, no pass of its own).
 INPUT_PASSES = 3
 # Eager PyTorch ops the mask phase issues on the host before the call's host read is started
 # (q's and k's block sums, k's and v's sums, the metadata all-gather with its cached header;

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ..config import SparspConfig
 from ..demand import remote_demand
-from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_pair, reads_token_major,
+from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_into, merge_pair,
+                       reads_token_major,
                        resolve_kernel)
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
@@ -182,6 +183,8 @@ class Call:
         self.out = None
         self.lse = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last partial (``merge``)
+        self._direct: tuple[torch.Tensor, list] | None = None  # the output being written by head slices
+        self._accumulating = False  # ``out`` is this call's float32 accumulator (not a kept partial)
         self.scale = self.q.shape[-1] ** -0.5
         self.final: torch.Tensor | None = None  # a strategy that assembles its own output
         self.layouts: dict = {}
@@ -372,19 +375,31 @@ class Call:
         self._fold()
         with self.phase("merge"):
             if whole:
+                assert self._direct is None, "a whole-head partial after head-sliced ones written out"
                 self._pending = (o, lse)
                 return
             h0, h1 = heads
+            if self._direct is not None or (self.world == 2 and self.out is not None and not self._accumulating):
+                # two ranks: the kept local partial and the one payload's disjoint head groups;
+                # each group is its heads' last partial, merged straight into the output
+                if self._direct is None:
+                    B, S, H, D = self.q.shape
+                    self._direct = (torch.empty(B, S, H, D, dtype=self.q.dtype, device=self.q.device), [])
+                final, done = self._direct
+                assert all(h1 <= a or b <= h0 for a, b in done), f"heads {heads} merged twice"
+                merge_into(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse,
+                           final.permute(0, 2, 1, 3)[:, h0:h1])
+                done.append((h0, h1))
+                return
             if self.out is None:  # nothing merged yet: an empty partial for every head
                 B, S, H, D = self.q.shape
                 self.out = torch.zeros(B, H, S, D, dtype=torch.float32, device=self.q.device)
                 self.lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32,
                                       device=self.q.device)
-            elif self.out.dtype != torch.float32:  # a kept first partial: accumulate in fp32 now
+            elif not self._accumulating:  # a kept first partial: accumulate in fp32 now
                 self.out, self.lse = self.out.float(), self.lse.float()
-            out, new_lse = merge_pair(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse)
-            self.out[:, h0:h1] = out
-            self.lse[:, h0:h1] = new_lse
+            self._accumulating = True
+            merge_into(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse, self.out[:, h0:h1], self.lse[:, h0:h1])
 
     def attend_local(self) -> None:
         """The local queries over this rank's own K/V as given (``LocalKV``: per-head
@@ -498,14 +513,25 @@ class Call:
             with self.phase("merge"):
                 self.out, self.lse = merge_pair(self.out, self.lse, *self._pending)
             self._pending = None
+            self._accumulating = True
 
     def finish(self) -> None:
         """The last partial merged into the caller's output (``merge_final``: one pass that
-        writes (B, S, H, D) in q's dtype), queued right after the run's last kernel."""
+        writes (B, S, H, D) in q's dtype), queued right after the run's last kernel; or the
+        heads no head-sliced partial reached copied into the output being written by slices."""
         if self._pending is not None and self.final is None:
             with self.phase("merge"):
                 self.final = merge_final(self.out, self.lse, *self._pending, self.q.dtype)
             self.out = self.lse = self._pending = None
+        elif self._direct is not None and self.final is None:
+            final, done = self._direct
+            with self.phase("merge"):
+                h = 0
+                for a, b in sorted(done) + [(self.shapes.heads, self.shapes.heads)]:
+                    if h < a:  # heads no slice reached: the kept partial as it is
+                        final.permute(0, 2, 1, 3)[:, h:a].copy_(self.out[:, h:a])
+                    h = max(h, b)
+            self.final, self.out, self.lse, self._direct = final, None, None, None
 
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""
