@@ -25,6 +25,7 @@ import statistics
 
 import torch
 
+from sparsp.bench.kernel import time_ms
 from sparsp.geometry import MODELS, preset
 from sparsp import cdf_select
 from sparsp.kernels.merge import _pair, merge_final, merge_pair
@@ -34,17 +35,7 @@ from sparsp.packing import gather_rows
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(time_ms(fn, warmup=3, iters=iters, device=torch.device("cuda")))
 
 
 def _torch_lists(keep, ids, width):
