@@ -592,7 +592,9 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
                 dtype_bytes: int) -> tuple[tuple[int, int], ...]:
     """Per rank: into how many head-group units ``sparsp`` cuts its two drain payloads (round
     G−1: the one it sends, the one it receives) before the host sync, by its own rule
-    (``strategies/chunks.unit_count``, automatic chunking) on the fabric of ``profile``.
+    (``strategies/chunks.unit_count``, automatic chunking) on the fabric of ``profile``, with
+    the pair's packed rows and kept block pairs known as the code knows them from a geometry's
+    first call (here the call's own: ``direct`` and ``pairs`` over the block size²).
     One unit each when the demand does not know its block size."""
     from ..strategies import chunks
 
@@ -604,8 +606,9 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
     def units(owner: int, consumer: int) -> int:
         cost = chunks.pair_cost(fab, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=bs,
                                 consumer_blocks=-(-d.tokens[consumer] // bs))
+        known = (d.direct[consumer][owner], round(d.pairs[consumer][owner] / bs ** 2))
         return chunks.unit_count(None, drain=True, heads=d.heads, cost=cost,
-                                 max_rows=d.batch * d.heads * d.tokens[owner])
+                                 max_rows=d.batch * d.heads * d.tokens[owner], known=known)
 
     k = G - 1
     return tuple((units(r, (r + k) % G), units((r - k) % G, r)) for r in range(G))
