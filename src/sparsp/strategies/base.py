@@ -21,8 +21,7 @@ import torch.distributed as dist
 from ..config import SparspConfig
 from ..demand import remote_demand
 from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_into, merge_pair,
-                       reads_token_major,
-                       resolve_kernel)
+                       reads_token_major, resolve_kernel)
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
