@@ -32,6 +32,8 @@ from sparsp.kernels.merge import _pair, merge_final, merge_pair
 from sparsp.masks import PooledBlocks, _select_sorted, select_blocks
 from sparsp.kernels.buffer import compact_rows
 from sparsp.packing import gather_rows
+from sparsp.plan import Shapes
+from sparsp.strategies.auto import figures
 
 
 def _time(fn, iters: int) -> float:
@@ -116,6 +118,11 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     ids = torch.arange(half, device="cuda").view(1, 1, 1, half).expand(1, H, 1, half)
     steps["lists: torch prefix sum + scatter"] = lambda: _torch_lists(rows_mask, ids, half)
     steps["lists: compact_rows"] = lambda: compact_rows(rows_mask, ids.expand(rows_mask.shape), half)
+    # strategy="auto": the demand figures its plan stage adds (G = 2)
+    sh = Shapes(0, 2, 1, H, D, 128, ((N - N // 2) * 128, N // 2 * 128))  # whole blocks, N in all
+    whole = keep_mask(probs, order, keep)
+    figures(whole, sh)
+    steps["auto: demand figures"] = lambda: figures(whole, sh)
     for name, fn in steps.items():
         try:
             out[name] = round(_time(fn, iters), 4)
