@@ -186,6 +186,16 @@ def test_drain_rule_reads_the_known_figures_of_an_earlier_call():
     # nothing known (no kept pair): the estimate
     assert chunks.unit_count(None, drain=True, heads=40, cost=cost, max_rows=max_rows,
                              known=(rows, 0)) == 1
+    # after the sync the schedule must see the same: with the measured reads per block the four
+    # units travel as chunks; with the estimate they would be merged back into one message
+    pieces = [chunks.Piece((10 * i, 10 * i + 10), rows // 4 // 128, rows // 4) for i in range(4)]
+    fraction = chunks.read_fraction((rows, pairs), block_size=128, consumer_blocks=296)
+    assert fraction == pytest.approx(pairs / (rows / 128) / 296)
+    measured = chunks.pair_cost(fab, head_dim=128, dtype_bytes=2, block_size=128, consumer_blocks=296,
+                                read_fraction=fraction)
+    assert len(chunks.schedule(pieces, count=None, cost=measured)) > 1
+    assert len(chunks.schedule(pieces, count=None, cost=cost)) == 1
+    assert chunks.read_fraction(None, block_size=128, consumer_blocks=296) == chunks.READ_FRACTION
 
 
 def test_fabric_runs_at_the_calls_kernel_rate(monkeypatch):

@@ -42,7 +42,8 @@ copy-engine transport (``ipc`` / ``host``), then, each added to that row, the ch
 (``SparspConfig.local_first``); all three are off in the other ablation rows, and each row
 names what it switches on in ``ablation``. ``cuda_graphs`` says whether a row replayed the
 stage, ``local_first`` whether its timed split call queued the local kernel first
-(``local_first_config``: the setting, ``--local-first``; automatic by default).
+(``local_first_config``: the setting, ``--local-first``; automatic by default), and
+``drain_chunks`` in how many messages its last round's payload came (``sparsp``; else None).
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -242,7 +243,7 @@ def main(args) -> int:
                    "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": round(t_ms, 3),
                    "bound_ms": round(max(c_ms, t_ms), 3), "efficiency": None, "ablation": ablation,
                    "cuda_graphs": cfg.cuda_graphs, "local_first_config": cfg.local_first,
-                   "local_first": split["local_first"],
+                   "local_first": split["local_first"], "drain_chunks": split["drain_chunks"],
                    "auto_choice": chosen if strategy == "auto" else None}
             timed.append((row, call))
         if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
@@ -311,6 +312,7 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     split["pack_ms"] += split["pack_side_ms"]
     split = {key: _max(value, device) for key, value in split.items()}
     split["local_first"] = timer.local_first  # what this call did (the config may leave it open)
+    split["drain_chunks"] = timer.drain_chunks  # sparsp: messages of the last round's payload
     transport.fence()
     if strategy == "auto":
         from ..strategies import auto

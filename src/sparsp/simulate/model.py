@@ -604,9 +604,10 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
     fab = chunks.profile_fabric(profile, profile.transport(transport).name, head_dim)
 
     def units(owner: int, consumer: int) -> int:
-        cost = chunks.pair_cost(fab, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=bs,
-                                consumer_blocks=-(-d.tokens[consumer] // bs))
+        n = -(-d.tokens[consumer] // bs)
         known = (d.direct[consumer][owner], round(d.pairs[consumer][owner] / bs ** 2))
+        cost = chunks.pair_cost(fab, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=bs, consumer_blocks=n,
+                                read_fraction=chunks.read_fraction(known, block_size=bs, consumer_blocks=n))
         return chunks.unit_count(None, drain=True, heads=d.heads, cost=cost,
                                  max_rows=d.batch * d.heads * d.tokens[owner], known=known)
 

@@ -96,6 +96,7 @@ class PhaseTimer:
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: dict[int, torch.cuda.Event] = {}
         self.local_first = False  # the call queued its local kernel before the host read
+        self.drain_chunks: int | None = None  # messages of the last round's received payload (sparsp)
 
     def _event(self) -> torch.cuda.Event:
         e = torch.cuda.Event(enable_timing=True)

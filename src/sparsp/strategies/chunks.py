@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 __all__ = ["AUTO_DRAIN_UNITS", "AUTO_STEADY_UNITS", "CPU_FABRIC", "Fabric", "PairCost", "Piece",
            "combine", "fabric", "finish_time", "head_groups", "merge", "order", "pair_cost",
-           "profile_fabric", "schedule", "transfer_hides", "unit_count"]
+           "profile_fabric", "read_fraction", "schedule", "transfer_hides", "unit_count"]
 
 AUTO_DRAIN_UNITS = 4
 """Automatic drain: at most this many head groups (the paper's Fig. 11 splits the last block
@@ -153,6 +153,16 @@ class PairCost:
     def ratio(self) -> float:
         """Transfer / compute of one full selected block (independent of the payload size)."""
         return self.row_s * self.block_size / self.block_s
+
+
+def read_fraction(known: tuple[int, int] | None, *, block_size: int, consumer_blocks: int) -> float:
+    """Kept block pairs per selected block over the consumer's query blocks: measured from
+    ``known`` = (packed rows, kept block pairs) of the pair's payload when given (rows over the
+    block size count the selected blocks, a short one as whole), else ``READ_FRACTION``."""
+    if known is None or known[0] <= 0 or known[1] <= 0:
+        return READ_FRACTION
+    rows, pairs = known
+    return pairs / (rows / block_size) / max(consumer_blocks, 1)
 
 
 def pair_cost(fab: Fabric, *, head_dim: int, dtype_bytes: int, block_size: int,

@@ -43,11 +43,24 @@ class Chunk:
         return 0 if self.lay is None else self.lay.num_rows
 
 
-def _pair_cost(call: Call, consumer: int) -> chunks.PairCost:
+def _pair_cost(call: Call, consumer: int, known: tuple[int, int] | None = None) -> chunks.PairCost:
+    """The pair's ``PairCost``; with ``known`` (packed rows, kept block pairs) of its payload
+    in an earlier call, the reads per selected block are those measured, not estimated (the
+    same figures on both ends, so both schedule alike)."""
     sh = call.shapes
     fab = chunks.fabric(call.q.device.type, call.transport.name, sh.head_dim, call.kernel_name)
+    n = sh.num_blocks[consumer]
     return chunks.pair_cost(fab, head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
-                            block_size=sh.block_size, consumer_blocks=sh.num_blocks[consumer])
+                            block_size=sh.block_size, consumer_blocks=n,
+                            read_fraction=chunks.read_fraction(known, block_size=sh.block_size, consumer_blocks=n))
+
+
+def _known(call: Call, k: int, owner: int) -> tuple[int, int] | None:
+    """(packed rows, kept block pairs) of round k's payload from ``owner`` in the geometry's
+    first call, for the drain (the last round) only: ``Call.drain_figures``."""
+    if k != call.world - 1:
+        return None
+    return call.drain_figures.get("send" if owner == call.rank else "recv")
 
 
 def _requested(call: Call, k: int) -> int | None:
@@ -58,10 +71,9 @@ def _units(call: Call, k: int, owner: int, consumer: int) -> list[tuple[int, int
     """The head groups of round k's payload owner → consumer (config + shapes only: both
     ends compute the same before the host sync)."""
     sh = call.shapes
-    drain = k == call.world - 1
-    known = call.drain_figures.get("send" if owner == call.rank else "recv") if drain else None
-    n = chunks.unit_count(_requested(call, k), drain=drain, heads=sh.heads,
-                          cost=_pair_cost(call, consumer),
+    known = _known(call, k, owner)
+    n = chunks.unit_count(_requested(call, k), drain=k == call.world - 1, heads=sh.heads,
+                          cost=_pair_cost(call, consumer, known),
                           max_rows=sh.batch * sh.heads * sh.seq_lens[owner], known=known)
     return chunks.head_groups(sh.heads, n)
 
@@ -108,7 +120,7 @@ def payload_chunks(call: Call, name: str, k: int) -> list[Chunk]:
     pieces = [chunks.Piece(h, lay.num_blocks, lay.num_rows) for h, lay in zip(units, lays)]
     requested = _requested(call, k)
     picked = chunks.schedule(pieces, count=None if requested is None else len(units),
-                             cost=_pair_cost(call, consumer))
+                             cost=_pair_cost(call, consumer, _known(call, k, owner)))
     out = []
     for idx in picked:
         heads = (units[idx[0]][0], units[idx[-1]][1])
@@ -164,6 +176,8 @@ def run(call: Call) -> None:
     def start(k: int) -> None:
         dst, src = (r + k) % G, (r - k) % G
         sends, recvs = payload_chunks(call, "send", k), payload_chunks(call, "recv", k)
+        if call.timer is not None and k == G - 1:  # benchmarks: how the drain travelled
+            call.timer.drain_chunks = len(recvs)
         out = free.popleft()
         landing = []
         # One step per message: publish the i-th chunk for dst, then fetch the i-th from src
