@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -38,6 +39,19 @@ from sparsp.strategies.auto import figures
 
 def _time(fn, iters: int) -> float:
     return statistics.median(time_ms(fn, warmup=3, iters=iters, device=torch.device("cuda")))
+
+
+def _graphed(fn):
+    """``fn`` captured once in a CUDA graph (after a warm-up): the replay, to time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _torch_lists(keep, ids, width):
@@ -121,8 +135,14 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     # strategy="auto": the demand figures its plan stage adds (G = 2)
     sh = Shapes(0, 2, 1, H, D, 128, ((N - N // 2) * 128, N // 2 * 128))  # whole blocks, N in all
     whole = keep_mask(probs, order, keep)
-    figures(whole, sh)
-    steps["auto: demand figures"] = lambda: figures(whole, sh)
+    fast = figures(whole, sh)
+    os.environ["SPARSP_TRITON_FIGURES"] = "0"
+    torch_form = figures(whole, sh)
+    out["auto figures equal the torch form"] = bool(torch.equal(fast, torch_form))
+    # as the plan stage runs them: replayed from a CUDA graph (no host launch cost)
+    steps["auto: demand figures, torch form (graph)"] = _graphed(lambda: figures(whole, sh))
+    os.environ.pop("SPARSP_TRITON_FIGURES")
+    steps["auto: demand figures (graph)"] = _graphed(lambda: figures(whole, sh))
     for name, fn in steps.items():
         try:
             out[name] = round(_time(fn, iters), 4)

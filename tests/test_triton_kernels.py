@@ -210,3 +210,21 @@ def test_triton_compact_equals_the_torch_lists(width):
     num, idx = compact_rows(keep.to(DEVICE), ids.to(DEVICE).expand(2, 3, 5, 37), width)
     assert torch.equal(num.cpu(), want_num) and torch.equal(idx.cpu(), want_idx)
     assert num[0, 0, 0] == 0 and num[1, 2, 4] == 37
+
+
+# --- strategy="auto"'s demand figures in one pass (demand.rank_columns) ----------------------
+
+
+@pytest.mark.parametrize("lens, batch", [((300, 256), 1), ((256, 200, 130), 2)])
+def test_column_figures_equal_the_torch_figures(lens, batch):
+    from sparsp.simulate.model import Blocks, _column_figures, demand_figures
+
+    blocks = Blocks.of_call(lens, 64)  # short tail blocks included
+    N, H = len(blocks.lengths), 3
+    g = torch.Generator().manual_seed(sum(lens))
+    masks = torch.rand(batch * H, N, N, generator=g) < 0.3
+    masks[0, 0] = False  # a query block that keeps nothing
+    want = demand_figures(masks, blocks, batch=batch)  # CPU: the torch form
+    dev_blocks = Blocks.of_call(lens, 64, device=DEVICE)
+    got = _column_figures(masks.to(DEVICE), dev_blocks, batch).cpu()
+    assert got.dtype == want.dtype and torch.equal(got, want)

@@ -21,12 +21,19 @@ Byte rules (``BYTE_RULES``; each strategy names its rule when it registers, see
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .placement import Placement
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch build without Triton
+    triton = tl = None
 
 def _check_masks(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
     if not isinstance(placement, Placement):
@@ -202,3 +209,62 @@ def relay_amplification(masks, placement_fn, geometry, ranks_list, *, head_dim, 
         direct = comm_bytes(masks, pl, "direct", head_dim=head_dim, dtype_bytes=dtype_bytes)["total"]
         out.append(Amplification(G, relay, direct))
     return out
+
+
+# --- per-rank column sums of a mask in one pass (strategy="auto"'s figures on CUDA) -------------
+
+
+if triton is not None:
+    @triton.jit
+    def _rank_columns(m_ptr, bounds_ptr, len_ptr, colw_ptr, hit_ptr, BH, N, G: tl.constexpr,
+                      MOST: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+        # one program: one (batch·head) row of masks and BLOCK_J key blocks, every rank's rows
+        bh = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        cols = j < N
+        for r in range(G):
+            start = tl.load(bounds_ptr + 2 * r)
+            end = tl.load(bounds_ptr + 2 * r + 1)
+            acc = tl.zeros([BLOCK_J], dtype=tl.int32)
+            hit = tl.zeros([BLOCK_J], dtype=tl.int32)
+            for i0 in range(0, MOST, BLOCK_I):  # MOST: the longest rank's blocks
+                i = start + i0 + tl.arange(0, BLOCK_I)
+                rows = i < end
+                m = tl.load(m_ptr + bh * N * N + i[:, None].to(tl.int64) * N + j[None, :],
+                            mask=rows[:, None] & cols[None, :], other=0).to(tl.int32)
+                length = tl.load(len_ptr + i, mask=rows, other=0).to(tl.int32)
+                acc += tl.sum(m * length[:, None], axis=0)
+                hit = tl.maximum(hit, tl.max(m, axis=0))
+            out = (r * BH + bh) * N + j
+            tl.store(colw_ptr + out, acc, mask=cols)
+            tl.store(hit_ptr + out, hit.to(tl.int8), mask=cols)
+
+
+def rank_columns_ok(masks: torch.Tensor) -> bool:
+    """Whether ``rank_columns`` runs on ``masks``: CUDA, Triton importable, not switched off
+    by ``SPARSP_TRITON_FIGURES=0``."""
+    return (triton is not None and masks.device.type == "cuda"
+            and os.environ.get("SPARSP_TRITON_FIGURES", "1") != "0")
+
+
+def rank_columns(masks: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor,
+                 rows: tuple[slice, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For masks bool [BH, N, N] whose query rows are cut into G contiguous ranges ``bounds``
+    (int32 [G, 2]: start, end; ``rows``, the same as slices on the host, bound the loop) and
+    blocks of ``lengths`` tokens (int [N]): per rank r, row
+    (batch·head) and key block j, the kept query tokens Σ_{i∈r} M[i, j]·L_i (int32 [G, BH, N])
+    and whether any of r's query blocks keeps j (int8 [G, BH, N]), in one pass over the mask
+    (one Triton program per row and column strip). CUDA; CPU tensors in Triton's interpreter."""
+    BH, N, _ = masks.shape
+    G = bounds.shape[0]
+    most = int(max(r.stop - r.start for r in rows)) if rows is not None else N
+    colw = torch.empty(G, BH, N, dtype=torch.int32, device=masks.device)
+    hit = torch.empty(G, BH, N, dtype=torch.int8, device=masks.device)
+    if BH == 0 or N == 0:
+        return colw, hit
+    block_j = min(128, triton.next_power_of_2(N))
+    m = masks.contiguous().view(torch.uint8)
+    # G and the longest rank are compile-time: one compile per group size and geometry
+    _rank_columns[(BH, triton.cdiv(N, block_j))](m, bounds, lengths, colw, hit, BH, N, G=G, MOST=most,
+                                                  BLOCK_I=32, BLOCK_J=block_j)
+    return colw, hit

@@ -286,6 +286,17 @@ class Blocks:
                                        (1.0 - onehot.T) * L.double()[None, :])
         return got
 
+    def bounds(self, device) -> torch.Tensor:
+        """int32 [G, 2]: each rank's first and past-last block (``rows``, placed order), on
+        ``device``; made once per ``Blocks`` and device (read by a captured plan stage)."""
+        key = ("bounds", str(device))
+        got = self._consts.get(key)
+        if got is None:
+            assert self.rows is not None, "bounds need the placed order's rank slices"
+            got = self._consts[key] = torch.tensor([[r.start, r.stop] for r in self.rows],
+                                                   dtype=torch.int32, device=device)
+        return got
+
     @staticmethod
     def of(placement: Placement) -> "Blocks":
         L = placement.geometry.block_lengths()
@@ -373,6 +384,20 @@ def demand_of(host: list[int], blocks: Blocks, rows: int, nB: int, *, batch: int
                   tuple(heads_h), grid(relay_h, G - 1) if relay else None, blocks.block_size)
 
 
+def _column_figures(masks: torch.Tensor, blocks: Blocks, batch: int) -> torch.Tensor:
+    """``demand_figures`` (without ``relay``) from one pass over the mask
+    (``demand.rank_columns``: per rank the kept query tokens and the demand of every key block;
+    the torch form makes four passes), the same exact sums."""
+    L, _, onehot, remote = blocks.constants(masks.device)
+    BH = masks.shape[0]
+    colw, hit = demand.rank_columns(masks, blocks.bounds(masks.device), L, blocks.rows)
+    colw = colw.double()
+    pairs = (colw.sum(dim=1) * L.double()[None, :]) @ onehot
+    direct = (hit.sum(dim=1).double() * remote) @ onehot
+    head_pairs = (colw.sum(dim=0) @ L.double()).view(batch, BH // batch).sum(dim=0)
+    return torch.cat([pairs.flatten(), direct.flatten(), head_pairs])
+
+
 def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool = False) -> torch.Tensor:
     """float64 [2G² + heads (+ G(G−1) with ``relay``)] on the masks' device: the exact sums
     ``demand_of`` reads (device ops only, no host sync: a captured plan stage may hold them)."""
@@ -382,6 +407,8 @@ def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay
         raise ValueError(f"{BH} mask rows do not split into a batch of {batch}")
     device = masks.device
     L, _, onehot, remote = blocks.constants(device)
+    if blocks.rows is not None and not relay and demand.rank_columns_ok(masks):
+        return _column_figures(masks, blocks, batch)
     pairs = _pair_tokens(masks, blocks)
     if blocks.rows is None:  # analysis order: the one demand function (boolean row selection)
         need = demand.remote_demand(masks, blocks.owner.to(device), G)
