@@ -23,6 +23,8 @@ from sparsp import cdf_select  # noqa: E402
 from sparsp.masks import PooledBlocks, _select_sorted, select_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cuda":  # compiled on a GPU machine: part of its `-m gpu` run (scripts/gpu_check.sh)
+    pytestmark = pytest.mark.gpu
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton's interpreter was not switched on before Triton was imported",
                 allow_module_level=True)
