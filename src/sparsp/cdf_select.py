@@ -37,11 +37,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a torch build without Triton (CPU wheels)
-    triton = tl = None
+from ._triton import runs, tl, triton
 
 MAX_COLS = 16384
 """Blocks per row the kernel holds in registers (one program per row); wider rows sort."""
@@ -50,59 +46,42 @@ MAX_COLS = 16384
 def available(scores: torch.Tensor) -> bool:
     """Whether ``select_blocks`` runs this kernel on ``scores``: CUDA, Triton importable, rows
     of at most ``MAX_COLS`` blocks, not switched off by ``SPARSP_FUSED_SELECT=0``."""
-    return (triton is not None and scores.device.type == "cuda" and 0 < scores.shape[-1] <= MAX_COLS
-            and os.environ.get("SPARSP_FUSED_SELECT", "1") != "0")
+    return runs(scores, "SPARSP_FUSED_SELECT") and 0 < scores.shape[-1] <= MAX_COLS
 
 
-if tl is None:  # pragma: no cover
-    class tl:  # noqa: N801  (names the kernel's annotations resolve to without Triton)
-        constexpr = int
-
-
-def _select_rows(scores_ptr, cdf_ptr, out_ptr, n_cols, rows_per_head, heads, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cdf = tl.load(cdf_ptr + (row // rows_per_head) % heads)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(scores_ptr + row * n_cols + cols, mask=inside, other=float("-inf"))
-    top_score = tl.max(x, 0)
-    e = tl.exp(x - tl.where(top_score > float("-inf"), top_score, 0.0))
-    total = tl.sum(e, 0)
-    p = e / tl.where(total > 0, total, 1.0)
-    bits = p.to(tl.int32, bitcast=True)  # p ≥ 0: the bit patterns order like the values
-    top = tl.max(tl.where(inside, bits, 0), 0)
-    lo = top * 0
-    hi = top + 1  # mass(p ≥ hi) = 0 ≤ cdf
-    for _ in range(31):  # smallest T with mass(p ≥ T) ≤ cdf (lower bound over [0, top + 1])
-        mid = lo + (hi - lo) // 2
-        mass = tl.sum(tl.where(inside & (bits >= mid), p, 0.0), 0)
-        ok = mass <= cdf
-        hi = tl.where(ok, mid, hi)
-        lo = tl.where(ok, lo, mid + 1)
-    above = inside & (bits >= hi)
-    kept_mass = tl.sum(tl.where(above, p, 0.0), 0)
-    v_bits = tl.max(tl.where(inside & (bits < hi), bits, -1), 0)  # largest excluded value
-    v = v_bits.to(tl.float32, bitcast=True)
-    tie = inside & (bits == v_bits)
-    rank = tl.cumsum(tie.to(tl.int32), 0)  # 1, 2, … in index order among the ties
-    keep = above | (tie & (kept_mass + rank.to(tl.float32) * v <= cdf))
-    nothing = tl.sum(keep.to(tl.int32), 0) == 0
-    keep = tl.where(nothing, tie & (rank == 1), keep)  # at least one: the first largest block
-    keep = tl.where(cdf >= 1.0, inside, keep)
-    tl.store(out_ptr + row * n_cols + cols, keep, mask=inside)
-
-
-_COMPILED = {}
-
-
-def _kernel(device_type: str):
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("cdf_select runs CPU tensors in Triton's interpreter only: set "
-                           "TRITON_INTERPRET=1 before Triton is imported")
-    fn = _COMPILED.get("kernel")
-    if fn is None:
-        fn = _COMPILED["kernel"] = triton.jit(_select_rows)
-    return fn
+if triton is not None:
+    @triton.jit
+    def _select_rows(scores_ptr, cdf_ptr, out_ptr, n_cols, rows_per_head, heads, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cdf = tl.load(cdf_ptr + (row // rows_per_head) % heads)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(scores_ptr + row * n_cols + cols, mask=inside, other=float("-inf"))
+        top_score = tl.max(x, 0)
+        e = tl.exp(x - tl.where(top_score > float("-inf"), top_score, 0.0))
+        total = tl.sum(e, 0)
+        p = e / tl.where(total > 0, total, 1.0)
+        bits = p.to(tl.int32, bitcast=True)  # p ≥ 0: the bit patterns order like the values
+        top = tl.max(tl.where(inside, bits, 0), 0)
+        lo = top * 0
+        hi = top + 1  # mass(p ≥ hi) = 0 ≤ cdf
+        for _ in range(31):  # smallest T with mass(p ≥ T) ≤ cdf (lower bound over [0, top + 1])
+            mid = lo + (hi - lo) // 2
+            mass = tl.sum(tl.where(inside & (bits >= mid), p, 0.0), 0)
+            ok = mass <= cdf
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid + 1)
+        above = inside & (bits >= hi)
+        kept_mass = tl.sum(tl.where(above, p, 0.0), 0)
+        v_bits = tl.max(tl.where(inside & (bits < hi), bits, -1), 0)  # largest excluded value
+        v = v_bits.to(tl.float32, bitcast=True)
+        tie = inside & (bits == v_bits)
+        rank = tl.cumsum(tie.to(tl.int32), 0)  # 1, 2, … in index order among the ties
+        keep = above | (tie & (kept_mass + rank.to(tl.float32) * v <= cdf))
+        nothing = tl.sum(keep.to(tl.int32), 0) == 0
+        keep = tl.where(nothing, tie & (rank == 1), keep)  # at least one: the first largest block
+        keep = tl.where(cdf >= 1.0, inside, keep)
+        tl.store(out_ptr + row * n_cols + cols, keep, mask=inside)
 
 
 def _warps(block: int) -> int:
@@ -128,9 +107,12 @@ def select(scores: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
     rows = B * H * nQ
     if rows == 0:
         return out
+    if scores.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("cdf_select runs CPU tensors in Triton's interpreter only: set "
+                           "TRITON_INTERPRET=1 before Triton is imported")
     block = triton.next_power_of_2(nK)
     kwargs = {} if scores.device.type != "cuda" else {"num_warps": _warps(block)}
-    _kernel(scores.device.type)[(rows,)](scores, cdf, out, nK, nQ, H, BLOCK=block, **kwargs)
+    _select_rows[(rows,)](scores, cdf, out, nK, nQ, H, BLOCK=block, **kwargs)
     return out
 
 

@@ -21,7 +21,6 @@ Byte rules (``BYTE_RULES``; each strategy names its rule when it registers, see
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,11 +28,7 @@ import torch
 
 from .placement import Placement
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a torch build without Triton
-    triton = tl = None
+from ._triton import runs, tl, triton
 
 def _check_masks(masks: torch.Tensor, placement: Placement) -> torch.Tensor:
     if not isinstance(placement, Placement):
@@ -243,8 +238,7 @@ if triton is not None:
 def rank_columns_ok(masks: torch.Tensor) -> bool:
     """Whether ``rank_columns`` runs on ``masks``: CUDA, Triton importable, not switched off
     by ``SPARSP_TRITON_FIGURES=0``."""
-    return (triton is not None and masks.device.type == "cuda"
-            and os.environ.get("SPARSP_TRITON_FIGURES", "1") != "0")
+    return runs(masks, "SPARSP_TRITON_FIGURES")
 
 
 def rank_columns(masks: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor,

@@ -13,18 +13,13 @@ last block may be short (``sparsp.placement`` guarantees that for placed sequenc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .kernels.buffer import canonical_block_ids
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a torch build without Triton
-    triton = tl = None
+from ._triton import runs, tl, triton
 
 __all__ = ["Layout", "Pending", "gather_rows", "halves", "layout", "pack", "prepare"]
 
@@ -175,7 +170,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, lay: Layout, heads: int, out: torch.T
     D = k.shape[-1]
     rows = lay.token_rows(heads, source).to(k.device)
     n = lay.num_rows * D
-    if _gather_ok(k, v, out):
+    if _gather_ok(k, v):
         gather_rows(k, v, rows, out[: 2 * n])
         return 2 * n
     torch.index_select(k.reshape(-1, D), 0, rows, out=out[:n].view(-1, D))
@@ -197,9 +192,8 @@ if triton is not None:
         tl.store(out_ptr + (n_rows + r)[:, None] * D + d[None, :], tl.load(v_ptr + at, mask=tile), mask=tile)
 
 
-def _gather_ok(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    return (triton is not None and k.device.type == "cuda" and k.is_contiguous() and v.is_contiguous()
-            and os.environ.get("SPARSP_TRITON_PACK", "1") != "0")
+def _gather_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return runs(k, "SPARSP_TRITON_PACK") and k.is_contiguous() and v.is_contiguous()
 
 
 def gather_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -25,16 +25,11 @@ given, ``(B, S, H, D)``, read in place without packing.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a torch build without Triton
-    triton = tl = None
+from .._triton import runs, tl, triton
 from torch import Tensor
 
 __all__ = ["KVBuffer", "ShortSplit", "canonical_block_ids", "compact_indices", "compact_rows", "kernel_indices",
@@ -242,8 +237,7 @@ if triton is not None:
 
 
 def _compact_ok(keep: Tensor) -> bool:
-    return (triton is not None and keep.device.type == "cuda"
-            and 0 < keep.shape[-1] <= 16384 and os.environ.get("SPARSP_TRITON_LISTS", "1") != "0")
+    return runs(keep, "SPARSP_TRITON_LISTS") and 0 < keep.shape[-1] <= 16384
 
 
 def compact_rows(keep: Tensor, indices: Tensor, width: int) -> tuple[Tensor, Tensor]:

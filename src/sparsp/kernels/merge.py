@@ -13,17 +13,12 @@ which equals attention over the union of the key sets.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a torch build without Triton
-    triton = tl = None
+from .._triton import runs, tl, triton
 
 __all__ = ["fold", "merge_final", "merge_into", "merge_pair", "merge_partials", "update_out_and_lse"]
 
@@ -144,9 +139,7 @@ def _triton_ok(*ts: Tensor) -> bool:
     """Whether the Triton merge runs on these (B, H, S, D) partials: CUDA, Triton importable,
     head-dim contiguous (any other strides), not switched off by ``SPARSP_TRITON_MERGE=0``.
     (The CPU suite runs ``_launch`` itself in Triton's interpreter.)"""
-    if triton is None or os.environ.get("SPARSP_TRITON_MERGE", "1") == "0":
-        return False
-    return ts[0].device.type == "cuda" and all(t.stride(-1) == 1 for t in ts)
+    return runs(ts[0], "SPARSP_TRITON_MERGE") and all(t.stride(-1) == 1 for t in ts)
 
 
 def _launch(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dest: Tensor,
