@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -507,6 +508,139 @@ def test_fa4_wrapper_logic_on_cpu(monkeypatch, B, H, Sq, S, bs, layout_kind):
     monkeypatch.setattr(fa4, "unsupported_reason", lambda q, block_size: None)
     monkeypatch.setattr(fa4, "_run", _emulated_fa4_run)
     _check_wrapper(fa4.block_sparse_attention, B, H, Sq, S, bs, layout_kind, shuffle=True)
+
+
+class AuxData(NamedTuple):  # as FA4's: its compiled kernel checks the type of each field
+    tensors: tuple | None = None
+    scalars: tuple | None = None
+
+
+class FakeFA4:
+    """FA4's call structure without its kernel: ``flash_attn_func`` checks its arguments,
+    compiles into ``_flash_attn_fwd.compile_cache`` on a miss and calls the compiled kernel
+    with the same argument list as FA4 4.0.0b36 on sm90 (detached q/k/v, out, lse, scale,
+    five unused tensors, window sizes, sink, the eight block-sparse tensors, aux data, two
+    scheduler tensors). ``copy_q`` makes it copy q first, as FA4 does with a q whose last dim
+    is not contiguous."""
+
+    def __init__(self, copy_q=False):
+        self.copy_q, self.api_calls, self.kernel_calls = copy_q, 0, 0
+        fake = self
+
+        def _flash_attn_fwd():  # the attribute holder, as in FA4
+            raise AssertionError("not called directly")
+
+        _flash_attn_fwd.compile_cache = {}
+        self.fwd = _flash_attn_fwd
+
+        def kernel(q, k, v, out, lse, scale, *rest):
+            fake.kernel_calls += 1
+            assert type(rest[9]) is AuxData and rest[9] == (None, None), rest[9]
+            sparse = rest[8]
+            full_cnt, full_idx = sparse[2], sparse[3]
+            o, l = _emulated_fa4_run(q, k, v, full_cnt, full_idx, fake.bs, scale)
+            out.copy_(o)
+            lse.copy_(l)
+        self.kernel = kernel
+
+    def flash_attn_func(self, q, k, v, softmax_scale, causal, pack_gqa, block_sparse_tensors,
+                        return_lse):
+        self.api_calls += 1
+        self.bs = block_sparse_tensors.block_size[1]
+        if self.copy_q:
+            q = q.clone()
+        key = (q.dtype, q.shape[-1])
+        cache = self.fwd.compile_cache
+        if key not in cache:
+            cache[key] = self.kernel
+        B, Sq, H, D = q.shape
+        out = torch.empty(B, Sq, H, v.shape[-1], dtype=q.dtype)
+        lse = torch.empty(B, H, Sq, dtype=torch.float32)
+        s = block_sparse_tensors
+        cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
+                   None, None, None, None, None, None, None, None,
+                   (s.mask_block_cnt, s.mask_block_idx, s.full_block_cnt, s.full_block_idx,
+                    None, None, None, None), AuxData(None, None), None, None)
+        return out, lse
+
+
+class FakeBlockSparse:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """Installs a ``FakeFA4`` as ``flash_attn.cute.interface`` (returned; ``.install(copy_q)``
+    swaps in another) with the prepared-launch table emptied."""
+    import sys
+    import types
+
+    def install(copy_q=False):
+        fake = FakeFA4(copy_q)
+        interface = types.ModuleType("flash_attn.cute.interface")
+        interface._flash_attn_fwd = fake.fwd
+        for name, mod in (("flash_attn", types.ModuleType("flash_attn")),
+                          ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+                          ("flash_attn.cute.interface", interface)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        monkeypatch.setattr(fa4, "_load", lambda: (fake.flash_attn_func, FakeBlockSparse, None))
+        monkeypatch.setattr(fa4, "_PREPARED", {})
+        return fake
+
+    monkeypatch.setattr(fa4, "unsupported_reason", lambda q, block_size: None)
+    monkeypatch.delenv("SPARSP_FA4_PREPARED", raising=False)
+    install.first = install()
+    return install
+
+
+def _fa4_case(seed, Sq, S, layout_kind="local"):
+    q, k, v, mask, selected = shard_case(seed, 1, 2, Sq, S, 8, 8)
+    if layout_kind == "local":
+        kv = LocalKV(k, v, 8)
+        block_ids = kv.block_ids()
+    else:
+        kv, block_ids = packed_buffer(k, v, selected, 8)
+    num, idx = kernel_indices(mask, block_ids, math.ceil(S / 8) + 2)
+    return (q, kv, num, idx), local_reference(q, k, v, mask, 8)
+
+
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
+def test_fa4_prepared_launch_reuses_the_first_calls_arguments(fake_fa4, layout_kind):
+    fake = fake_fa4.first
+    for i, (Sq, S) in enumerate([(40, 48), (24, 64), (56, 40), (40, 48)]):
+        args, (ref_out, ref_lse) = _fa4_case(20 + i, Sq, S, layout_kind)
+        out, lse = fa4.block_sparse_attention(*args)
+        assert_matches(out.float(), lse, ref_out, ref_lse, tol=1e-5)
+        # only the first call of the signature goes through flash_attn_func; new lengths
+        # and new tensors reuse its template
+        assert fake.api_calls == 1 and fake.kernel_calls == i + 1
+    assert fake.fwd.compile_cache.__class__ is dict, "the compile cache is restored"
+    assert sum(p is not None for p in fa4._PREPARED.values()) == 1
+
+
+def test_fa4_prepared_launch_declines_when_fa4_copies_an_input(fake_fa4):
+    fake = fake_fa4(copy_q=True)
+    for i in range(3):
+        args, (ref_out, ref_lse) = _fa4_case(30 + i, 40, 48)
+        out, lse = fa4.block_sparse_attention(*args)
+        assert_matches(out.float(), lse, ref_out, ref_lse, tol=1e-5)
+    assert fake.api_calls == 3 and list(fa4._PREPARED.values()) == [None]
+
+
+def test_fa4_prepared_launch_switch_and_new_signatures(fake_fa4, monkeypatch):
+    fake = fake_fa4.first
+    args, _ = _fa4_case(40, 40, 48)
+    fa4.block_sparse_attention(*args)
+    fa4.block_sparse_attention(*args)
+    assert fake.api_calls == 1
+    monkeypatch.setenv("SPARSP_FA4_PREPARED", "0")
+    fa4.block_sparse_attention(*args)
+    assert fake.api_calls == 2
+    monkeypatch.delenv("SPARSP_FA4_PREPARED")
+    q, kv, num, idx = args
+    fa4.block_sparse_attention(q, kv, num, idx, scale=0.5)  # another scale: another signature
+    assert fake.api_calls == 3 and len(fa4._PREPARED) == 2
 
 
 def _check_wrapper(kernel, B, H, Sq, S, bs, layout_kind, shuffle=False):

@@ -29,13 +29,30 @@ the first call of a compile key (about 3 s); its key holds dtype, head dim, the 
 per-K/V-head ratio and tile options but no sequence length, so new geometries with the same
 head dim and ratio reuse the kernel (the packed path's ratio is ``B*H``). FA4 caches the
 kernels in memory (on disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``).
+
+Prepared launches: ``flash_attn_func`` re-derives its whole configuration in Python on every
+call (argument checks, tile choice, the block-sparse tensors' normalisation, the compile key),
+which costs more host time than an LTX-size kernel of a call's critical path can hide. The
+first call of a *launch signature* (device, dtype, head dims, head counts, batch, the stride-0
+and unit-stride pattern of every tensor, block size, scale: everything FA4's compile key and
+argument list depend on besides sequence lengths and addresses) goes through
+``flash_attn_func`` with its compiled kernel watched, and the arguments the kernel received are
+kept as a template in which every tensor is named by the input it is (same address, shape and
+strides). Later calls of the signature build that argument list from their own tensors and
+call the compiled kernel directly. A signature whose arguments cannot all be named that way
+(FA4 copied or reshaped an input) keeps using ``flash_attn_func``; so do empty sequences.
+``SPARSP_FA4_PREPARED=0`` turns prepared launches off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
+import threading
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -121,7 +138,6 @@ def _run(q4: Tensor, k4: Tensor, v4: Tensor, num: Tensor, idx: Tensor, bs: int,
     """FA4 forward: ``q4 (B', Sq, Hq, D)``, ``k4, v4 (B', Sk, Hk, D)``, full-block lists
     ``num int32 [B', Hq, nQ]``, ``idx int32 [B', Hq, nQ, W]`` with ``1 <= W <= ceil(Sk/bs)``.
     Returns ``out (B', Sq, Hq, D)`` and natural-log ``lse (B', Hq, Sq)``."""
-    flash_attn_func, BlockSparse, _ = _load()
     # The "mask" lists (blocks that need mask_mod) are required by the API; ours are empty.
     # Full shape, not broadcast: a head dim of 1 there would let FA4 pack query heads.
     key = (tuple(num.shape), str(num.device))
@@ -130,17 +146,178 @@ def _run(q4: Tensor, k4: Tensor, v4: Tensor, num: Tensor, idx: Tensor, bs: int,
         empty = (torch.zeros(num.shape, dtype=torch.int32, device=num.device),
                  torch.zeros(*num.shape, 1, dtype=torch.int32, device=num.device))
         _NO_MASK[key] = empty
+    inputs = {"q": q4, "k": k4, "v": v4, "mask_cnt": empty[0], "mask_idx": empty[1],
+              "full_cnt": num.contiguous(), "full_idx": idx.contiguous()}
+    signature = _signature(inputs, bs, scale)
+    if signature is None:
+        return _call(inputs, bs, scale)
+    prepared = _PREPARED.get(signature, _UNSEEN)
+    if prepared is _UNSEEN:
+        return _prepare(signature, inputs, bs, scale)
+    if prepared is None:
+        return _call(inputs, bs, scale)
+    return prepared.launch(inputs)
+
+
+def _call(inputs: dict[str, Tensor], bs: int, scale: float) -> tuple[Tensor, Tensor]:
+    """The launch through ``flash_attn_func`` (FA4's own argument handling)."""
+    flash_attn_func, BlockSparse, _ = _load()
     sparse = BlockSparse(
-        mask_block_cnt=empty[0],
-        mask_block_idx=empty[1],
-        full_block_cnt=num.contiguous(),
-        full_block_idx=idx.contiguous(),
+        mask_block_cnt=inputs["mask_cnt"],
+        mask_block_idx=inputs["mask_idx"],
+        full_block_cnt=inputs["full_cnt"],
+        full_block_idx=inputs["full_idx"],
         block_size=(bs, bs),
     )
     with torch.no_grad():
-        out, lse = flash_attn_func(q4, k4, v4, softmax_scale=scale, causal=False, pack_gqa=False,
-                                   block_sparse_tensors=sparse, return_lse=True)
+        out, lse = flash_attn_func(inputs["q"], inputs["k"], inputs["v"], softmax_scale=scale,
+                                   causal=False, pack_gqa=False, block_sparse_tensors=sparse,
+                                   return_lse=True)
     return out, lse
+
+
+# -- prepared launches -----------------------------------------------------------------------
+
+_UNSEEN = object()
+_PREPARED: dict[tuple, "_Prepared | None"] = {}
+_PREPARE_LOCK = threading.Lock()
+
+
+def _layout(t: Tensor) -> tuple:
+    # What CuTe specialises on besides sizes: dims of stride 0 stay static, and FA4 copies
+    # a tensor whose last dim is not unit-stride.
+    st = t.stride()
+    return (0 in st) and tuple(s == 0 for s in st), st[-1] == 1, len(st)
+
+
+def _signature(inputs: dict[str, Tensor], bs: int, scale: float) -> tuple | None:
+    """The launch signature of a call, or ``None`` when it must go through FA4's own path."""
+    if os.environ.get("SPARSP_FA4_PREPARED", "1") == "0":
+        return None
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.requires_grad:
+        return None  # FA4 answers empty sequences without a kernel
+    return (q.device.index, q.dtype, q.shape[0], q.shape[2], q.shape[3], k.shape[2],
+            v.shape[3], bs, float(scale), tuple(map(_layout, inputs.values())))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """A place in FA4's argument list that holds one of the call's tensors."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    kernel: Callable[..., Any]
+    build: Callable[[dict], list]  # the argument list from the call's tensors (``_builder``)
+
+    def launch(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        q, v = inputs["q"], inputs["v"]
+        B, Sq, H = q.shape[:3]
+        inputs["out"] = out = torch.empty(B, Sq, H, v.shape[3], dtype=q.dtype, device=q.device)
+        inputs["lse"] = lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+        self.kernel(*self.build(inputs))
+        return out, lse
+
+
+def _rebuilt(like, parts: list):
+    """``parts`` as a sequence of ``like``'s type (a named tuple such as FA4's ``AuxData``
+    takes its fields as arguments)."""
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*parts)
+    return type(like)(parts)
+
+
+def _builder(template) -> Callable[[dict], Any]:
+    """A function of the call's tensors that returns ``template`` with its slots filled;
+    parts without a slot are the template's own objects, built once."""
+    if isinstance(template, _Slot):
+        name = template.name
+        return lambda tensors: tensors[name]
+    if isinstance(template, (tuple, list)) and any(True for _ in _slots(template)):
+        parts = [_builder(t) for t in template]
+        return lambda tensors: _rebuilt(template, [p(tensors) for p in parts])
+    return lambda tensors: template
+
+
+def _template(args, tensors: dict[str, Tensor]):
+    """``args`` with every tensor replaced by the ``_Slot`` of the input it is; ``None``
+    when a tensor is not one of them as it is (FA4 made a copy or a reshaped view)."""
+    if isinstance(args, Tensor):
+        names = [name for name, t in tensors.items()
+                 if args.data_ptr() == t.data_ptr() and args.shape == t.shape
+                 and args.stride() == t.stride() and args.dtype == t.dtype]
+        return _Slot(names[0]) if len(names) == 1 else None  # two inputs alike: ambiguous
+    if isinstance(args, (tuple, list)):
+        parts = [_template(a, tensors) for a in args]
+        if any(p is None and a is not None for p, a in zip(parts, args)):
+            return None
+        return _rebuilt(args, parts)
+    if isinstance(args, (int, float, bool, str, type(None))):
+        return args
+    return None  # an argument whose meaning per call we do not know: no template
+
+
+class _Watch:
+    """Stands in for FA4's compile cache during one call and keeps what its kernel got."""
+
+    def __init__(self, cache) -> None:
+        self.cache, self.calls = cache, []
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key, fn) -> None:
+        self.cache[key] = fn
+
+    def __getitem__(self, key):
+        fn = self.cache[key]
+
+        def kernel(*args):
+            self.calls.append((fn, args))
+            return fn(*args)
+        return kernel
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+def _prepare(signature: tuple, inputs: dict[str, Tensor], bs: int,
+             scale: float) -> tuple[Tensor, Tensor]:
+    """Run the signature's first call through ``flash_attn_func`` and keep its template."""
+    try:
+        from flash_attn.cute import interface
+        fwd = interface._flash_attn_fwd
+        cache = fwd.compile_cache
+    except (ImportError, AttributeError):  # another FA4 layout: no prepared launches
+        _PREPARED[signature] = None
+        return _call(inputs, bs, scale)
+    with _PREPARE_LOCK:
+        watch = _Watch(cache)
+        fwd.compile_cache = watch
+        try:
+            out, lse = _call(inputs, bs, scale)
+        finally:
+            fwd.compile_cache = cache
+    prepared = None
+    if len(watch.calls) == 1:  # one kernel, no combine or scheduler pass around it
+        kernel, args = watch.calls[0]
+        template = _template(list(args), {**inputs, "out": out, "lse": lse})
+        names = {s.name for s in _slots(template)} if template is not None else set()
+        if {"q", "k", "v", "out", "lse", "full_cnt", "full_idx"} <= names:
+            prepared = _Prepared(kernel, _builder(template))
+    _PREPARED[signature] = prepared
+    return out, lse
+
+
+def _slots(template):
+    if isinstance(template, _Slot):
+        yield template
+    elif isinstance(template, (tuple, list)):
+        for t in template:
+            yield from _slots(t)
 
 
 def block_sparse_attention(
