@@ -28,27 +28,27 @@ PLACEMENT = {"ring": "contiguous", "ring-sparse": "contiguous", "ring-relay": "p
 # --------------------------------------------------------------------------- _configs
 
 
-def _args(strategies, fabric="nvlink", *, no_copy_engine=False, ablation=False) -> Namespace:
+def _args(strategies, fabric="nvlink", *, no_copy_engine=False, ablation=False, env_variant=()) -> Namespace:
     return Namespace(strategy=list(strategies), fabric=fabric, no_copy_engine=no_copy_engine,
-                     ablation=ablation)
+                     ablation=ablation, env_variant=list(env_variant))
 
 
 @pytest.mark.parametrize("fabric, copy_engine", [("nvlink", "ipc"), ("host", "host")])
 def test_configs_one_row_per_strategy_and_a_copy_engine_row_for_sparsp(fabric, copy_engine):
     names = ["ring", "ring-sparse", "ring-relay", "ulysses", "sparsp"]
     rows = attention._configs(_args(names, fabric), world=2, heads=4)
-    want = [(s, PLACEMENT[s], "nccl", None) for s in names]
-    want.append(("sparsp", "periodic", copy_engine, None))  # right after sparsp's nccl row
+    want = [(s, PLACEMENT[s], "nccl", None, None) for s in names]
+    want.append(("sparsp", "periodic", copy_engine, None, None))  # right after sparsp's nccl row
     assert rows == want
     # the order of --strategy is the order of the rows
     rows = attention._configs(_args(["sparsp", "ring"], fabric), world=2, heads=4)
-    assert rows == [("sparsp", "periodic", "nccl", None), ("sparsp", "periodic", copy_engine, None),
-                    ("ring", "contiguous", "nccl", None)]
+    assert rows == [("sparsp", "periodic", "nccl", None, None), ("sparsp", "periodic", copy_engine, None, None),
+                    ("ring", "contiguous", "nccl", None, None)]
 
 
 def test_configs_without_the_copy_engine_row():
     rows = attention._configs(_args(["ring", "sparsp"], no_copy_engine=True), world=2, heads=4)
-    assert rows == [("ring", "contiguous", "nccl", None), ("sparsp", "periodic", "nccl", None)]
+    assert rows == [("ring", "contiguous", "nccl", None, None), ("sparsp", "periodic", "nccl", None, None)]
 
 
 @pytest.mark.parametrize("world, heads, ulysses", [(2, 4, True), (2, 3, False), (4, 6, False), (3, 6, True)])
@@ -61,8 +61,9 @@ def test_configs_drop_ulysses_when_heads_do_not_divide(world, heads, ulysses):
 def test_configs_ablation_rows_switch_on_one_thing_at_a_time(fabric, copy_engine):
     args = _args(["ring"], fabric, no_copy_engine=True, ablation=True)
     rows = attention._configs(args, world=2, heads=3)  # heads filter the strategies, not the ablation
-    assert rows[0] == ("ring", "contiguous", "nccl", None)
+    assert rows[0] == ("ring", "contiguous", "nccl", None, None)
     ablation = rows[1:]
+    assert all(r[4] is None for r in ablation)
     assert [r[:3] for r in ablation] == [
         ("ring-sparse", "contiguous", "nccl"),  # baseline
         ("ring-sparse", "periodic", "nccl"),  # + periodic placement
@@ -83,6 +84,47 @@ def test_configs_ablation_rows_switch_on_one_thing_at_a_time(fabric, copy_engine
     labels = [r[3] for r in ablation]
     assert labels[0] == "baseline" and all(isinstance(x, str) and x for x in labels)
     assert len(set(labels)) == len(labels)
+
+
+@pytest.mark.parametrize("no_copy_engine", [False, True])
+def test_configs_env_variants_repeat_the_sparsp_rows(no_copy_engine):
+    off, merge = {"SPARSP_FA4_PREPARED": "0"}, {"SPARSP_TRITON_MERGE": "0", "X": ""}
+    args = _args(["ring", "sparsp"], "host", no_copy_engine=no_copy_engine, env_variant=[off, merge])
+    rows = attention._configs(args, world=2, heads=4)
+    transports = ["nccl"] + ([] if no_copy_engine else ["host"])
+    assert rows == ([("ring", "contiguous", "nccl", None, None)]
+                    + [("sparsp", "periodic", t, None, None) for t in transports]
+                    + [("sparsp", "periodic", t, None, env) for env in (off, merge) for t in transports])
+
+
+def test_env_variant_parsing_and_scoping(monkeypatch):
+    assert common.parse_env("A=0") == {"A": "0"}
+    assert common.parse_env("A=0, B_2=x=y") == {"A": "0", "B_2": "x=y"}
+    for bad in ("A", "=0", "1A=0", "A=0,,B=1", ""):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            common.parse_env(bad)
+    monkeypatch.setenv("SPARSP_T1", "keep")
+    monkeypatch.delenv("SPARSP_T2", raising=False)
+    import os
+    seen = []
+    fn = common.with_env(lambda: seen.append((os.environ.get("SPARSP_T1"), os.environ.get("SPARSP_T2"))),
+                         {"SPARSP_T1": "0", "SPARSP_T2": "1"})
+    fn()
+    assert seen == [("0", "1")]
+    assert os.environ["SPARSP_T1"] == "keep" and "SPARSP_T2" not in os.environ  # restored
+    with pytest.raises(RuntimeError), common.env_set({"SPARSP_T1": "0"}):
+        raise RuntimeError("restored on errors too")
+    assert os.environ["SPARSP_T1"] == "keep"
+    f = lambda: 1  # noqa: E731
+    assert common.with_env(f, None) is f and common.with_env(f, {}) is f
+    # the command line says what is wrong
+    import argparse
+    p = argparse.ArgumentParser()
+    attention.add_arguments(p)
+    assert p.parse_args(["--env-variant", "A=0", "--env-variant", "B=1,C=2"]).env_variant == [
+        {"A": "0"}, {"B": "1", "C": "2"}]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--env-variant", "A"])
 
 
 # --------------------------------------------------------------------------- link_gbps

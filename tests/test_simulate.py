@@ -632,11 +632,13 @@ def test_validation_skips_ablation_1gpu_and_unknown_rows_and_summarises(tmp_path
 
     rows = [dict(ROW, fabric="host", strategy="sparsp", transport="host", median_ms=5.0),
             dict(ROW, fabric="host", strategy="sparsp", transport="host", ablation="+periodic"),
+            dict(ROW, fabric="host", strategy="sparsp", transport="host", env={"SPARSP_FA4_PREPARED": "0"}),
             dict(ROW, fabric="host", strategy="1gpu-dense", transport="none", ranks=1),
             dict(ROW, fabric="nvlink", strategy="zigzag", transport="nccl")]
     out, notes = validate([_attention_file(tmp_path, rows)], cache=MaskCache())
     assert [v["strategy"] for v in out] == ["sparsp"]
     assert any("ablation step" in n for n in notes) and any("1 rank(s), not a multi-GPU row" in n for n in notes)
+    assert any("a variant run with {'SPARSP_FA4_PREPARED': '0'}" in n for n in notes)
     assert any("'zigzag' is not a registered strategy" in n for n in notes)
     assert {"model", "fabric", "strategy", "predicted_ms", "measured_ms", "error", "commit"} <= set(out[0])
     s = validation_summary([{"fabric": "host", "error": 0.1}, {"fabric": "host", "error": -0.2},

@@ -230,3 +230,22 @@ def test_column_figures_equal_the_torch_figures(lens, batch):
     dev_blocks = Blocks.of_call(lens, 64, device=DEVICE)
     got = _column_figures(masks.to(DEVICE), dev_blocks, batch).cpu()
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_switch_settings_name_every_kernel(monkeypatch):
+    """``_triton.settings`` (part of a captured stage's key) follows each switch; a kernel's
+    switch must be one of ``SWITCHES``, so none can be left out of that key."""
+    from sparsp import _triton
+
+    for name in _triton.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert _triton.settings() == (None,) * len(_triton.SWITCHES)
+    monkeypatch.setenv("SPARSP_TRITON_LISTS", "0")
+    assert _triton.settings()[_triton.SWITCHES.index("SPARSP_TRITON_LISTS")] == "0"
+    with pytest.raises(AssertionError, match="unknown switch"):
+        _triton.runs(torch.zeros(1), "SPARSP_TRITON_NEW")
+    import pathlib
+    import re
+    src = pathlib.Path(_triton.__file__).parent
+    used = {m for p in src.rglob("*.py") for m in re.findall(r'runs\([^,]+, "(SPARSP_\w+)"\)', p.read_text())}
+    assert used == set(_triton.SWITCHES)

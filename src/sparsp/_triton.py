@@ -20,11 +20,24 @@ except ImportError:  # pragma: no cover - a torch build without Triton
     triton = tl = None
 
 
+SWITCHES = ("SPARSP_FUSED_SELECT", "SPARSP_TRITON_LISTS", "SPARSP_TRITON_PACK", "SPARSP_TRITON_MERGE",
+            "SPARSP_TRITON_FIGURES")
+"""Every kernel's switch (docs/kernels.md)."""
+
+
+def settings() -> tuple[str | None, ...]:
+    """The switches' current values: part of the key of a captured plan stage
+    (``strategies/captured.py``), so that a graph recorded with a kernel is never replayed
+    after its switch changed."""
+    return tuple(os.environ.get(name) for name in SWITCHES)
+
+
 def runs(t: torch.Tensor, switch: str) -> bool:
     """Whether a Triton kernel runs on ``t``: Triton importable, ``t`` on CUDA, and the
     kernel's environment ``switch`` not set to ``0``. (The CPU suite calls the kernels itself,
     in Triton's interpreter.)"""
+    assert switch in SWITCHES, f"unknown switch {switch}: add it to SWITCHES"
     return triton is not None and t.device.type == "cuda" and os.environ.get(switch, "1") != "0"
 
 
-__all__ = ["runs", "tl", "triton"]
+__all__ = ["SWITCHES", "runs", "settings", "tl", "triton"]

@@ -44,6 +44,10 @@ names what it switches on in ``ablation``. ``cuda_graphs`` says whether a row re
 stage, ``local_first`` whether its timed split call queued the local kernel first
 (``local_first_config``: the setting, ``--local-first``; automatic by default), and
 ``drain_chunks`` in how many messages its last round's payload came (``sparsp``; else None).
+``--env-variant NAME=VALUE[,...]`` (repeatable) adds, for every ``sparsp`` row, a row whose
+calls run with those environment variables set (``env`` in the row), timed in the same rounds:
+e.g. ``SPARSP_FA4_PREPARED=0`` or ``SPARSP_TRITON_MERGE=0`` shows what one switch of
+docs/kernels.md changes, with the lease's drift shared by both rows.
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -58,7 +62,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import init_distributed, median, time_interleaved, time_ms, write_result
+from .common import (env_set, init_distributed, median, parse_env, time_interleaved, time_ms, with_env,
+                     write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 
 FABRICS = ("nvlink", "host")
@@ -92,6 +97,10 @@ def add_arguments(p) -> None:
                    help="SparspConfig.local_first of every row: auto (None: where it pays), on "
                         "(the local kernel before the host read), off (after the first pack)")
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
+    p.add_argument("--env-variant", action="append", default=[], type=_env_arg,
+                   metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="add, for every sparsp row, a row timed with these environment variables "
+                        "set for its calls (e.g. SPARSP_FA4_PREPARED=0); repeatable")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
                         "transport-all-*.json on this fabric)")
@@ -106,6 +115,15 @@ def add_arguments(p) -> None:
                    help="write, per row and rank, torch.profiler tables of one call (ops by device "
                         "and by host time) and a gzipped Chrome trace into DIR")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def _env_arg(text: str) -> dict[str, str]:
+    import argparse
+
+    try:
+        return parse_env(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_inputs(geom, placement, rank: int, device, dtype, seed: int):
@@ -125,31 +143,32 @@ def _max(x: float, device) -> float:
     return float(t.item())
 
 
-def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None]]:
-    """(strategy, placement, transport, ablation) of every row."""
+def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None, dict | None]]:
+    """(strategy, placement, transport, ablation, env) of every row."""
     from ..strategies import strategy_spec
 
     ce = COPY_ENGINE[args.fabric]
     rows = []
     for s in args.strategy:
         if s == "auto":  # on sparsp's placement, over NCCL and the fabric's copy engine
-            rows += [("auto", "periodic", t, None) for t in ("nccl",) + (() if args.no_copy_engine else (ce,))]
+            rows += [("auto", "periodic", t, None, None) for t in ("nccl",) + (() if args.no_copy_engine else (ce,))]
             continue
         spec = strategy_spec(s)
         if spec.heads_divisible and heads % world:
             continue
-        rows.append((s, spec.placement, "nccl", None))
-        if s == "sparsp" and not args.no_copy_engine:
-            rows.append((s, spec.placement, ce, None))
+        transports = ("nccl",) + ((ce,) if s == "sparsp" and not args.no_copy_engine else ())
+        rows += [(s, spec.placement, t, None, None) for t in transports]
+        if s == "sparsp":
+            rows += [(s, spec.placement, t, None, env) for env in args.env_variant for t in transports]
     if args.ablation:
-        rows += [("ring-sparse", "contiguous", "nccl", "baseline"),
-                 ("ring-sparse", "periodic", "nccl", "+periodic placement"),
-                 ("ring-relay", "periodic", "nccl", "+periodic, relay routing"),
-                 ("sparsp", "periodic", "nccl", "+periodic, direct routing"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs"),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs, local first")]
+        rows += [("ring-sparse", "contiguous", "nccl", "baseline", None),
+                 ("ring-sparse", "periodic", "nccl", "+periodic placement", None),
+                 ("ring-relay", "periodic", "nccl", "+periodic, relay routing", None),
+                 ("sparsp", "periodic", "nccl", "+periodic, direct routing", None),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport", None),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain", None),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs", None),
+                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs, local first", None)]
     return rows
 
 
@@ -195,7 +214,7 @@ def main(args) -> int:
     one_gpu = dist.new_group([0]) if world > 1 else None
     for cdf in args.cdf:
         timed = []  # (row without its times, the call): timed together below
-        for strategy, kind, transport, ablation in _configs(args, world, geom.heads):
+        for strategy, kind, transport, ablation, env in _configs(args, world, geom.heads):
             if kind not in inputs:  # every placement's inputs stay: the rows are timed together
                 pl = make_placement(kind, geom, world)
                 inputs[kind] = (pl, make_inputs(geom, pl, rank, device, dtype, args.seed))
@@ -210,8 +229,8 @@ def main(args) -> int:
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
                                kernel=args.kernel, timeout_s=300.0, **chunking)
             t = get_transport(transport, None, device, cfg.timeout_s)
-            call = (lambda q=q, k=k, v=v, strategy=strategy, cfg=cfg:
-                    sp_attention(q, k, v, strategy=strategy, config=cfg))
+            call = with_env(lambda q=q, k=k, v=v, strategy=strategy, cfg=cfg:
+                            sp_attention(q, k, v, strategy=strategy, config=cfg), env)
             call()
             t.fence()
             t.reset_counters()
@@ -221,10 +240,12 @@ def main(args) -> int:
             most = moved.clone()
             dist.all_reduce(moved)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
+            with env_set(env):
+                split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
             stem = None if args.profile is None else args.profile / (
                 f"{geom.name}-{args.fabric}-{strategy}-{t.name}-{kind}-cdf{cdf}"
-                + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "") + f"-r{rank}")
+                + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "")
+                + "".join(f"-{name}{value}" for name, value in (env or {}).items()) + f"-r{rank}")
             syncs, colls = count_syncs_and_collectives(call, stem)
             c_ms = _max(flops, device) / (dense[0] * 1e9)
             t_ms = int(most.item()) / (gbps * 1e6)
@@ -244,7 +265,7 @@ def main(args) -> int:
                    "bound_ms": round(max(c_ms, t_ms), 3), "efficiency": None, "ablation": ablation,
                    "cuda_graphs": cfg.cuda_graphs, "local_first_config": cfg.local_first,
                    "local_first": split["local_first"], "drain_chunks": split["drain_chunks"],
-                   "auto_choice": chosen if strategy == "auto" else None}
+                   "auto_choice": chosen if strategy == "auto" else None, "env": env}
             timed.append((row, call))
         if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
             timed += _one_gpu_rows(args, geom, cdf, dtype, device, rank, one_gpu, dense, gbps)
@@ -262,7 +283,8 @@ def main(args) -> int:
             rows.append(row)
             if console:
                 console.print(f"{row['strategy']:12s} {row['placement']:10s} {row['transport']:5s} "
-                              f"cdf {cdf}: {med:.2f} ms (bound {row['bound_ms']:.2f}, eff "
+                              + "".join(f"{n}={v} " for n, v in (row.get("env") or {}).items())
+                              + f"cdf {cdf}: {med:.2f} ms (bound {row['bound_ms']:.2f}, eff "
                               f"{row['efficiency']:.2f}); split "
                               + ", ".join(f"{key[:-3]} {row[key]:.1f}" for key in SPLIT)
                               + f"; {row['host_syncs']} syncs, {row['collectives']} collectives")
@@ -273,7 +295,8 @@ def main(args) -> int:
                   "eff", "mask", "compute", "merge", "exposed", "syncs", "coll", "GiB max"):
             table.add_column(c)
         for r in rows:
-            table.add_row(r["strategy"], r["transport"], r["placement"], r["ablation"] or "",
+            table.add_row(r["strategy"], r["transport"], r["placement"],
+                          r["ablation"] or " ".join(f"{n}={v}" for n, v in (r.get("env") or {}).items()),
                           str(r["cdf"]), f"{r['median_ms']:.2f}", f"{r['bound_ms']:.2f}",
                           f"{r['efficiency']:.2f}", f"{r['mask_ms']:.1f}", f"{r['compute_ms']:.1f}",
                           f"{r['merge_ms']:.1f}", f"{r['exposed_comm_ms']:.1f}", str(r["host_syncs"]),
@@ -398,7 +421,7 @@ def plot(path: Path) -> Path:
         ax.scatter(xs, [r["median_ms"] for r in rs], marker="_", s=400, color="k", label="median", zorder=3)
         ax.scatter(xs, [r["bound_ms"] for r in rs], marker="v", color="g", label="bound", zorder=3)
         labels = [f"{r['strategy']}\n{r['transport']}" + (f"\n{r['ablation']}" if r.get("ablation") else "")
-                  for r in rs]
+                  + "".join(f"\n{n}={v}" for n, v in (r.get("env") or {}).items()) for r in rs]
         ax.set_xticks(list(xs), labels, fontsize=6, rotation=60, ha="right")
         ax.set(ylabel="ms per attention call", title=f"{rows[0]['model']}, {fab}")
     axes[0][0].legend(fontsize=7)

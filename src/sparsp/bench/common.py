@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import re
 import shlex
 import socket
 import statistics
@@ -121,3 +123,46 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """``NAME=VALUE[,NAME=VALUE...]`` as a dict (a benchmark's ``--env-variant``)."""
+    env = {}
+    for item in text.split(","):
+        name, eq, value = item.strip().partition("=")
+        if not eq or not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+        env[name] = value
+    return env
+
+
+@contextlib.contextmanager
+def env_set(env: dict[str, str] | None):
+    """The environment variables ``env`` set inside the block, restored after it."""
+    if not env:
+        yield
+        return
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def with_env(fn, env: dict[str, str] | None):
+    """``fn`` run with ``env`` set for each of its calls (``fn`` itself when there is none)."""
+    if not env:
+        return fn
+
+    def call(*args, **kwargs):
+        with env_set(env):
+            return fn(*args, **kwargs)
+    return call

@@ -42,10 +42,10 @@ SUMMARY = ("1gpu-dense", "1gpu-sparse", "ring", "ring-sparse", "ring-relay", "ul
 
 def best_rows(rows: list[dict], cdf: float = 0.9) -> dict[tuple[str, str], dict]:
     """``(fabric, strategy) → row`` of the fastest transport of each strategy at ``cdf``
-    (ablation and ``auto`` rows left out)."""
+    (ablation, ``--env-variant`` and ``auto`` rows left out)."""
     best: dict[tuple[str, str], dict] = {}
     for r in rows:
-        if r.get("ablation") or r["strategy"] not in SUMMARY or abs(r["cdf"] - cdf) > 1e-9:
+        if r.get("ablation") or r.get("env") or r["strategy"] not in SUMMARY or abs(r["cdf"] - cdf) > 1e-9:
             continue
         key = (r["fabric"], r["strategy"])
         if key not in best or r["median_ms"] < best[key]["median_ms"]:

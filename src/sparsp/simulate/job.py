@@ -276,6 +276,9 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
             if row.get("ablation"):
                 notes.append(f"{where}: ablation step {row['ablation']!r}, not a strategy row")
                 continue
+            if row.get("env"):
+                notes.append(f"{where}: a variant run with {row['env']}, not the code's default")
+                continue
             if row.get("strategy") not in strategy_names():
                 notes.append(f"{where}: {row.get('strategy')!r} is not a registered strategy")
                 continue

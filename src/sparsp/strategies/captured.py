@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _triton
 from ..plan import Metadata, Staged
 from .auto import figures
 from .base import Call
@@ -130,7 +131,7 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
     """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
     key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
-           transport.name)
+           transport.name, _triton.settings())
     if key not in _STAGES:
         _STAGES[key] = None  # the first call: eager, which fills the stage's constants
         while len(_STAGES) > MAX_STAGES:
