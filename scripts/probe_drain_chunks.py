@@ -173,7 +173,12 @@ def probe(model: str, units: list[int], iters: int, selected_share: float, densi
                  **{f"chunk_{key}": (r[key] - rows["whole"][key]) / (u - 1)
                     for key in ("host_us", "device_ms", "alone_ms")})
         rows[f"chunks_{u}"] = r
+    from sparsp.kernels import fa4
+
+    prepared = list(fa4._PREPARED.values())
     return {"model": model, "shard": list(q.shape), "payload_rows": whole.lay.num_rows,
+            "fa4_signatures": {"prepared": sum(p is not None for p in prepared),
+                               "declined": sum(p is None for p in prepared)},
             "kernel": resolve_kernel("auto", "cuda"), "selected": selected_share,
             "density": density, "rows": rows}
 
