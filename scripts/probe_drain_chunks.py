@@ -175,10 +175,10 @@ def probe(model: str, units: list[int], iters: int, selected_share: float, densi
         rows[f"chunks_{u}"] = r
     from sparsp.kernels import fa4
 
-    prepared = list(fa4._PREPARED.values())
+    states = [type(p).__name__ for p in fa4._PREPARED.values()]
     return {"model": model, "shard": list(q.shape), "payload_rows": whole.lay.num_rows,
-            "fa4_signatures": {"prepared": sum(p is not None for p in prepared),
-                               "declined": sum(p is None for p in prepared)},
+            "fa4_signatures": {"prepared": states.count("_Prepared"), "on_trial": states.count("_Trial"),
+                               "declined": states.count("NoneType")},
             "kernel": resolve_kernel("auto", "cuda"), "selected": selected_share,
             "density": density, "rows": rows}
 

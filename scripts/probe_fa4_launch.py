@@ -87,7 +87,7 @@ def probe(model: str, iters: int, density: float) -> dict:
     os.environ.pop("SPARSP_FA4_PREPARED")
     off, on = rows["0"], rows["1"]
     equal = torch.equal(off["out"], on["out"]) and torch.equal(off["lse"], on["lse"])
-    prepared = [p is not None for p in fa4._PREPARED.values()]
+    prepared = [type(p).__name__ == "_Prepared" for p in fa4._PREPARED.values()]
     return {"model": model, "shape": list(args[0].shape), "density": density,
             "prepared_signatures": sum(prepared), "equal": equal,
             **{f"{name}_{key}": rows[mode][key] for mode, name in (("0", "api"), ("1", "prepared"))

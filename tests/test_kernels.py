@@ -523,8 +523,9 @@ class FakeFA4:
     scheduler tensors). ``copy_q`` makes it copy q first, as FA4 does with a q whose last dim
     is not contiguous."""
 
-    def __init__(self, copy_q=False):
+    def __init__(self, copy_q=False, wrong_outside=False):
         self.copy_q, self.api_calls, self.kernel_calls = copy_q, 0, 0
+        self.wrong_outside, self.inside = wrong_outside, False
         fake = self
 
         def _flash_attn_fwd():  # the attribute holder, as in FA4
@@ -541,6 +542,8 @@ class FakeFA4:
             o, l = _emulated_fa4_run(q, k, v, full_cnt, full_idx, fake.bs, scale)
             out.copy_(o)
             lse.copy_(l)
+            if fake.wrong_outside and not fake.inside:  # a template that misleads the kernel
+                out.add_(1.0)
         self.kernel = kernel
 
     def flash_attn_func(self, q, k, v, softmax_scale, causal, pack_gqa, block_sparse_tensors,
@@ -557,10 +560,14 @@ class FakeFA4:
         out = torch.empty(B, Sq, H, v.shape[-1], dtype=q.dtype)
         lse = torch.empty(B, H, Sq, dtype=torch.float32)
         s = block_sparse_tensors
-        cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
-                   None, None, None, None, None, None, None, None,
-                   (s.mask_block_cnt, s.mask_block_idx, s.full_block_cnt, s.full_block_idx,
-                    None, None, None, None), AuxData(None, None), None, None)
+        self.inside = True
+        try:
+            cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
+                       None, None, None, None, None, None, None, None,
+                       (s.mask_block_cnt, s.mask_block_idx, s.full_block_cnt, s.full_block_idx,
+                        None, None, None, None), AuxData(None, None), None, None)
+        finally:
+            self.inside = False
         return out, lse
 
 
@@ -576,8 +583,8 @@ def fake_fa4(monkeypatch):
     import sys
     import types
 
-    def install(copy_q=False):
-        fake = FakeFA4(copy_q)
+    def install(copy_q=False, wrong_outside=False):
+        fake = FakeFA4(copy_q, wrong_outside)
         interface = types.ModuleType("flash_attn.cute.interface")
         interface._flash_attn_fwd = fake.fwd
         for name, mod in (("flash_attn", types.ModuleType("flash_attn")),
@@ -586,6 +593,7 @@ def fake_fa4(monkeypatch):
             monkeypatch.setitem(sys.modules, name, mod)
         monkeypatch.setattr(fa4, "_load", lambda: (fake.flash_attn_func, FakeBlockSparse, None))
         monkeypatch.setattr(fa4, "_PREPARED", {})
+        monkeypatch.setattr(fa4, "_WARNED", set())
         return fake
 
     monkeypatch.setattr(fa4, "unsupported_reason", lambda q, block_size: None)
@@ -612,11 +620,22 @@ def test_fa4_prepared_launch_reuses_the_first_calls_arguments(fake_fa4, layout_k
         args, (ref_out, ref_lse) = _fa4_case(20 + i, Sq, S, layout_kind)
         out, lse = fa4.block_sparse_attention(*args)
         assert_matches(out.float(), lse, ref_out, ref_lse, tol=1e-5)
-        # only the first call of the signature goes through flash_attn_func; new lengths
-        # and new tensors reuse its template
-        assert fake.api_calls == 1 and fake.kernel_calls == i + 1
+        # only the first call of the signature goes through flash_attn_func (and tries the
+        # template once on the same inputs); new lengths and new tensors reuse the template
+        assert fake.api_calls == 1 and fake.kernel_calls == i + 2
     assert fake.fwd.compile_cache.__class__ is dict, "the compile cache is restored"
-    assert sum(p is not None for p in fa4._PREPARED.values()) == 1
+    assert [type(p).__name__ for p in fa4._PREPARED.values()] == ["_Prepared"]
+
+
+def test_fa4_prepared_launch_that_disagrees_is_dropped(fake_fa4):
+    fake = fake_fa4(wrong_outside=True)
+    with pytest.warns(RuntimeWarning, match="disagreed with flash_attn_func"):
+        for i in range(3):
+            args, (ref_out, ref_lse) = _fa4_case(50 + i, 40, 48)
+            out, lse = fa4.block_sparse_attention(*args)
+            assert_matches(out.float(), lse, ref_out, ref_lse, tol=1e-5)  # never the wrong one
+    # the trial on the first call disagreed: every call goes through flash_attn_func
+    assert fake.api_calls == 3 and fake.kernel_calls == 4 and list(fa4._PREPARED.values()) == [None]
 
 
 def test_fa4_prepared_launch_declines_when_fa4_copies_an_input(fake_fa4):

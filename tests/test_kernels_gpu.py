@@ -146,6 +146,25 @@ def test_ten_geometries_in_one_process(kernel):
             check(out, lse, q, k, v, mask)
 
 
+@pytest.mark.parametrize("layout_kind", ["local", "packed"])
+def test_fa4_prepared_launch_equals_flash_attn_func(monkeypatch, layout_kind):
+    """New lengths and tails under one launch signature: the prepared launch (tried once, then
+    used) gives FA4's own result bit for bit."""
+    need("fa4")
+    monkeypatch.setattr(fa4, "_PREPARED", {})
+    for i, (sq, s) in enumerate([(512, 640), (1000, 1100), (700, 1024), (512, 640)]):
+        q, k, v, mask, selected = shard_case(40 + i, 1, 4, sq, s, 128, BS, dtype=torch.bfloat16,
+                                             device=DEV)
+        monkeypatch.setenv("SPARSP_FA4_PREPARED", "0")
+        ref = run("fa4", layout_kind, q, k, v, mask, selected)
+        monkeypatch.delenv("SPARSP_FA4_PREPARED")
+        got = run("fa4", layout_kind, q, k, v, mask, selected)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (sq, s)
+    states = {type(p).__name__ for p in fa4._PREPARED.values()}
+    assert states == {"_Prepared"}, states  # every trial passed, nothing declined
+
+
 def test_flex_fp32():
     q, k, v, mask, selected = shard_case(1, 2, 4, 1000, 1100, 128, BS, device=DEV)
     for layout_kind in ("local", "packed"):
