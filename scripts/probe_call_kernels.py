@@ -151,6 +151,40 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     return out
 
 
+def launch_overhead(iters: int = 200) -> dict:
+    """Host µs per launch of each Triton kernel on tiny inputs (the device is idle, so this is
+    the Python and driver time a launch costs the host), and of an empty torch op for scale."""
+    import time
+
+    dev = torch.device("cuda")
+    B, H, S, D, n = 1, 8, 128, 64, 8
+    a, b = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    la, lb = (torch.randn(B, H, S, device=dev) for _ in range(2))
+    dest = torch.empty(B, S, H, D, device=dev, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+    keep = torch.rand(B, H, n, n, device=dev) < 0.5
+    ids = torch.arange(n, device=dev).expand(B, H, n, n)
+    k = torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16)
+    rows = torch.arange(64, device=dev)
+    flat = torch.empty(2 * 64 * D, device=dev, dtype=torch.bfloat16)
+    from sparsp.kernels.merge import merge_into
+
+    cases = {"merge_into": lambda: merge_into(a, la, b, lb, dest),
+             "compact_rows": lambda: compact_rows(keep, ids, n),
+             "gather_rows": lambda: gather_rows(k, k, rows, flat),
+             "torch add (for scale)": lambda: a.add(b)}
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out[name] = (time.perf_counter() - t0) / iters * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["hunyuan-video", "wan2.1-14b", "ltx-video", "ltx-2"],
@@ -158,9 +192,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cdf", type=float, default=0.9)
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--launch-overhead", action="store_true",
+                    help="only time the host cost of one launch of each Triton kernel (tiny inputs)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("probe_mask_select needs a CUDA device")
+        raise SystemExit("probe_call_kernels needs a CUDA device")
+    if args.launch_overhead:
+        result = launch_overhead()
+        for name, us in result.items():
+            print(f"  {name:24s} {us:7.1f} us per launch (host)")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"launch_overhead_us": result}, f, indent=1)
+        return
     rows = [probe(m, args.iters, args.cdf) for m in args.models]
     for row in rows:
         print(f"== {row['model']}: {row['heads']} heads x {row['blocks']}^2 blocks")

@@ -161,8 +161,12 @@ def test_fa4_prepared_launch_equals_flash_attn_func(monkeypatch, layout_kind):
         got = run("fa4", layout_kind, q, k, v, mask, selected)
         torch.cuda.synchronize()
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (sq, s)
-    states = {type(p).__name__ for p in fa4._PREPARED.values()}
-    assert states == {"_Prepared"}, states  # every trial passed, nothing declined
+    torch.cuda.synchronize()
+    states = [type(p).__name__ for p in fa4._PREPARED.values()]
+    # the main signature was tried and passed; a signature seen once (the packed path's short
+    # blocks appear only with a tail) may still wait for its verdict; none was declined
+    assert "_Prepared" in states and "NoneType" not in states, states
+    assert all(p.passed() for p in fa4._PREPARED.values() if type(p).__name__ == "_Trial")
 
 
 def test_flex_fp32():
