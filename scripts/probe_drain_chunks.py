@@ -35,14 +35,12 @@ import time
 
 import torch
 
-from sparsp.geometry import MODELS, preset
+from probe_fa4_launch import BS, shard_inputs  # scripts/: the same shard inputs
+from sparsp.geometry import MODELS
 from sparsp.kernels import KVBuffer, get_kernel, kernel_indices, merge_final, merge_into, resolve_kernel
 from sparsp.packing import layout, pack
 from sparsp.strategies.base import head_slice
 from sparsp.strategies.chunks import head_groups
-
-BS = 128
-
 
 class Payload:
     """One packed payload of the heads ``heads`` of a selection, and its kernel's inputs."""
@@ -72,14 +70,8 @@ class Payload:
 
 
 def _case(model: str, selected_share: float, density: float):
-    spec = MODELS[model]
-    H, D = spec.heads, spec.head_dim
-    S = preset(model).num_tokens // 2
-    n = -(-S // BS)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, n, g = shard_inputs(model)
+    H, S, D = q.shape[1:]
     selected = torch.rand(H, n, device="cuda", generator=g) < selected_share
     mask = (torch.rand(1, H, n, n, device="cuda", generator=g) < density) & selected[None, :, None, :]
     local_o = torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -34,16 +34,22 @@ from sparsp.kernels import LocalKV, fa4, kernel_indices
 BS = 128
 
 
-def _case(model: str, density: float):
+def shard_inputs(model: str):
+    """A preset's G = 2 shard on the GPU: head-major q (1, H, S, D), k and v (1, S, H, D) in
+    bf16, its block count and the generator that made them (seeded)."""
     spec = MODELS[model]
     H, D = spec.heads, spec.head_dim
     S = preset(model).num_tokens // 2
-    n = -(-S // BS)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    mask = torch.rand(1, H, n, n, device="cuda", generator=g) < density
+    return q, k, v, -(-S // BS), g
+
+
+def _case(model: str, density: float):
+    q, k, v, n, g = shard_inputs(model)
+    mask = torch.rand(1, q.shape[1], n, n, device="cuda", generator=g) < density
     mask[..., 0] = True
     kv = LocalKV(k, v, BS)
     num, idx = kernel_indices(mask, kv.block_ids(), n)
