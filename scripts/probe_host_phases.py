@@ -1,0 +1,118 @@
+"""Host time of each phase of ``sp_attention``, from the call's own annotations.
+
+``sp_attention`` marks its phases with ``torch.profiler.record_function`` (``sparsp.metadata``,
+``sparsp.plan``, ``sparsp.resolve``, ``sparsp.run``; inside the resolve step the host read's
+``sparsp.host_read`` and ``sparsp.host_wait``). This probe replaces those markers with
+``time.perf_counter`` stamps — no profiler, so no profiler overhead — and times calls that each
+start on an idle device (a synchronize before every call: how a call is timed by ``bench
+attention``, and how the first attention of a DiT layer finds the device after the host read
+of the previous one). Per phase: the median host µs over ``--calls``; ``setup`` is the time
+from the call's start to its first phase, ``tail`` from its last phase to its return,
+``host_wait`` the part of ``resolve`` spent waiting for the device's stage.
+
+    torchrun --nproc-per-node 1 scripts/probe_host_phases.py --model ltx-video [--calls 50]
+    torchrun --nproc-per-node 2 scripts/probe_host_phases.py --model ltx-video --transport ipc
+
+Rank 0 prints the table and writes JSON to ``--out``. A measurement to decide what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+
+import sparsp.strategies as strategies
+from sparsp import SparspConfig, sp_attention
+from sparsp.bench.attention import make_inputs
+from sparsp.bench.common import init_distributed
+from sparsp.geometry import MODELS, preset
+from sparsp.placement import make_placement
+
+PHASES = ("setup", "sparsp.metadata", "sparsp.plan", "sparsp.resolve", "sparsp.host_read",
+          "sparsp.host_wait", "sparsp.run", "tail", "call")
+
+
+class Stamps:
+    """Stands in for ``record_function``: the host time of every marked region, per call."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, float] = defaultdict(float)
+        self.first: float | None = None
+        self.last: float | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        if self.first is None:
+            self.first = t0
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self.spans[name] += t1 - t0
+            self.last = t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="ltx-video", choices=sorted(MODELS))
+    ap.add_argument("--strategy", default="sparsp")
+    ap.add_argument("--transport", default="auto", help="nccl, ipc, host or auto")
+    ap.add_argument("--cdf", type=float, default=0.9)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--out", help="JSON file to write (rank 0)")
+    args = ap.parse_args()
+    if args.calls < 1:
+        raise SystemExit("--calls must be at least 1")
+    rank, world, device = init_distributed()
+    if device.type != "cuda":
+        raise SystemExit("probe_host_phases.py times the CUDA path: run it on a GPU machine")
+    geom = replace(preset(args.model), text_tokens=0)
+    q, k, v = make_inputs(geom, make_placement("periodic", geom, world), rank, device,
+                          torch.bfloat16, seed=0)
+    cfg = SparspConfig(cdf_threshold=args.cdf, block_size=geom.block_size, transport=args.transport)
+    for _ in range(5):  # compile, capture, warm
+        sp_attention(q, k, v, strategy=args.strategy, config=cfg)
+    per_call: dict[str, list[float]] = defaultdict(list)
+    original = (strategies.record_function, torch.profiler.record_function)
+    try:
+        for _ in range(args.calls):
+            torch.cuda.synchronize()
+            torch.distributed.barrier()
+            stamps = Stamps()
+            strategies.record_function = torch.profiler.record_function = stamps
+            t0 = time.perf_counter()
+            sp_attention(q, k, v, strategy=args.strategy, config=cfg)
+            t1 = time.perf_counter()
+            strategies.record_function, torch.profiler.record_function = original
+            for name, span in stamps.spans.items():
+                per_call[name].append(span)
+            per_call["setup"].append((stamps.first or t1) - t0)
+            per_call["tail"].append(t1 - (stamps.last or t1))
+            per_call["call"].append(t1 - t0)
+    finally:
+        strategies.record_function, torch.profiler.record_function = original
+    torch.cuda.synchronize()
+    medians = {name: statistics.median(per_call[name]) * 1e6 for name in PHASES if per_call.get(name)}
+    if rank == 0:
+        print(f"{args.model}, {world} rank(s), {args.strategy}/{args.transport}: host µs per call "
+              f"(median of {args.calls}, each call on an idle device)")
+        for name, us in medians.items():
+            print(f"  {name:18s} {us:8.1f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"model": args.model, "ranks": world, "strategy": args.strategy,
+                           "transport": args.transport, "calls": args.calls,
+                           "device": torch.cuda.get_device_name(), "host_us": medians}, f, indent=1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
