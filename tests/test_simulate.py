@@ -765,7 +765,7 @@ def test_host_ops_follow_the_code():
         if u == 1:
             assert run_ops(g) == model.run_ops(rule, 2, early), where
             assert issue_ops(g) == model.issue_ops(rule, 2, early), where
-    assert len(got[("ulysses", 1, True)]["kernels"]) == 4  # one kernel call per (query slice, key slice)
+    assert len(got[("ulysses", 1, True)]["kernels"]) == 1  # whole-block slices: one kernel call
     one = dict(zip((False, True), count(1, [("sparsp", 1, False), ("sparsp", 1, True)])))
     for lf, g in one.items():  # a group of one: the local kernel is the call's only one
         assert (eager_ops("direct", g), graphed_ops("direct", g)) == (model.mask_ops("direct", 1, graphed=False),
@@ -884,19 +884,38 @@ def test_steps_run_at_their_layout_and_the_ranks_density():
         [w.flops[0][0] / (2 * TFLOPS * 1e9), w.flops[0][1] / (TFLOPS / 2 * 1e9)])
 
 
-def test_ulysses_counts_its_copies():
-    from sparsp.simulate.model import (ULYSSES_FIRST_BYTES, ULYSSES_INPUT_BYTES, ULYSSES_MERGE_BYTES,
-                                       ULYSSES_PIECE_BYTES, ULYSSES_RESULT_BYTES)
+@pytest.mark.parametrize("whole", [True, False])
+def test_ulysses_counts_its_copies(whole):
+    """Whole-block slices (every placement's): the own head slices in (4 bytes per element),
+    the result's own tokens and received pieces (4 each), one kernel call; slices ending in
+    short blocks (a caller's own slices: here rank 0's moved 3 tokens off a block boundary): the
+    stacked copies, G² kernel calls and their eager merges (``ULYSSES_*``)."""
+    from dataclasses import replace as swap
 
-    assert (ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES) == (40, 12)
+    from sparsp.simulate.model import (ULYSSES_FIRST_BYTES, ULYSSES_INPUT_BYTES, ULYSSES_MERGE_BYTES,
+                                       ULYSSES_PIECE_BYTES, ULYSSES_RESULT_BYTES, ULYSSES_WHOLE_COPY_BYTES,
+                                       Blocks, measure, work)
+
+    assert (ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES, ULYSSES_WHOLE_COPY_BYTES) == (40, 12, 4)
     G = 2
     pl = make_placement("contiguous", GEOM, G)
     masks = torch.ones(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, dtype=torch.bool)
-    w = build_work(masks, pl, "ulysses", head_dim=GEOM.head_dim)
-    mine = GEOM.heads // G * GEOM.num_tokens * GEOM.head_dim  # my heads, every token
-    inputs = GEOM.heads * pl.tokens_per_rank[0] * GEOM.head_dim  # one of my q, k, v
+    d = measure(masks, Blocks.of(pl))
+    assert all(t % GEOM.block_size == 0 for t in d.tokens[:-1])  # placements cut at blocks
+    if not whole:
+        d = swap(d, tokens=(d.tokens[0] - 3, d.tokens[1] + 3))
+    tokens = d.tokens
+    w = work("ulysses", d, head_dim=GEOM.head_dim)
+    hp = GEOM.heads // G
+    if whole:
+        copies = 4 * GEOM.head_dim * (3 * tokens[0] * hp + tokens[0] * GEOM.heads)
+        assert w.merge_bytes[0] == (copies,) and w.launches[0] == (1,)
+        return
+    mine = hp * sum(tokens) * GEOM.head_dim  # my heads, every token
+    inputs = GEOM.heads * tokens[0] * GEOM.head_dim  # one of my q, k, v
     merges = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
     assert w.merge_bytes[0] == (round(mine * merges + inputs * (40 + 12 * (G - 1) / G)),)
+    assert w.launches[0] == (G * G,)
 
 
 def test_discovery_prefers_the_kernel_file_covering_more_head_dims(tmp_path):

@@ -118,7 +118,7 @@ RUN_OPS = {"dense": ((38, 0, 0), (40, 0, 0), (12, 57, 0), (26, 0, 0)),
            "full-shards": ((38, 0, 0), (40, 0, 0), (12, 58, 0), (26, 0, 0)),
            "direct": ((13, 0, 0), (15, 0, 0), (-20, 39, 0), (26, 0, 0)),
            "relay": ((13, 0, 0), (15, 0, 0), (-42, 87, 0), (26, 0, 0)),
-           "all-to-all": ((9, 2, 0), (103, 75, 0), (84, 155, 47), (27, 9, 0))}
+           "all-to-all": ((21, 6, 0), (41, 24, 0), (41, 24, 0), (6, 10, 0))}
 ONE_RANK_RUN_OPS = {"direct": (0, 3, 3, 3)}  # ``sparsp`` on a group of one: no fetch, one kernel call
 # The same for a local-first call, whose local kernel was launched before the read: its first
 # fetch (the first round's pack, publish and fetch, issued on the side stream), its first
@@ -166,6 +166,12 @@ ULYSSES_FIRST_BYTES, ULYSSES_MERGE_BYTES, ULYSSES_RESULT_BYTES = 14, 34, 18
 # heads concatenated over the slices (4), each slice's K and V made contiguous (8) and packed
 # into a KVBuffer (8), each query slice made head-major (4), the fp32 output zeroed (4).
 ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES = 40, 12
+# With whole-block slices (``strategies/ulysses.py``: every slice but the last a whole number of
+# blocks) none of that: the received Q, K, V land in place in full-sequence tensors (batch 1;
+# else through a temporary, 4 bytes per received element), this rank's own head slices are
+# copied in (4 bytes per element), one kernel call gives the output, whose own tokens are copied
+# into the result and whose received pieces land there through a temporary (4 bytes each).
+ULYSSES_WHOLE_COPY_BYTES = 4
 SCHEDULES = {"full-shards": "relay-ring", "relay": "relay-ring", "direct": "direct", "all-to-all": "all-to-all"}
 
 
@@ -521,15 +527,25 @@ def work(strategy: str, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profi
         flops = tuple((4.0 * head_dim * sum(d.head_pairs[first[r]:first[r] + split[r]]),) for r in range(G))
         recv = tuple(tuple(3 * tokens[(r - k) % G] * split[r] * row for k in range(1, G)) for r in range(G))
         back = tuple(tuple(tokens[r] * split[(r - k) % G] * row for k in range(1, G)) for r in range(G))
-        # one eager merge chain per query slice over G key slices, on this rank's heads for
-        # every token; then the output's copies and casts (``ULYSSES_*``)
-        per = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
-        merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per
-                             + BH * tokens[r] * head_dim * (ULYSSES_INPUT_BYTES + ULYSSES_PIECE_BYTES * (G - 1) / G)),)
-                      for r in range(G))
+        whole = bool(d.block_size) and all(t % d.block_size == 0 for t in tokens[:-1])
+        if whole:  # one kernel over the whole sequence (``ULYSSES_WHOLE_COPY_BYTES``)
+            c = ULYSSES_WHOLE_COPY_BYTES * d.batch * head_dim
+            merge = tuple((round(c * (3 * tokens[r] * split[r]  # own head slices in
+                                      + (3 * (sum(tokens) - tokens[r]) * split[r] if d.batch > 1 else 0)
+                                      + tokens[r] * d.heads)),)  # the result: own and received
+                          for r in range(G))
+            launches = tuple((1,) for _ in range(G))
+        else:
+            # one eager merge chain per query slice over G key slices, on this rank's heads for
+            # every token; then the output's copies and casts (``ULYSSES_*``)
+            per = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
+            merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per
+                                 + BH * tokens[r] * head_dim * (ULYSSES_INPUT_BYTES + ULYSSES_PIECE_BYTES * (G - 1) / G)),)
+                          for r in range(G))
+            launches = tuple((G * G,) for _ in range(G))
         density = tuple(sum(d.head_pairs[first[r]:first[r] + split[r]]) / max(1, d.batch * split[r] * sum(tokens) ** 2)
                         for r in range(G))
-        return Work(strategy, schedule, G, flops, tuple((G * G,) for _ in range(G)), recv, back, masking,
+        return Work(strategy, schedule, G, flops, launches, recv, back, masking,
                     merge_bytes=merge, gather_bytes=gathered, heads=d.heads, tokens=sum(tokens),
                     density=density, **host)
     dense = not spec.sparse

@@ -5,33 +5,48 @@ kernel over the full sequence, and sends each rank the output of its tokens back
 the call's whole mask (``plan.gather_metadata``) restricted to its heads, with the same
 per-slice blocks as the other strategies, so all five agree. Bytes: 3 · (other tokens) · H/G ·
 D in, (my tokens) · (other heads) · D back (the ``all-to-all`` byte rule).
+
+When every slice but the last is a whole number of blocks (``sparsp.placement`` cuts at blocks),
+the slices' blocks are the whole sequence's blocks: the received Q, K and V land in place in
+full-sequence tensors (one message per tensor and peer), and ONE kernel call over the whole
+sequence (``LocalKV``) gives the output, with no K/V packing and no merge. Otherwise each
+slice's K/V is packed once and the kernel runs per (query slice, key slice), merged by LSE.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import KVBuffer, kernel_indices, update_out_and_lse
+from ..kernels import KVBuffer, LocalKV, kernel_indices, update_out_and_lse
 from ..packing import layout, pack
 from .base import Call
 from .registry import register_strategy
 
 
-def _all_to_all(call: Call, pieces: dict[int, torch.Tensor], shapes_in: dict[int, tuple]) -> dict[int, torch.Tensor]:
-    """Send ``pieces[p]`` to every peer p, receive a tensor of ``shapes_in[p]`` from each."""
+def _exchange(call: Call, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
+    """For every peer p, in rounds: each tensor of ``sends[p]`` to p, and each tensor of
+    ``recvs[p]`` filled from p (the same count each way), one message per tensor. A
+    contiguous destination is fetched into in place; another through a temporary."""
     r, G, t = call.rank, call.world, call.transport
-    got = {}
     for k in range(1, G):
         dst, src = (r + k) % G, (r - k) % G
-        buf = t.send_buffer(dst, pieces[dst].numel(), pieces[dst].dtype)
-        buf.view(pieces[dst].shape).copy_(pieces[dst])
-        t.publish(dst, buf)
-        out = torch.empty(shapes_in[src], dtype=call.q.dtype, device=call.q.device)
-        h = call.fetch(src, out.view(-1))
-        h.wait()
-        t.release(src)
-        got[src] = out
-    return got
+        for piece, into in zip(sends[dst], recvs[src], strict=True):
+            with call.phase("pack"):
+                buf = t.send_buffer(dst, piece.numel(), piece.dtype)
+                buf.view(piece.shape).copy_(piece)
+            t.publish(dst, buf)
+            target = into if into.is_contiguous() else torch.empty(into.shape, dtype=into.dtype,
+                                                                   device=into.device)
+            call.fetch(src, target.view(-1)).wait()
+            t.release(src)
+            if target is not into:
+                into.copy_(target)
+
+
+def _whole_blocks(sh) -> bool:
+    """Every slice but the last is a whole number of blocks: the slices' blocks are then the
+    blocks of the concatenated sequence."""
+    return all(s % sh.block_size == 0 for s in sh.seq_lens[:-1])
 
 
 @register_strategy("ulysses", sparse=True, heads_divisible=True, placement="contiguous",
@@ -39,21 +54,58 @@ def _all_to_all(call: Call, pieces: dict[int, torch.Tensor], shapes_in: dict[int
                    description="all-to-all of Q, K, V to head shards, output back; block-sparse "
                                "on the full sequence")
 def run(call: Call) -> None:
+    if _whole_blocks(call.shapes):
+        _run_whole(call)
+    else:
+        _run_slices(call)
+
+
+def _run_whole(call: Call) -> None:
+    """Q, K, V of this rank's heads for every token, landed in place; one kernel call."""
+    r, G, sh = call.rank, call.world, call.shapes
+    B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
+    hp = H // G
+    heads = [slice(p * hp, (p + 1) * hp) for p in range(G)]
+    ends = torch.tensor(sh.seq_lens).cumsum(0).tolist()
+    toks = [slice(a, b) for a, b in zip([0] + ends[:-1], ends)]
+    inputs = (call.q, call.k, call.v)
+    full = [torch.empty(B, ends[-1], hp, D, dtype=call.q.dtype, device=call.q.device) for _ in inputs]
+    for t, x in zip(full, inputs):  # this rank's own tokens of its heads
+        t[:, toks[r]] = x[:, :, heads[r]]
+    _exchange(call, {p: [x[:, :, heads[p]] for x in inputs] for p in range(G) if p != r},
+              {p: [t[:, toks[p]] for t in full] for p in range(G) if p != r})
+    kv = LocalKV(full[1], full[2], bs)
+    mask = (call.full_mask[:, heads[r]] if call.full_mask is not None else
+            torch.ones(B, hp, kv.num_blocks, kv.num_blocks, dtype=torch.bool, device=call.q.device))
+    with call.phase("compute"):
+        kv_num, kv_idx = kernel_indices(mask, kv.block_ids(), kv.num_blocks)
+        o, _ = call.kernel(full[0].permute(0, 2, 1, 3), kv, kv_num, kv_idx, scale=D**-0.5)
+    out = o.transpose(1, 2)  # (B, S, hp, D): every token of this rank's heads
+    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=call.q.dtype, device=call.q.device)
+    final[:, :, heads[r]] = out[:, toks[r]]
+    _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},
+              {p: [final[:, :, heads[p]]] for p in range(G) if p != r})
+    call.final = final
+
+
+def _run_slices(call: Call) -> None:
+    """Slices that end in short blocks: each slice's K/V packed once, one kernel call per
+    (query slice, key slice), merged by LSE."""
     r, G, sh = call.rank, call.world, call.shapes
     B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
     hp = H // G
     heads = slice(r * hp, (r + 1) * hp)
     qkv = torch.stack([call.q, call.k, call.v], dim=3)  # (B, S_r, H, 3, D)
-    pieces = {p: qkv[:, :, p * hp:(p + 1) * hp].contiguous() for p in range(G) if p != r}
-    got = _all_to_all(call, pieces, {p: (B, sh.seq_lens[p], hp, 3, D) for p in range(G) if p != r})
+    got = {p: torch.empty(B, sh.seq_lens[p], hp, 3, D, dtype=call.q.dtype, device=call.q.device)
+           for p in range(G) if p != r}
+    _exchange(call, {p: [qkv[:, :, p * hp:(p + 1) * hp]] for p in range(G) if p != r},
+              {p: [got[p]] for p in got})
     got[r] = qkv[:, :, heads]
     q = torch.cat([got[p][:, :, :, 0] for p in range(G)], dim=1)  # (B, S, hp, D), rank order
     segments = torch.tensor(sh.seq_lens).cumsum(0).tolist()
     bounds = list(zip([0] + segments[:-1], segments))
 
     mask = None if call.full_mask is None else call.full_mask[:, heads]
-    # Each slice's K/V packed once (slices may end in short blocks; a kernel call needs an
-    # aligned K/V buffer), then one kernel call per (query slice, key slice).
     kv = []
     for p, (c, d) in enumerate(bounds):
         n = sh.num_blocks[p]
@@ -81,7 +133,8 @@ def run(call: Call) -> None:
                 acc_o, acc_l = update_out_and_lse(acc_o, acc_l, o, l)
         out[:, :, a:b] = acc_o
     out = out.permute(0, 2, 1, 3).to(call.q.dtype)  # (B, S, hp, D)
-    back = {p: out[:, bounds[p][0]:bounds[p][1]].contiguous() for p in range(G) if p != r}
-    got = _all_to_all(call, back, {p: (B, sh.seq_lens[r], hp, D) for p in range(G) if p != r})
-    got[r] = out[:, bounds[r][0]:bounds[r][1]]
-    call.final = torch.cat([got[p] for p in range(G)], dim=2).contiguous()  # (B, S_r, H, D)
+    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=call.q.dtype, device=call.q.device)
+    final[:, :, heads] = out[:, bounds[r][0]:bounds[r][1]]
+    _exchange(call, {p: [out[:, bounds[p][0]:bounds[p][1]]] for p in range(G) if p != r},
+              {p: [final[:, :, p * hp:(p + 1) * hp]] for p in range(G) if p != r})
+    call.final = final
