@@ -24,16 +24,11 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import replace
 
 import torch
 
 import sparsp.strategies as strategies
-from sparsp import SparspConfig, sp_attention
-from sparsp.bench.attention import make_inputs
-from sparsp.bench.common import init_distributed
-from sparsp.geometry import MODELS, preset
-from sparsp.placement import make_placement
+from profile_host import add_call_arguments, warm_call  # scripts/: the same calls
 
 PHASES = ("setup", "sparsp.metadata", "sparsp.plan", "sparsp.resolve", "sparsp.host_read",
           "sparsp.host_wait", "sparsp.run", "tail", "call")
@@ -62,24 +57,10 @@ class Stamps:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="ltx-video", choices=sorted(MODELS))
-    ap.add_argument("--strategy", default="sparsp")
-    ap.add_argument("--transport", default="auto", help="nccl, ipc, host or auto")
-    ap.add_argument("--cdf", type=float, default=0.9)
-    ap.add_argument("--calls", type=int, default=50)
+    add_call_arguments(ap)
     ap.add_argument("--out", help="JSON file to write (rank 0)")
     args = ap.parse_args()
-    if args.calls < 1:
-        raise SystemExit("--calls must be at least 1")
-    rank, world, device = init_distributed()
-    if device.type != "cuda":
-        raise SystemExit("probe_host_phases.py times the CUDA path: run it on a GPU machine")
-    geom = replace(preset(args.model), text_tokens=0)
-    q, k, v = make_inputs(geom, make_placement("periodic", geom, world), rank, device,
-                          torch.bfloat16, seed=0)
-    cfg = SparspConfig(cdf_threshold=args.cdf, block_size=geom.block_size, transport=args.transport)
-    for _ in range(5):  # compile, capture, warm
-        sp_attention(q, k, v, strategy=args.strategy, config=cfg)
+    rank, world, device, call, _ = warm_call(args, "probe_host_phases.py")
     per_call: dict[str, list[float]] = defaultdict(list)
     original = (strategies.record_function, torch.profiler.record_function)
     try:
@@ -89,7 +70,7 @@ def main() -> None:
             stamps = Stamps()
             strategies.record_function = torch.profiler.record_function = stamps
             t0 = time.perf_counter()
-            sp_attention(q, k, v, strategy=args.strategy, config=cfg)
+            call()
             t1 = time.perf_counter()
             strategies.record_function, torch.profiler.record_function = original
             for name, span in stamps.spans.items():

@@ -31,33 +31,46 @@ from sparsp.placement import make_placement
 from sparsp.strategies import get_transport
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_call_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a probe that times ``sp_attention`` calls (this one, probe_host_phases.py)."""
     ap.add_argument("--model", default="ltx-video", choices=sorted(MODELS))
     ap.add_argument("--strategy", default="sparsp")
     ap.add_argument("--transport", default="auto", help="nccl, ipc, host or auto")
     ap.add_argument("--cdf", type=float, default=0.9)
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--out", help="write the pstats file here (rank 0)")
-    args = ap.parse_args()
+
+
+def warm_call(args, script: str):
+    """(rank, world, device, call): this rank's placed inputs of ``args.model`` and a call of
+    ``args.strategy`` on them, already run five times (compiled, captured, warm)."""
     if args.calls < 1:
         raise SystemExit("--calls must be at least 1")
     rank, world, device = init_distributed()
     if device.type != "cuda":
-        raise SystemExit("profile_host.py profiles the CUDA path: run it on a GPU machine")
+        raise SystemExit(f"{script} times the CUDA path: run it on a GPU machine")
     geom = replace(preset(args.model), text_tokens=0)
-    pl = make_placement("periodic", geom, world)
-    q, k, v = make_inputs(geom, pl, rank, device, torch.bfloat16, seed=0)
+    q, k, v = make_inputs(geom, make_placement("periodic", geom, world), rank, device,
+                          torch.bfloat16, seed=0)
     cfg = SparspConfig(cdf_threshold=args.cdf, block_size=geom.block_size, transport=args.transport)
-    for _ in range(5):  # compile, capture, warm
-        sp_attention(q, k, v, strategy=args.strategy, config=cfg)
+    call = lambda: sp_attention(q, k, v, strategy=args.strategy, config=cfg)  # noqa: E731
+    for _ in range(5):
+        call()
     torch.cuda.synchronize()
+    return rank, world, device, call, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_call_arguments(ap)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", help="write the pstats file here (rank 0)")
+    args = ap.parse_args()
+    rank, world, device, call, cfg = warm_call(args, "profile_host.py")
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
     for _ in range(args.calls):
-        sp_attention(q, k, v, strategy=args.strategy, config=cfg)
+        call()
     prof.disable()
     issued = time.perf_counter() - start
     torch.cuda.synchronize()
