@@ -117,6 +117,12 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
+def _env_text(row: dict, sep: str, end: str = "", first: str = "") -> str:
+    """A row's ``--env-variant`` settings as ``NAME=VALUE`` items ('' for a default row)."""
+    env = row.get("env") or {}
+    return first + sep.join(f"{n}={v}" for n, v in env.items()) + end if env else ""
+
+
 def _env_arg(text: str) -> dict[str, str]:
     import argparse
 
@@ -283,7 +289,7 @@ def main(args) -> int:
             rows.append(row)
             if console:
                 console.print(f"{row['strategy']:12s} {row['placement']:10s} {row['transport']:5s} "
-                              + "".join(f"{n}={v} " for n, v in (row.get("env") or {}).items())
+                              + _env_text(row, " ", " ")
                               + f"cdf {cdf}: {med:.2f} ms (bound {row['bound_ms']:.2f}, eff "
                               f"{row['efficiency']:.2f}); split "
                               + ", ".join(f"{key[:-3]} {row[key]:.1f}" for key in SPLIT)
@@ -296,7 +302,7 @@ def main(args) -> int:
             table.add_column(c)
         for r in rows:
             table.add_row(r["strategy"], r["transport"], r["placement"],
-                          r["ablation"] or " ".join(f"{n}={v}" for n, v in (r.get("env") or {}).items()),
+                          r["ablation"] or _env_text(r, " "),
                           str(r["cdf"]), f"{r['median_ms']:.2f}", f"{r['bound_ms']:.2f}",
                           f"{r['efficiency']:.2f}", f"{r['mask_ms']:.1f}", f"{r['compute_ms']:.1f}",
                           f"{r['merge_ms']:.1f}", f"{r['exposed_comm_ms']:.1f}", str(r["host_syncs"]),
@@ -421,7 +427,7 @@ def plot(path: Path) -> Path:
         ax.scatter(xs, [r["median_ms"] for r in rs], marker="_", s=400, color="k", label="median", zorder=3)
         ax.scatter(xs, [r["bound_ms"] for r in rs], marker="v", color="g", label="bound", zorder=3)
         labels = [f"{r['strategy']}\n{r['transport']}" + (f"\n{r['ablation']}" if r.get("ablation") else "")
-                  + "".join(f"\n{n}={v}" for n, v in (r.get("env") or {}).items()) for r in rs]
+                  + _env_text(r, "\n", first="\n") for r in rs]
         ax.set_xticks(list(xs), labels, fontsize=6, rotation=60, ha="right")
         ax.set(ylabel="ms per attention call", title=f"{rows[0]['model']}, {fab}")
     axes[0][0].legend(fontsize=7)

@@ -118,7 +118,7 @@ RUN_OPS = {"dense": ((38, 0, 0), (40, 0, 0), (12, 57, 0), (26, 0, 0)),
            "full-shards": ((38, 0, 0), (40, 0, 0), (12, 58, 0), (26, 0, 0)),
            "direct": ((13, 0, 0), (15, 0, 0), (-20, 39, 0), (26, 0, 0)),
            "relay": ((13, 0, 0), (15, 0, 0), (-42, 87, 0), (26, 0, 0)),
-           "all-to-all": ((21, 6, 0), (41, 24, 0), (41, 24, 0), (6, 10, 0))}
+           "all-to-all": ((19, 6, 0), (39, 24, 0), (39, 24, 0), (6, 10, 0))}
 ONE_RANK_RUN_OPS = {"direct": (0, 3, 3, 3)}  # ``sparsp`` on a group of one: no fetch, one kernel call
 # The same for a local-first call, whose local kernel was launched before the read: its first
 # fetch (the first round's pack, publish and fetch, issued on the side stream), its first

@@ -15,6 +15,8 @@ slice's K/V is packed once and the kernel runs per (query slice, key slice), mer
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..kernels import KVBuffer, LocalKV, kernel_indices, update_out_and_lse
@@ -43,6 +45,14 @@ def _exchange(call: Call, sends: dict[int, list[torch.Tensor]], recvs: dict[int,
                 into.copy_(target)
 
 
+def _spans(sh, G: int) -> tuple[list[slice], list[slice]]:
+    """Each rank's heads (H/G each) and each rank's tokens in the whole sequence (rank order)."""
+    hp = sh.heads // G
+    ends = list(itertools.accumulate(sh.seq_lens))
+    return ([slice(p * hp, (p + 1) * hp) for p in range(G)],
+            [slice(a, b) for a, b in zip([0] + ends[:-1], ends)])
+
+
 def _whole_blocks(sh) -> bool:
     """Every slice but the last is a whole number of blocks: the slices' blocks are then the
     blocks of the concatenated sequence."""
@@ -65,11 +75,9 @@ def _run_whole(call: Call) -> None:
     r, G, sh = call.rank, call.world, call.shapes
     B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
     hp = H // G
-    heads = [slice(p * hp, (p + 1) * hp) for p in range(G)]
-    ends = torch.tensor(sh.seq_lens).cumsum(0).tolist()
-    toks = [slice(a, b) for a, b in zip([0] + ends[:-1], ends)]
+    heads, toks = _spans(sh, G)
     inputs = (call.q, call.k, call.v)
-    full = [torch.empty(B, ends[-1], hp, D, dtype=call.q.dtype, device=call.q.device) for _ in inputs]
+    full = [torch.empty(B, toks[-1].stop, hp, D, dtype=call.q.dtype, device=call.q.device) for _ in inputs]
     for t, x in zip(full, inputs):  # this rank's own tokens of its heads
         t[:, toks[r]] = x[:, :, heads[r]]
     _exchange(call, {p: [x[:, :, heads[p]] for x in inputs] for p in range(G) if p != r},
@@ -94,16 +102,16 @@ def _run_slices(call: Call) -> None:
     r, G, sh = call.rank, call.world, call.shapes
     B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
     hp = H // G
-    heads = slice(r * hp, (r + 1) * hp)
+    head_spans, toks = _spans(sh, G)
+    heads = head_spans[r]
     qkv = torch.stack([call.q, call.k, call.v], dim=3)  # (B, S_r, H, 3, D)
     got = {p: torch.empty(B, sh.seq_lens[p], hp, 3, D, dtype=call.q.dtype, device=call.q.device)
            for p in range(G) if p != r}
-    _exchange(call, {p: [qkv[:, :, p * hp:(p + 1) * hp]] for p in range(G) if p != r},
+    _exchange(call, {p: [qkv[:, :, head_spans[p]]] for p in range(G) if p != r},
               {p: [got[p]] for p in got})
     got[r] = qkv[:, :, heads]
     q = torch.cat([got[p][:, :, :, 0] for p in range(G)], dim=1)  # (B, S, hp, D), rank order
-    segments = torch.tensor(sh.seq_lens).cumsum(0).tolist()
-    bounds = list(zip([0] + segments[:-1], segments))
+    bounds = [(t.start, t.stop) for t in toks]
 
     mask = None if call.full_mask is None else call.full_mask[:, heads]
     kv = []
@@ -134,7 +142,7 @@ def _run_slices(call: Call) -> None:
         out[:, :, a:b] = acc_o
     out = out.permute(0, 2, 1, 3).to(call.q.dtype)  # (B, S, hp, D)
     final = torch.empty(B, sh.seq_lens[r], H, D, dtype=call.q.dtype, device=call.q.device)
-    final[:, :, heads] = out[:, bounds[r][0]:bounds[r][1]]
-    _exchange(call, {p: [out[:, bounds[p][0]:bounds[p][1]]] for p in range(G) if p != r},
-              {p: [final[:, :, p * hp:(p + 1) * hp]] for p in range(G) if p != r})
+    final[:, :, heads] = out[:, toks[r]]
+    _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},
+              {p: [final[:, :, head_spans[p]]] for p in range(G) if p != r})
     call.final = final
