@@ -1,4 +1,4 @@
-"""Time the per-call kernels around the attention on one GPU: mask, lists, pack and merge.
+"""Time the per-call kernels around the attention on one GPU: summaries, mask, lists, pack, merge.
 
 Every rank of a sparse call builds the *whole* block mask from the gathered summaries, so its
 cost is paid once per rank per call, on the critical path before any byte moves; and every
@@ -7,7 +7,9 @@ each step of the selection (``masks.select_blocks``: the torch ops of the sorted
 Triton kernel of ``sparsp.cdf_select`` at several warp counts) and the merge (``merge_pair``
 then the output's cast and transpose, against ``merge_final``) the pack's gather
 (two ``index_select`` against ``packing.gather_rows``) and the kernel's block lists (the torch
-prefix sum and scatter against ``kernels.buffer.compact_rows``) at the presets' full geometries (B = 1;
+prefix sum and scatter against ``kernels.buffer.compact_rows``) and the metadata's summaries
+(q's and k's block sums and v's sum in torch against ``masks.summaries_into`` at several tiles)
+at the presets' full geometries (B = 1;
 N = the whole sequence's blocks; the merge and the pack at a 2-GPU shard), with CUDA
 events, warm-up and the median of ``--iters`` runs:
 
@@ -28,13 +30,20 @@ import torch
 
 from sparsp.bench.kernel import time_ms
 from sparsp.geometry import MODELS, preset
-from sparsp import cdf_select
+from sparsp import cdf_select, masks
+from sparsp._triton import triton
 from sparsp.kernels.merge import _pair, merge_final, merge_pair
-from sparsp.masks import PooledBlocks, _select_sorted, select_blocks
+from sparsp.masks import PooledBlocks, _select_sorted, check_parts, select_blocks, summaries_into
 from sparsp.kernels.buffer import compact_rows
 from sparsp.packing import gather_rows
 from sparsp.plan import Shapes
 from sparsp.strategies.auto import figures
+
+
+def block_sums_torch(x: torch.Tensor, bs: int) -> torch.Tensor:
+    """``masks.block_sums``' torch form (whole blocks)."""
+    B, S, H, D = x.shape
+    return x.reshape(B, S // bs, bs, H, D).sum(2, dtype=torch.float32)
 
 
 def _time(fn, iters: int) -> float:
@@ -126,6 +135,18 @@ def probe(model: str, iters: int, cdf: float) -> dict:
         torch.index_select(k.reshape(-1, D), 0, rows, out=buf[:n].view(-1, D)),
         torch.index_select(v.reshape(-1, D), 0, rows, out=buf[n:].view(-1, D)))
     steps["pack: gather_rows"] = lambda: gather_rows(k, v, rows, buf)
+    # the metadata's summaries of one rank's shard: q's and k's block sums and v's check
+    q = torch.randn_like(k)
+    B_, n_, F_ = 1, -(-S // 128), H * D
+    sums = torch.empty(2 * n_ * F_ + check_parts(B_, n_, F_), device="cuda")
+    steps["summaries: torch block sums + v sum"] = lambda: (
+        block_sums_torch(q, 128), block_sums_torch(k, 128), v.sum(dtype=torch.float32))
+    steps["summaries: summaries_into"] = lambda: summaries_into(sums, 128, q, k, v)
+    for tok, warps in ((4, 1), (8, 1), (16, 1), (8, 2), (16, 4)):  # the kernel's tile and warps
+        steps[f"summaries: {tok} tokens, {warps} warps"] = (
+            lambda tok=tok, warps=warps: masks._sums[(n_, triton.cdiv(F_, masks.SUM_FEATURES))](
+                q, k, v, sums, S, n_, F_, n_ * F_, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], BS=128,
+                TOK=tok, FCH=masks.SUM_FEATURES, HAS_B=True, HAS_C=True, num_warps=warps))
     # the local shard's block lists at G = 2: a [1, H, N/2, N/2] column slice of the whole mask
     half = N // 2
     rows_mask = keep_mask(probs, order, keep)[:, :, :half, :half]
@@ -168,9 +189,11 @@ def launch_overhead(iters: int = 200) -> dict:
     flat = torch.empty(2 * 64 * D, device=dev, dtype=torch.bfloat16)
     from sparsp.kernels.merge import merge_into
 
+    sums = torch.empty(2 * 8 * H * D + check_parts(1, 8, H * D), device=dev)
     cases = {"merge_into": lambda: merge_into(a, la, b, lb, dest),
              "compact_rows": lambda: compact_rows(keep, ids, n),
              "gather_rows": lambda: gather_rows(k, k, rows, flat),
+             "summaries_into": lambda: summaries_into(sums, 16, k, k, k),
              "torch add (for scale)": lambda: a.add(b)}
     out = {}
     for name, fn in cases.items():

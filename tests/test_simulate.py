@@ -2,6 +2,7 @@
 validation, the CLI end to end and its errors (issue 12, part 3)."""
 
 import json
+import os
 import statistics
 from dataclasses import replace
 
@@ -575,9 +576,9 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
     # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
     # the plan stage a CUDA graph (the default on GPUs)
-    assert mask_ops("direct", 4, graphed=False) == 124 + 118 * 3
-    assert mask_ops("relay", 3, graphed=False) == 152 + 62 * 2 + 4 * 4
-    assert mask_ops("direct", 4) == 24 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
+    assert mask_ops("direct", 4, graphed=False) == 113 + 119 * 3
+    assert mask_ops("relay", 3, graphed=False) == 141 + 63 * 2 + 4 * 4
+    assert mask_ops("direct", 4) == 12 and mask_ops("dense", 4) == mask_ops("dense", 4, graphed=False)
     prof = _profile(op_ms=0.01, hbm_gbps=1.0)
     work = replace(_uniform("relay-ring", 2, 0.0, 0), host_ops=(300, 300))
     assert timeline(work, prof, head_dim=128).latency_ms == pytest.approx(3.0)  # 300 ops x 10 µs
@@ -684,9 +685,11 @@ def test_mask_phase_collective_is_device_time_beside_the_host_ops():
 
 def test_gather_bytes_are_the_rows_the_code_sends():
     """``model.gather_bytes``: G−1 rows of what a rank sends in the metadata all-gather — the
-    cached header and ``plan._summaries`` (q's and k's block sums, k's sum, v's sum for the
-    check; a dense call its q, k, v sums) — padded to the largest rank's, in float32."""
+    cached header and the summaries (q's and k's block sums and v's partial sums for the check,
+    as the CUDA kernel writes them, ``masks.summaries_into``; a dense call its q, k, v sums) —
+    padded to the largest rank's, in float32."""
     from sparsp import SparspConfig
+    from sparsp.masks import check_parts, summaries_into
     from sparsp.plan import _header, _summaries
     from sparsp.simulate.model import Blocks, gather_bytes, measure
 
@@ -697,13 +700,16 @@ def test_gather_bytes_are_the_rows_the_code_sends():
     cfg = SparspConfig(block_size=GEOM.block_size)
     S = max(pl.tokens_per_rank)  # the largest rank's summaries set the padded row
     q = k = v = torch.randn(1, S, GEOM.heads, GEOM.head_dim)
-    for sparse in (True, False):
-        data, _ = _summaries(q, k, v, None, cfg, sparse)
-        row = _header(q, cfg, "sparsp", data.numel()).numel() + data.numel()
-        assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=sparse) == ((G - 1) * 4 * row,) * G, sparse
-    n = -(-S // GEOM.block_size)
-    assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=True)[0] == (G - 1) * 4 * (
-        11 + 2 * n * GEOM.heads * GEOM.head_dim + GEOM.heads * GEOM.head_dim + 1)
+    n, F = -(-S // GEOM.block_size), GEOM.heads * GEOM.head_dim
+    data, _ = _summaries(q, k, v, None, cfg, False)
+    row = _header(q, cfg, "ring", data.numel()).numel() + data.numel()
+    assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=False) == ((G - 1) * 4 * row,) * G
+    fused = torch.empty(2 * n * F + check_parts(1, n, F))
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernel takes exactly that many values
+        summaries_into(fused, GEOM.block_size, q, k, v)
+    assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=True) == ((G - 1) * 4 * (11 + fused.numel()),) * G
+    # the torch form (CPU) sends the same block sums and one value for the check
+    assert _summaries(q, k, v, None, cfg, True)[0].numel() == 2 * n * F + 1
 
 
 def test_sparsp_drain_units_charge_mask_ops():

@@ -232,6 +232,72 @@ def test_column_figures_equal_the_torch_figures(lens, batch):
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+# --- the metadata's block sums (masks.summaries_into) ------------------------------------
+
+
+@pytest.mark.parametrize("S, bs, dtype", [(300, 64, torch.bfloat16), (256, 128, torch.float32),
+                                          (37, 16, torch.float16), (130, 50, torch.bfloat16)])
+def test_triton_sums_equal_the_torch_sums(S, bs, dtype):
+    """q's and k's block sums (short last blocks and blocks that are no multiple of the kernel's
+    token tile included), v's partial sums, from views of one fused projection (free batch and
+    sequence strides), against ``masks.block_sums``' torch form."""
+    from sparsp.masks import SUM_FEATURES, check_parts, summaries_into
+
+    g = torch.Generator().manual_seed(S)
+    B, H, D = 2, 3, 100  # H·D = 300: two feature chunks, the second partly live
+    qkv = torch.randn(B, S, 3, H, D, generator=g).to(dtype)
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    n = -(-S // bs)
+    want = {}
+    for name, x in (("q", q), ("k", k)):
+        xf = x.float()
+        want[name] = torch.stack([xf[:, j * bs: (j + 1) * bs].sum(1) for j in range(n)], 1)
+    out = torch.full((2 * B * n * H * D + check_parts(B, n, H * D),), 7.0)
+    summaries_into(out_d := out.to(DEVICE), bs, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    got = out_d.cpu()
+    plane = B * n * H * D
+    torch.testing.assert_close(got[:plane].view(B, n, H, D), want["q"], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[plane: 2 * plane].view(B, n, H, D), want["k"], rtol=1e-5, atol=1e-4)
+    parts = got[2 * plane:].view(B, n, -(-H * D // SUM_FEATURES))
+    torch.testing.assert_close(parts.sum(), v.float().sum(), rtol=1e-4, atol=1e-3)
+    # one chunk's partial: its features of one block
+    torch.testing.assert_close(parts[1, 0, 1], v[1, :bs].float().reshape(-1, H * D)[:, SUM_FEATURES:].sum(),
+                               rtol=1e-4, atol=1e-3)
+
+
+def test_triton_sums_alone_and_beside_others_agree_bit_for_bit():
+    """A tensor summed alone (``block_sums``: ``pool_blocks``, ``split_mask``) gets the bits it
+    gets in the metadata row beside q and v: the mask of the distributed call and of
+    ``split_mask`` agree bit for bit."""
+    from sparsp.masks import summaries_into
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 200, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(3))
+    n, plane = 4, 4 * 4 * 64
+    row = torch.empty(2 * plane + 4, device=DEVICE)
+    summaries_into(row, 64, q, k, v)
+    alone = torch.empty(plane, device=DEVICE)
+    summaries_into(alone, 64, k)
+    assert torch.equal(row[plane: 2 * plane], alone)
+    summaries_into(alone, 64, q)
+    assert torch.equal(row[:plane], alone)
+
+
+def test_triton_sums_flag_a_nonfinite_v_and_check_their_arguments():
+    from sparsp.masks import summaries_into
+
+    q = torch.zeros(1, 40, 2, 8, device=DEVICE)
+    v = q.clone()
+    v[0, 33, 1, 5] = float("nan")
+    out = torch.empty(2 * 3 * 16 + 3, device=DEVICE)
+    summaries_into(out, 16, q, q, v)
+    assert torch.isnan(out[-1]) and torch.isfinite(out[:-1]).all()  # the last block's partial
+    with pytest.raises(ValueError, match="float32 output of 99 values"):
+        summaries_into(torch.empty(5, device=DEVICE), 16, q, q, v)
+    with pytest.raises(ValueError, match="shapes differ"):
+        summaries_into(out, 16, q, q[:, :30], v)
+
+
 def test_switch_settings_name_every_kernel(monkeypatch):
     """``_triton.settings`` (part of a captured stage's key) follows each switch; a kernel's
     switch must be one of ``SWITCHES``, so none can be left out of that key."""

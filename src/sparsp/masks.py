@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cdf_select
+from ._triton import runs, tl, triton
 
 Threshold = float | torch.Tensor
 
@@ -110,13 +111,104 @@ def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
     x's own layout and accumulated in float32, without a float32 copy of x (a full-size
     tensor per call at video sizes); a short last block sums its real tokens. Token-major, as
     x is: what a rank sends in the metadata all-gather (``sparsp.plan``), which divides by the
-    block lengths only after the gather (``PooledBlocks.from_sums``)."""
+    block lengths only after the gather (``PooledBlocks.from_sums``). On CUDA the summing
+    kernel of ``summaries_into`` makes them, so every caller (``pool_blocks``, ``split_mask``,
+    the plan) gets the same bits."""
     B, S, H, D = x.shape
+    if fused_sums(x):
+        out = torch.empty(B, math.ceil(S / block_size), H, D, dtype=torch.float32, device=x.device)
+        summaries_into(out.view(-1), block_size, x)
+        return out
     full = (S // block_size) * block_size
     sums = x[:, :full].reshape(B, S // block_size, block_size, H, D).sum(2, dtype=torch.float32)
     if full < S:
         sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
     return sums
+
+
+SUM_FEATURES = 256
+"""Features (of a token's H·D) one program of the summing kernel sums; v's check writes one
+partial sum per (batch, block, feature chunk)."""
+
+
+def fused_sums(*xs: torch.Tensor | None) -> bool:
+    """Whether ``summaries_into``'s kernel sums these (B, S, H, D) tensors: Triton on CUDA, the
+    switch ``SPARSP_TRITON_SUMS`` on, and each token's H·D features contiguous (batch and
+    sequence strides are free: q, k, v cut from one fused projection qualify)."""
+    return all(x is None or (runs(x, "SPARSP_TRITON_SUMS") and x.stride(3) == 1
+                             and x.stride(2) == x.shape[3]) for x in xs)
+
+
+def check_parts(B: int, n: int, features: int) -> int:
+    """Values ``summaries_into`` writes for v's non-finite check (one per program)."""
+    return B * n * -(-features // SUM_FEATURES)
+
+
+if triton is not None:
+    @triton.jit
+    def _sums(a_ptr, b_ptr, c_ptr, out_ptr, S, n, F, plane, a_b, a_s, b_b, b_s, c_b, c_s,
+              BS: tl.constexpr, TOK: tl.constexpr, FCH: tl.constexpr, HAS_B: tl.constexpr,
+              HAS_C: tl.constexpr):
+        # one program (one warp): one block of one batch element, FCH features; a's and b's
+        # sums per feature, c's one partial sum. Each step loads a TOK-token tile of every
+        # tensor (all in flight at once); each thread holds every row of its columns, so the
+        # sum over the tile's rows stays in registers. A tensor's sum is the same sequence of
+        # adds whatever else is summed beside it, so a tensor summed alone (``block_sums``)
+        # gets the bits it gets in the metadata row.
+        row = tl.program_id(0)
+        fc = tl.program_id(1)
+        bi = (row // n).to(tl.int64)
+        f = fc * FCH + tl.arange(0, FCH)
+        live_f = f < F
+        first = (row % n) * BS
+        acc_a = tl.zeros([FCH], dtype=tl.float32)
+        acc_b = tl.zeros([FCH], dtype=tl.float32)
+        acc_c = tl.zeros([FCH], dtype=tl.float32)
+        for t in range(0, BS, TOK):
+            within = t + tl.arange(0, TOK)
+            s = first + within
+            m = ((within < BS) & (s < S))[:, None] & live_f[None, :]
+            s = s.to(tl.int64)[:, None]
+            xa = tl.load(a_ptr + bi * a_b + s * a_s + f[None, :], mask=m, other=0.0)
+            if HAS_B:
+                xb = tl.load(b_ptr + bi * b_b + s * b_s + f[None, :], mask=m, other=0.0)
+                acc_b += tl.sum(xb.to(tl.float32), 0)
+            if HAS_C:
+                xc = tl.load(c_ptr + bi * c_b + s * c_s + f[None, :], mask=m, other=0.0)
+                acc_c += tl.sum(xc.to(tl.float32), 0)
+            acc_a += tl.sum(xa.to(tl.float32), 0)
+        at = row.to(tl.int64) * F + f
+        tl.store(out_ptr + at, acc_a, mask=live_f)
+        if HAS_B:
+            tl.store(out_ptr + plane + at, acc_b, mask=live_f)
+        if HAS_C:
+            tl.store(out_ptr + 2 * plane + row * tl.num_programs(1) + fc, tl.sum(acc_c, 0))
+
+
+def summaries_into(out: torch.Tensor, block_size: int, a: torch.Tensor, b: torch.Tensor | None = None,
+                   c: torch.Tensor | None = None) -> None:
+    """One kernel over (B, S, H, D) tensors of one shape: ``out`` (float32, flat) = a's block
+    sums (B, n, H, D), then b's, then ``check_parts`` partial sums of c (the metadata row's
+    summaries: q, k and v's non-finite check, ``sparsp.plan``). A short last block sums its
+    real tokens. CUDA (``fused_sums``); on CPU tensors in Triton's interpreter."""
+    B, S, H, D = a.shape
+    n, F = math.ceil(S / block_size), H * D
+    plane = B * n * F
+    need = plane * (1 + (b is not None)) + (check_parts(B, n, F) if c is not None else 0)
+    if out.numel() != need or out.dtype != torch.float32:
+        raise ValueError(f"summaries_into needs a float32 output of {need} values, got {out.numel()} "
+                         f"{out.dtype}")
+    if c is not None and b is None:
+        raise ValueError("summaries_into: c (the check's tensor) comes with b")
+    for x in (b, c):
+        if x is not None and x.shape != a.shape:
+            raise ValueError(f"summaries_into: shapes differ, {tuple(a.shape)} and {tuple(x.shape)}")
+    bb, cc = (b if b is not None else a), (c if c is not None else a)
+    tok = min(16, triton.next_power_of_2(block_size))
+    _sums[(B * n, triton.cdiv(F, SUM_FEATURES))](
+        a, bb, cc, out, S, n, F, plane, a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), cc.stride(0),
+        cc.stride(1), BS=block_size, TOK=tok, FCH=SUM_FEATURES, HAS_B=b is not None, HAS_C=c is not None,
+        num_warps=1)
 
 
 _CACHE: dict[tuple, object] = {}

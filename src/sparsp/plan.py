@@ -3,10 +3,12 @@ payload moves, with one collective and one host synchronisation per call.
 
 1. ``gather_metadata``: ONE all-gather of a float32 vector per rank — a header (the rank's
    local shape, dtype, block size, strategy and the size of its summaries, bit-cast, cached
-   per geometry) followed, for sparse strategies, by the query and key block sums and the
-   key sum (``masks.block_sums``, token-major as the inputs are; means and layout are made
-   after the gather) and v's sum for the non-finite check, padded to the group's capacity
-   so that the collective's size never depends on other ranks' shapes. From it
+   per geometry) followed, for sparse strategies, by the query and key block sums
+   (``masks.block_sums``, token-major as the inputs are; means, layout and the key sum are
+   made after the gather) and v's sums for the non-finite check, padded to the group's
+   capacity so that the collective's size never depends on other ranks' shapes. On CUDA one
+   kernel writes all of them into the send row, kept per geometry with its header and
+   padding (``masks.summaries_into``). From it
    every rank derives the WHOLE block mask locally (``masks.select_blocks`` on the
    concatenated summaries), hence every rank's demand on every peer
    (``sparsp.demand.remote_demand``): no demand exchange. The shapes that cut the gathered
@@ -44,7 +46,8 @@ import torch.distributed as dist
 
 from .config import SparspConfig
 from .groups import HostRead, all_gather_flat, start_host_read, stream_ordered, to_host, wait
-from .masks import PooledBlocks, block_lengths, block_sums, cached_zeros, key_sum, select_blocks, summarize
+from .masks import (PooledBlocks, block_lengths, block_sums, cached_zeros, check_parts, fused_sums, key_sum,
+                    select_blocks, summarize, summaries_into)
 from .packing import Layout, prepare
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -283,10 +286,11 @@ class Metadata:
     @property
     def fits(self) -> bool:
         """Whether every rank's summaries, cut with the guessed shapes, fit the gathered rows
-        (host arithmetic, no sync). When they do not, the mask is a placeholder and the call
+        (host arithmetic, no sync; the check's values after them are not cut: a row longer than
+        the capacity makes ``finish`` return None anyway). When they do not, the mask is a placeholder and the call
         will redo it (``finish`` returns None): nothing should be computed on it."""
         sh = self.shapes
-        return all(_summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, self.check)
+        return all(_summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, check=False)
                    <= self.capacity for n in sh.num_blocks)
 
     def block_mask(self, config: SparspConfig) -> torch.Tensor:
@@ -317,10 +321,12 @@ def table_of(rows: torch.Tensor, check: bool = True) -> torch.Tensor:
     return table
 
 
-def _summary_size(B: int, H: int, D: int, n: int, similarity: bool, check: bool) -> int:
-    """float32 values of a sparse call's summaries for n blocks (``_summaries``)."""
-    data = 2 * B * H * n * (D + 1) + B * H * D if similarity else 2 * B * n * H * D + B * H * D
-    return data + int(check)
+def _summary_size(B: int, H: int, D: int, n: int, similarity: bool, check: bool, fused: bool = True) -> int:
+    """float32 values of a sparse call's summaries for n blocks (``_summaries``); ``fused``: as
+    the CUDA kernel writes them (v's check in ``masks.check_parts`` values, not one)."""
+    if similarity:
+        return 2 * B * H * n * (D + 1) + B * H * D + int(check)
+    return 2 * B * n * H * D + (check_parts(B, n, H * D) if fused else 1) * int(check)
 
 
 def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, config: SparspConfig,
@@ -342,16 +348,26 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     B, S, H, D = q.shape
     bs = config.block_size
     state = _STATE.setdefault((id(group), str(q.device)), _GroupState())
-    data, center = _summaries(q, k, v, group, config, sparse)
-    header = _header(q, config, strategy, data.numel())
+    fused = sparse and config.sim_threshold is None and fused_sums(q, k, v)
+    data, center = (None, None) if fused else _summaries(q, k, v, group, config, sparse)
+    size = _summary_size(B, H, D, -(-S // bs), False, config.check_finite) if fused else data.numel()
+    header = _header(q, config, strategy, size)
     local_key = (tuple(q.shape), q.dtype, bs, strategy)
     guess = state.shapes.get(local_key)
     counts = lambda: count_nonfinite(q, k, v, group, config.timeout_s)  # noqa: E731
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
-        body = data if data.numel() <= cap else data[:cap]
-        pad = cached_zeros((cap - body.numel(),), q.device)
-        mine = torch.cat([header, body, pad])
+        if fused and size <= cap:  # the kernel writes the summaries into the kept send row
+            mine = _send_row(header, cap)
+            summaries_into(mine[header.numel(): header.numel() + size], bs, q, k,
+                           v if config.check_finite else None)
+        else:
+            if data is None:
+                data = torch.empty(size, dtype=torch.float32, device=q.device)
+                summaries_into(data, bs, q, k, v if config.check_finite else None)
+            body = data if data.numel() <= cap else data[:cap]
+            pad = cached_zeros((cap - body.numel(),), q.device)
+            mine = torch.cat([header, body, pad])
         everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):
@@ -377,21 +393,37 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                     similarity=config.sim_threshold is not None, check=config.check_finite)
 
 
-def _summaries(q, k, v, group, config: SparspConfig, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(float32 data this rank sends, the global key mean when similarity smoothed the keys).
+def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
+    """The metadata send row of a geometry and capacity on the current stream: ``header``, then
+    room for the summaries, then zero padding, made once; ``summaries_into`` fills the summaries
+    in place each call. Reuse is safe: a call's all-gather reads it before the stream goes on
+    (``work.wait``), and the next call writes it on the same stream."""
+    dev = header.device
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
+    key = ("send row", header.data_ptr(), cap, stream)
+    row = _CONSTANTS.get(key)
+    if row is None:
+        row = torch.cat([header, cached_zeros((cap,), header.device)])
+        _CONSTANTS[key] = row
+    return row
 
-    Sparse calls, similarity off (the default): q's and k's block sums (B, n, H, D) and k's
-    sum over the sequence (B, H, D), the sum of its block sums; similarity on: pooled means and similarities around the
-    all-reduced key mean (``masks.summarize``; two more collectives). With
-    ``config.check_finite`` one more value, v's sum (a dense call: q's, k's and v's): a NaN or
+
+def _summaries(q, k, v, group, config: SparspConfig, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 data this rank sends, the global key mean when similarity smoothed the keys),
+    made with torch ops: the CPU path, and CUDA inputs ``masks.fused_sums`` does not take.
+
+    Sparse calls, similarity off (the default): q's and k's block sums (B, n, H, D) (the key
+    sum is the sum of k's, made after the gather: ``_mask``); similarity on: pooled means and
+    similarities around the all-reduced key mean (``masks.summarize``; two more collectives),
+    and k's sum. With ``config.check_finite`` one more value, v's sum (a dense call: q's, k's
+    and v's; the CUDA kernel writes ``masks.check_parts`` partial sums of v instead): a NaN or
     Inf in q, k or v reaches a value sent, and ``table_of`` flags the rank from its row (a sum
     of finite values overflows only near the float32 limit, ~3e38; the exact counts of
     ``count_nonfinite`` then find none and the check passes)."""
     parts, center = [], None
     if sparse and config.sim_threshold is None:
         bs = config.block_size
-        ksums = block_sums(k, bs)  # k's sum from its block sums: no second pass over k
-        parts = [block_sums(q, bs).reshape(-1), ksums.reshape(-1), ksums.sum(1).reshape(-1)]
+        parts = [block_sums(q, bs).reshape(-1), block_sums(k, bs).reshape(-1)]
     elif sparse:
         # similarity of smoothed keys needs the global key mean before pooling: one all-reduce
         ksum = key_sum(k)
@@ -445,12 +477,13 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
             L = block_lengths(S, shapes.block_size, row.device)[0]
             pqs.append(PooledBlocks(qm.view(B, H, n, D), qs.view(B, H, n), L))
             pks.append(PooledBlocks(km.view(B, H, n, D), ksim.view(B, H, n), L))
-        else:  # block sums, token-major: the means are made here
-            sizes = [B * n * H * D, B * n * H * D, B * H * D]
-            qsum, ksum, ks = torch.split(row[: sum(sizes)], sizes)
+            sums.append(ks.view(B, H, D))
+        else:  # block sums, token-major: the means and k's sum are made here
+            sizes = [B * n * H * D, B * n * H * D]
+            qsum, ksum = torch.split(row[: sum(sizes)], sizes)
             pqs.append(PooledBlocks.from_sums(qsum.view(B, n, H, D), S, shapes.block_size))
             pks.append(PooledBlocks.from_sums(ksum.view(B, n, H, D), S, shapes.block_size))
-        sums.append(ks.view(B, H, D))
+            sums.append(ksum.view(B, n, H, D).sum(1))  # as ``masks.split_mask`` makes it
     pq_all, pk_all = PooledBlocks.cat(pqs), PooledBlocks.cat(pks)
     if center is None and config.sim_threshold is None:
         # pooled keys were not smoothed yet: subtract the global key mean now

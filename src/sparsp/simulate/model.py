@@ -81,20 +81,23 @@ INPUT_PASSES = 3
 # (constant, per peer, per peer²) by the strategy's kind; the same in both orders
 # (``SparspConfig.local_first`` moves what comes after the read). Recounted at cec0721 (the
 # leaner all-gather: 248 → 239 for ``sparsp`` at G = 2), and again for the drain rule's kept
-# pairs of the previous rank's rows (``Call.kept_counts``: + 3).
-MASK_OPS = {"dense": (55, 0, 0), "sparse": (115, 14, 0), "direct": (124, 118, 0),
-            "relay": (152, 62, 4)}
+# pairs of the previous rank's rows (``Call.kept_counts``: + 3). Recounted for the summaries'
+# one kernel (``masks.summaries_into``: counted as the CUDA path issues it, one launch where the
+# torch form issued 12 ops; k's sum made in the stage from the gathered block sums: + 1 per rank).
+MASK_OPS = {"dense": (55, 0, 0), "sparse": (104, 15, 0), "direct": (113, 119, 0),
+            "relay": (141, 63, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered rows to the
 # counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the stage's
 # ops become two (a copy of the gathered rows, the graph launch); what remains is the block
 # sums and the all-gather before it and the read's start after it (``opcount``'s
 # ``GRAPHED_MASK_OPS``: 49 → 24 at cec0721, which moved the means and the flags into the
-# stage). Dense strategies compute no mask and run no graph.
-GRAPHED_MASK_OPS = {"dense": (55, 0, 0), "sparse": (24, 0, 0), "direct": (24, 0, 0),
-                    "relay": (24, 0, 0)}
+# stage; 24 → 12 with the summaries' one kernel). Dense strategies compute no mask and run no
+# graph.
+GRAPHED_MASK_OPS = {"dense": (55, 0, 0), "sparse": (12, 0, 0), "direct": (12, 0, 0),
+                    "relay": (12, 0, 0)}
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 111 eager, 24 graphed.
-ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 111}, {"direct": 24}
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 100 eager, 12 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 100}, {"direct": 12}
 # Ops after the host read, before the strategy's run, in both orders (``Metadata.finish``: the
 # header checks and the layouts from the read's counts, and the end of its profiler range): the
 # device waits for them before the run's first kernel (in order, the local one; local first, the

@@ -74,10 +74,19 @@ class _Counter(TorchDispatchMode):
         self.points: dict[str, int] = {}  # first time each point was reached: ``n`` then
         self.kernels: list[int] = []  # ``n`` when each kernel call was issued
         self.fetches: list[int] = []  # ``n`` once each fetch was issued
+        self.active = False  # inside ``with counter``
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[self.label] = self.counts.get(self.label, 0) + 1
-        if self.label != "kernel":
+        if self.label not in ("kernel", "triton"):
             self.n += 1
         return func(*args, **(kwargs or {}))
 
@@ -154,6 +163,35 @@ def _kernel(counter: _Counter, get_kernel):
     return make
 
 
+def _triton_launch(counter: _Counter, fn):
+    """A Triton kernel of the CUDA path (``fn``: its torch form, run uncounted) as the one op
+    its launch is."""
+    def wrapped(*args, **kwargs):
+        saved, counter.label = counter.label, "triton"
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            counter.label = saved
+        if counter.active:
+            counter.counts[saved] = counter.counts.get(saved, 0) + 1
+            counter.n += 1
+        return out
+    return wrapped
+
+
+def _summaries_like_cuda(out, block_size, a, b=None, c=None) -> None:
+    """``masks.summaries_into``'s values made with torch ops: the block sums, and v's sum in
+    each of the check's slots (finite exactly when v is)."""
+    from ..masks import block_sums
+
+    plane = a.numel() // a.shape[1] * -(-a.shape[1] // block_size)
+    out[:plane] = block_sums(a, block_size).reshape(-1)
+    if b is not None:
+        out[plane: 2 * plane] = block_sums(b, block_size).reshape(-1)
+    if c is not None:
+        out[2 * plane:] = c.sum(dtype=torch.float32)
+
+
 def count_call(q, k, v, *, strategy: str, config, group=None) -> dict:
     """Ops of one ``sp_attention`` call on this rank (after one warm-up call), per phase label
     (``mask``, ``stage``, ``pack``, ``compute``, ``merge``, ``other``, ``kernel``) and at the
@@ -164,8 +202,20 @@ def count_call(q, k, v, *, strategy: str, config, group=None) -> dict:
     from .. import plan, sp_attention
     from ..strategies import base, captured
 
-    sp_attention(q, k, v, group=group, strategy=strategy, config=config)
     counter = _Counter()
+    sums = (plan.fused_sums, plan.summaries_into)  # the metadata's summaries as on CUDA: one launch
+    plan.fused_sums, plan.summaries_into = (lambda *xs: True), _triton_launch(counter, _summaries_like_cuda)
+    try:
+        sp_attention(q, k, v, group=group, strategy=strategy, config=config)
+        return _count_warm(counter, q, k, v, strategy, config, group)
+    finally:
+        plan.fused_sums, plan.summaries_into = sums
+
+
+def _count_warm(counter: _Counter, q, k, v, strategy: str, config, group) -> dict:
+    from .. import plan, sp_attention
+    from ..strategies import base, captured
+
     saved = (plan.Metadata.block_mask, captured.stage, base.get_kernel, plan.Metadata.start_read,
              plan.Metadata.finish, base.Call.set_resolved)
     plan.Metadata.block_mask = _staged(counter, saved[0])
