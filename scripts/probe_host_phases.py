@@ -1,6 +1,6 @@
 """Host time of each phase of ``sp_attention``, from the call's own annotations.
 
-``sp_attention`` marks its phases with ``torch.profiler.record_function`` (``sparsp.metadata``,
+``sp_attention`` marks its phases with ``groups.marker`` (``sparsp.metadata``,
 ``sparsp.plan``, ``sparsp.resolve``, ``sparsp.run``; inside the resolve step the host read's
 ``sparsp.host_read`` and ``sparsp.host_wait``). This probe replaces those markers with
 ``time.perf_counter`` stamps — no profiler, so no profiler overhead — and times calls that each
@@ -27,6 +27,7 @@ from collections import defaultdict
 
 import torch
 
+import sparsp.groups as groups
 import sparsp.strategies as strategies
 from profile_host import add_call_arguments, warm_call  # scripts/: the same calls
 
@@ -62,24 +63,24 @@ def main() -> None:
     args = ap.parse_args()
     rank, world, device, call, _ = warm_call(args, "probe_host_phases.py")
     per_call: dict[str, list[float]] = defaultdict(list)
-    original = (strategies.record_function, torch.profiler.record_function)
+    original = (strategies.record_function, groups.marker)
     try:
         for _ in range(args.calls):
             torch.cuda.synchronize()
             torch.distributed.barrier()
             stamps = Stamps()
-            strategies.record_function = torch.profiler.record_function = stamps
+            strategies.record_function = groups.marker = stamps
             t0 = time.perf_counter()
             call()
             t1 = time.perf_counter()
-            strategies.record_function, torch.profiler.record_function = original
+            strategies.record_function, groups.marker = original
             for name, span in stamps.spans.items():
                 per_call[name].append(span)
             per_call["setup"].append((stamps.first or t1) - t0)
             per_call["tail"].append(t1 - (stamps.last or t1))
             per_call["call"].append(t1 - t0)
     finally:
-        strategies.record_function, torch.profiler.record_function = original
+        strategies.record_function, groups.marker = original
     torch.cuda.synchronize()
     medians = {name: statistics.median(per_call[name]) * 1e6 for name in PHASES if per_call.get(name)}
     if rank == 0:

@@ -147,3 +147,24 @@ def test_statistics():
     col[0, :, 7] = True
     assert pattern_shares(col, g)["column"] == 1.0
     assert sum(pattern_shares(torch.rand(3, 8, 8) > 0.5, g).values()) == pytest.approx(1.0)
+
+
+def test_send_rows_are_kept_per_geometry_and_bounded():
+    """``plan._send_row``: one row per (geometry's header, capacity), the header then zeros,
+    the same tensor on every call (the summaries are written into it in place), and at most
+    ``MAX_SEND_ROWS`` kept, the least recently used dropped first."""
+    from sparsp import plan
+
+    plan.forget_shapes()
+    headers = [torch.tensor([float(i), 1.0, 2.0]) for i in range(plan.MAX_SEND_ROWS + 4)]
+    first = plan._send_row(headers[0], 5)
+    assert torch.equal(first, torch.tensor([0.0, 1.0, 2.0, 0, 0, 0, 0, 0]))
+    assert plan._send_row(headers[0], 5) is first and plan._send_row(headers[0], 6) is not first
+    for h in headers[1:]:
+        plan._send_row(h, 5)
+        plan._send_row(headers[0], 5)  # kept in use: never the least recently used
+    assert len(plan._SEND_ROWS) == plan.MAX_SEND_ROWS
+    assert plan._send_row(headers[0], 5) is first
+    assert plan._send_row(headers[1], 5) is not None and len(plan._SEND_ROWS) == plan.MAX_SEND_ROWS
+    plan.forget_shapes()
+    assert not plan._SEND_ROWS

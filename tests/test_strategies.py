@@ -202,3 +202,30 @@ def test_local_first_pays_only_where_the_transfer_hides():
     assert pays("host", (balanced // 2, pairs))
     assert not pays("host", (balanced * 2, pairs))
     assert not pays("nccl", (1, pairs))
+
+
+def _markers_worker(rank, world):
+    from torch.profiler import profile
+
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.simulate.opcount import _Counter
+
+    q, k, v = (t[:, rank * 32:(rank + 1) * 32].contiguous() for t in _inputs(3, 1, 32 * world, 2, 8))
+    cfg = SparspConfig(cdf_threshold=0.9, block_size=16, transport="nccl", kernel="torch")
+    sp_attention(q, k, v, strategy="sparsp", config=cfg)
+    counter = _Counter()
+    with counter:  # no profiler: the call's ranges issue no op
+        sp_attention(q, k, v, strategy="sparsp", config=cfg)
+    assert not any("record_function" in name for name in counter.names), counter.names
+    with profile() as prof:
+        sp_attention(q, k, v, strategy="sparsp", config=cfg)
+    names = {e.name for e in prof.events()}
+    assert {"sparsp.metadata", "sparsp.plan", "sparsp.resolve", "sparsp.run"} <= names, sorted(names)[:20]
+    return True
+
+
+def test_profiler_ranges_only_while_a_profiler_records():
+    """``groups.marker``: the call's named ranges (what ``bench attention --profile`` reads)
+    are there under a profiler and cost nothing without one (≈ 12 µs of host time each on an
+    H200 host otherwise)."""
+    assert all(run_distributed(_markers_worker, 2))

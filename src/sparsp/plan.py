@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -180,8 +181,10 @@ _STATE: dict[tuple, _GroupState] = {}
 
 
 def forget_shapes() -> None:
-    """Drop the per-group state (``close_transports`` calls it: a new group may reuse an id)."""
+    """Drop the per-group state and the kept send rows (``close_transports`` calls it: a new
+    group may reuse an id)."""
     _STATE.clear()
+    _SEND_ROWS.clear()
 
 
 @dataclass
@@ -393,6 +396,12 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                     similarity=config.sim_threshold is not None, check=config.check_finite)
 
 
+_SEND_ROWS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+MAX_SEND_ROWS = 16
+"""Send rows kept (one per geometry, capacity and stream; the least recently used goes first:
+a row holds a rank's whole summaries, ≈ 12 MB at HunyuanVideo's G = 2 shard)."""
+
+
 def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
     """The metadata send row of a geometry and capacity on the current stream: ``header``, then
     room for the summaries, then zero padding, made once; ``summaries_into`` fills the summaries
@@ -400,11 +409,14 @@ def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
     (``work.wait``), and the next call writes it on the same stream."""
     dev = header.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
-    key = ("send row", header.data_ptr(), cap, stream)
-    row = _CONSTANTS.get(key)
+    key = (header.data_ptr(), cap, stream)  # the header: a cached constant per geometry
+    row = _SEND_ROWS.get(key)
     if row is None:
-        row = torch.cat([header, cached_zeros((cap,), header.device)])
-        _CONSTANTS[key] = row
+        row = _SEND_ROWS[key] = torch.cat([header, cached_zeros((cap,), dev)])
+        while len(_SEND_ROWS) > MAX_SEND_ROWS:
+            _SEND_ROWS.popitem(last=False)
+    else:
+        _SEND_ROWS.move_to_end(key)
     return row
 
 

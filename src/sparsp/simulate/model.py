@@ -83,26 +83,28 @@ INPUT_PASSES = 3
 # leaner all-gather: 248 → 239 for ``sparsp`` at G = 2), and again for the drain rule's kept
 # pairs of the previous rank's rows (``Call.kept_counts``: + 3). Recounted for the summaries'
 # one kernel (``masks.summaries_into``: counted as the CUDA path issues it, one launch where the
-# torch form issued 12 ops; k's sum made in the stage from the gathered block sums: + 1 per rank).
-MASK_OPS = {"dense": (55, 0, 0), "sparse": (104, 15, 0), "direct": (113, 119, 0),
-            "relay": (141, 63, 4)}
+# torch form issued 12 ops; k's sum made in the stage from the gathered block sums: + 1 per rank),
+# and again for the call's profiler ranges, which issue no op unless a profiler records
+# (``groups.marker``: 2 ops per range; the metadata step's and the plan stage's before the read).
+MASK_OPS = {"dense": (50, 0, 0), "sparse": (99, 15, 0), "direct": (108, 119, 0),
+            "relay": (136, 63, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered rows to the
 # counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the stage's
 # ops become two (a copy of the gathered rows, the graph launch); what remains is the block
 # sums and the all-gather before it and the read's start after it (``opcount``'s
 # ``GRAPHED_MASK_OPS``: 49 → 24 at cec0721, which moved the means and the flags into the
-# stage; 24 → 12 with the summaries' one kernel). Dense strategies compute no mask and run no
-# graph.
-GRAPHED_MASK_OPS = {"dense": (55, 0, 0), "sparse": (12, 0, 0), "direct": (12, 0, 0),
-                    "relay": (12, 0, 0)}
+# stage; 24 → 12 with the summaries' one kernel, 12 → 7 without the profiler ranges). Dense
+# strategies compute no mask and run no graph.
+GRAPHED_MASK_OPS = {"dense": (50, 0, 0), "sparse": (7, 0, 0), "direct": (7, 0, 0),
+                    "relay": (7, 0, 0)}
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 100 eager, 12 graphed.
-ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 100}, {"direct": 12}
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 95 eager, 7 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 95}, {"direct": 7}
 # Ops after the host read, before the strategy's run, in both orders (``Metadata.finish``: the
 # header checks and the layouts from the read's counts, and the end of its profiler range): the
 # device waits for them before the run's first kernel (in order, the local one; local first, the
-# first remote one). Counted as ``MASK_OPS``, exact at G = 2, 3, 4, 6 (G = 1: 5, the formula's).
-FINISH_OPS = {"dense": (5, 0, 0), "sparse": (5, 0, 0), "direct": (5, 5, 0), "relay": (6, 4, 0)}
+# first remote one). Counted as ``MASK_OPS``, exact at G = 2, 3, 4, 6 (G = 1: 4, the formula's).
+FINISH_OPS = {"dense": (4, 0, 0), "sparse": (4, 0, 0), "direct": (4, 5, 0), "relay": (5, 4, 0)}
 # Local first: ops after the read's start before the local kernel's launch (q's head-major
 # view, the local K/V wrapper), and after that launch before the host waits for the read (none:
 # the first partial is kept as the kernel returns it, no merge op). Every kind, every G.
@@ -117,23 +119,23 @@ EARLY_OPS = (2, 0)
 # the rings' first fetch and first kernel: 38 and 40 at G = 2 (their one hop lands in the output
 # buffer), 39 and 41 from G = 3. No transfer starts before the host issued its fetch, no kernel
 # before its launch (``timeline``).
-RUN_OPS = {"dense": ((38, 0, 0), (40, 0, 0), (12, 57, 0), (26, 0, 0)),
-           "full-shards": ((38, 0, 0), (40, 0, 0), (12, 58, 0), (26, 0, 0)),
-           "direct": ((13, 0, 0), (15, 0, 0), (-20, 39, 0), (26, 0, 0)),
-           "relay": ((13, 0, 0), (15, 0, 0), (-42, 87, 0), (26, 0, 0)),
-           "all-to-all": ((19, 6, 0), (39, 24, 0), (39, 24, 0), (6, 10, 0))}
-ONE_RANK_RUN_OPS = {"direct": (0, 3, 3, 3)}  # ``sparsp`` on a group of one: no fetch, one kernel call
+RUN_OPS = {"dense": ((37, 0, 0), (39, 0, 0), (11, 57, 0), (25, 0, 0)),
+           "full-shards": ((37, 0, 0), (39, 0, 0), (11, 58, 0), (25, 0, 0)),
+           "direct": ((12, 0, 0), (14, 0, 0), (-21, 39, 0), (25, 0, 0)),
+           "relay": ((12, 0, 0), (14, 0, 0), (-43, 87, 0), (25, 0, 0)),
+           "all-to-all": ((18, 6, 0), (38, 24, 0), (38, 24, 0), (5, 10, 0))}
+ONE_RANK_RUN_OPS = {"direct": (0, 2, 2, 2)}  # ``sparsp`` on a group of one: no fetch, one kernel call
 # The same for a local-first call, whose local kernel was launched before the read: its first
 # fetch (the first round's pack, publish and fetch, issued on the side stream), its first
 # remote kernel call, its last, after it. Exact at G = 2, 3, 4, 6 but: the first remote
 # kernel's count is the one from G = 3 (at G = 2 it is the last: ``run_ops`` takes that), and
 # for the rings the one from G = 4 (72 and 73 at G = 3: its second hop lands in the output
 # buffer); the rings' first fetch as in order. ``ulysses`` never runs local first.
-LOCAL_FIRST_RUN_OPS = {"dense": ((38, 0, 0), (73, 0, 0), (10, 57, 0), (26, 0, 0)),
-                       "full-shards": ((38, 0, 0), (74, 0, 0), (10, 58, 0), (26, 0, 0)),
-                       "direct": ((13, 0, 0), (29, 0, 0), (-22, 39, 0), (26, 0, 0)),
-                       "relay": ((13, 0, 0), (77, 0, 0), (-44, 87, 0), (26, 0, 0))}
-ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 4)}  # no fetch, no remote kernel: the output's ops
+LOCAL_FIRST_RUN_OPS = {"dense": ((37, 0, 0), (72, 0, 0), (9, 57, 0), (25, 0, 0)),
+                       "full-shards": ((37, 0, 0), (73, 0, 0), (9, 58, 0), (25, 0, 0)),
+                       "direct": ((12, 0, 0), (28, 0, 0), (-23, 39, 0), (25, 0, 0)),
+                       "relay": ((12, 0, 0), (76, 0, 0), (-45, 87, 0), (25, 0, 0))}
+ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 2)}  # no fetch, no remote kernel: the output's ops
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
 # selection of its own (restricted, prepared, counted). Same count, G = 2, 3, 4, 6 (the same at

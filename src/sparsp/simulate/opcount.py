@@ -22,8 +22,9 @@ changes:
     python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints every constant above,
                                                  # GRAPHED_MASK_OPS and the drain units' ops
 
-Every ``__torch_dispatch__`` call is one op (views and ``record_function`` marks included: each
-costs the host a dispatch). Points in the call are marked with the number of ops issued so far
+Every ``__torch_dispatch__`` call is one op (views included: each costs the host a dispatch;
+the call's profiler ranges, ``groups.marker``, issue none unless a profiler records, and none
+records here). Points in the call are marked with the number of ops issued so far
 (the kernel's own excepted: on the CPU the ``torch`` reference, counted apart as ``kernel``; a
 GPU runs one FA4 launch, ``Profile.launch_ms``): the host read's start
 (``Metadata.start_read``), the finish's entry (the read's wait: ``Metadata.finish``), the run's
@@ -74,6 +75,7 @@ class _Counter(TorchDispatchMode):
         self.points: dict[str, int] = {}  # first time each point was reached: ``n`` then
         self.kernels: list[int] = []  # ``n`` when each kernel call was issued
         self.fetches: list[int] = []  # ``n`` once each fetch was issued
+        self.names: list[str] = []  # every op counted, by name (tests)
         self.active = False  # inside ``with counter``
 
     def __enter__(self):
@@ -88,6 +90,7 @@ class _Counter(TorchDispatchMode):
         self.counts[self.label] = self.counts.get(self.label, 0) + 1
         if self.label not in ("kernel", "triton"):
             self.n += 1
+            self.names.append(str(func))
         return func(*args, **(kwargs or {}))
 
     def mark(self, point: str) -> None:
@@ -231,7 +234,7 @@ def _count_warm(counter: _Counter, q, k, v, strategy: str, config, group) -> dic
         (plan.Metadata.block_mask, captured.stage, base.get_kernel, plan.Metadata.start_read,
          plan.Metadata.finish, base.Call.set_resolved) = saved
     return {**counter.counts, **counter.points, "kernels": list(counter.kernels),
-            "fetches": list(counter.fetches), "total": counter.n}
+            "fetches": list(counter.fetches), "total": counter.n, "names": list(counter.names)}
 
 
 def eager_ops(kind: str, counts: dict) -> int:
