@@ -290,8 +290,9 @@ class Metadata:
     def fits(self) -> bool:
         """Whether every rank's summaries, cut with the guessed shapes, fit the gathered rows
         (host arithmetic, no sync; the check's values after them are not cut: a row longer than
-        the capacity makes ``finish`` return None anyway). When they do not, the mask is a placeholder and the call
-        will redo it (``finish`` returns None): nothing should be computed on it."""
+        the capacity makes ``finish`` return None anyway). When they do not, the mask is a
+        placeholder and the call will redo it (``finish`` returns None): nothing should be
+        computed on it."""
         sh = self.shapes
         return all(_summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, check=False)
                    <= self.capacity for n in sh.num_blocks)
