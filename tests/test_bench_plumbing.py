@@ -324,4 +324,6 @@ def test_time_interleaved_runs_the_rows_round_robin(monkeypatch):
     fns = [lambda i=i: order.append(i) or float(10 + i) for i in range(3)]
     times = common.time_interleaved(fns, warmup=2, iters=4, device=torch.device("cpu"))
     assert times == [[10.0] * 4, [11.0] * 4, [12.0] * 4]
-    assert order == [0, 1, 2] * (2 + 4)  # warm-up rounds, then timed rounds, each in turn
+    # warm-up rounds in order, then timed rounds each starting one row later: every row
+    # follows every other alike
+    assert order == [0, 1, 2] * 2 + [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]

@@ -10,7 +10,8 @@ same kernel. Per row:
 * ``median_ms``: CUDA events around the whole call (mask, plan, transfers, kernels, merge),
   warm-up first, median of ≥ 10 iterations, the slowest rank each iteration. The rows of one
   cdf are timed *interleaved* (``timing``): each timed round runs one iteration of every row
-  in turn, so clock and thermal drift over the minutes a run takes reaches every row alike
+  in turn, starting one row later than the round before (every row follows every other
+  alike), so clock and thermal drift over the minutes a run takes reaches every row alike
   (back-to-back timing of one row after another put 10 % between two runs of the same
   configuration at LTX-Video size); ``--sequential`` times row after row;
 * the time split of one more call, timed phase by phase with CUDA events on the compute
@@ -109,7 +110,8 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sequential", action="store_true",
                    help="time each row's iterations back to back (default: interleaved, one "
-                        "iteration of every row of a cdf in turn, so drift reaches all rows alike)")
+                        "iteration of every row of a cdf in turn, each round starting one row "
+                        "later, so drift and what ran just before reach all rows alike)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="write, per row and rank, torch.profiler tables of one call (ops by device "

@@ -68,14 +68,19 @@ def time_ms(fn, *, warmup: int, iters: int, device: torch.device) -> list[float]
 
 def time_interleaved(fns, *, warmup: int, iters: int, device: torch.device) -> list[list[float]]:
     """``time_ms`` of several functions, one iteration of each in turn (round robin): drift in
-    clocks or temperature over the run reaches every function alike. Times per function."""
+    clocks or temperature over the run reaches every function alike. Each timed round starts
+    one function later than the one before, so every function follows every other equally
+    often (in a fixed order the row after a long one — a 300 ms dense row at HunyuanVideo size —
+    would always start on a hot, possibly throttled GPU). Times per function."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(iters):
-        for got, fn in zip(times, fns):
-            got += time_ms(fn, warmup=0, iters=1, device=device)
+    n = len(fns)
+    for r in range(iters):
+        for j in range(n):
+            i = (r + j) % n
+            times[i] += time_ms(fns[i], warmup=0, iters=1, device=device)
     return times
 
 
