@@ -75,7 +75,7 @@ class _Counter(TorchDispatchMode):
         self.points: dict[str, int] = {}  # first time each point was reached: ``n`` then
         self.kernels: list[int] = []  # ``n`` when each kernel call was issued
         self.fetches: list[int] = []  # ``n`` once each fetch was issued
-        self.names: list[str] = []  # every op counted, by name (tests)
+        self.names: list[str] = []  # every op counted, as "label:op" (tests, diagnosis)
         self.active = False  # inside ``with counter``
 
     def __enter__(self):
@@ -90,7 +90,7 @@ class _Counter(TorchDispatchMode):
         self.counts[self.label] = self.counts.get(self.label, 0) + 1
         if self.label not in ("kernel", "triton"):
             self.n += 1
-            self.names.append(str(func))
+            self.names.append(f"{self.label}:{func}")
         return func(*args, **(kwargs or {}))
 
     def mark(self, point: str) -> None:
