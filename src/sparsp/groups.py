@@ -7,6 +7,7 @@ nothing here knows about attention.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 
@@ -21,17 +22,7 @@ __all__ = ["HostRead", "all_gather_flat", "gather_objects", "global_rank", "mark
 _ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class _NoMarker:
-    """The no-op context ``marker`` returns when no profiler records."""
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_MARKER = _NoMarker()
+_NO_MARKER = contextlib.nullcontext()  # what ``marker`` returns when no profiler records
 
 
 def marker(name: str):

@@ -132,15 +132,7 @@ class PhaseTimer:
         return out
 
 
-class _NoPhase:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_PHASE = _NoPhase()
+_NO_PHASE = contextlib.nullcontext()  # a phase of a call no timer watches
 
 
 class _Geometry:

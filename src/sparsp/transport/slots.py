@@ -62,6 +62,7 @@ The CUDA mechanics (stream writes and waits, copy streams, host threads) are des
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -565,7 +566,7 @@ class SlotWindows(Transport):
             raise RuntimeError(f"{self.name} transport is closed")
 
     def _device_ctx(self):
-        return torch.cuda.device(self.device) if self.cuda else _nullctx()
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
     def _allgather(self, obj) -> list:
         return gather_objects(obj, self.group)
@@ -597,12 +598,3 @@ class SlotWindows(Transport):
         """(count after this chunk, start, end) for each chunk of a payload."""
         c = self.chunk_bytes
         return [(j + 1, lo, min(lo + c, nbytes)) for j, lo in enumerate(range(0, nbytes, c))]
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
