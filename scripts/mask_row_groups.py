@@ -15,6 +15,7 @@ order a placement gives them:
   pass.
 
     python scripts/mask_row_groups.py [--model ltx-video] [--group 3] [--ranks 2] [--layers 2]
+    python scripts/mask_row_groups.py --trace masks.pt      # recorded masks (``sparsp trace``)
 
 A measurement to decide what to build, not a code path of the library.
 """
@@ -28,6 +29,7 @@ import torch
 
 from sparsp.geometry import MODELS, preset
 from sparsp.placement import make_placement
+from sparsp.traces import load_trace
 from sparsp.workloads import synthetic_masks
 
 
@@ -50,12 +52,18 @@ def main() -> None:
     ap.add_argument("--placements", nargs="+", default=["periodic", "contiguous"])
     ap.add_argument("--cdf", type=float, nargs="+", default=[0.85, 0.9, 0.95])
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--trace", help="a mask trace (sparsp.traces) instead of the synthetic masks")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     if args.group < 2:
         raise SystemExit("--group must be at least 2")
-    geom = preset(args.model)
-    masks = synthetic_masks(geom, args.cdf, layers=args.layers, seed=0)
+    if args.trace:
+        trace = load_trace(args.trace)
+        geom, masks = trace.geometry, {trace.cdf_threshold: trace.masks}
+        args.model = geom.name
+    else:
+        geom = preset(args.model)
+        masks = synthetic_masks(geom, args.cdf, layers=args.layers, seed=0)
     out = []
     for name in args.placements:
         pl = make_placement(name, geom, args.ranks)
