@@ -135,8 +135,9 @@ def fused_sums(*xs: torch.Tensor | None) -> bool:
     """Whether ``summaries_into``'s kernel sums these (B, S, H, D) tensors: Triton on CUDA, the
     switch ``SPARSP_TRITON_SUMS`` on, and each token's H·D features contiguous (batch and
     sequence strides are free: q, k, v cut from one fused projection qualify)."""
-    return all(x is None or (runs(x, "SPARSP_TRITON_SUMS") and x.stride(3) == 1
-                             and x.stride(2) == x.shape[3]) for x in xs)
+    given = [x for x in xs if x is not None]
+    return runs(given[0], "SPARSP_TRITON_SUMS") and all(
+        x.device == given[0].device and x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in given)
 
 
 def check_parts(B: int, n: int, features: int) -> int:

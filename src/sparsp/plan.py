@@ -359,16 +359,16 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     local_key = (tuple(q.shape), q.dtype, bs, strategy)
     guess = state.shapes.get(local_key)
     counts = lambda: count_nonfinite(q, k, v, group, config.timeout_s)  # noqa: E731
+    checked = v if config.check_finite else None
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
         if fused and size <= cap:  # the kernel writes the summaries into the kept send row
             mine = _send_row(header, cap)
-            summaries_into(mine[header.numel(): header.numel() + size], bs, q, k,
-                           v if config.check_finite else None)
+            summaries_into(mine[header.numel(): header.numel() + size], bs, q, k, checked)
         else:
             if data is None:
                 data = torch.empty(size, dtype=torch.float32, device=q.device)
-                summaries_into(data, bs, q, k, v if config.check_finite else None)
+                summaries_into(data, bs, q, k, checked)
             body = data if data.numel() <= cap else data[:cap]
             pad = cached_zeros((cap - body.numel(),), q.device)
             mine = torch.cat([header, body, pad])
