@@ -162,6 +162,11 @@ def test_triton_merge_equals_the_reference(shape):
     merge._launch(a, la, b, lb, wide[:, 1:H + 1], wide_lse[:, 1:H + 1])
     assert (wide[:, 0] == 0).all() and (wide[:, H + 1] == 0).all()
     assert torch.allclose(wide[:, 1:H + 1].cpu(), merge.update_out_and_lse(a.cpu(), la.cpu(), b.cpu(), lb.cpu())[0], atol=1e-5)
+    # in place over the first partial (``fold``: a kernel's short-block call into its main one)
+    a2, la2 = a.clone(), la.clone()
+    merge._launch(a2, la2, b, lb, a2, la2)
+    assert torch.allclose(a2.cpu(), want_out, atol=1e-2, rtol=1e-2)  # b was bf16 above, fp32 here
+    assert torch.equal(la2.isneginf().cpu(), want_lse.isneginf())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="merge_pair / merge_final take Triton on CUDA only")
@@ -175,6 +180,19 @@ def test_merge_entry_points_take_triton_on_cuda():
     final = merge.merge_final(a.bfloat16(), la, b.bfloat16(), lb, torch.bfloat16)
     assert final.shape == (1, 300, 4, 128) and final.is_contiguous()
     assert torch.allclose(final.float(), want_out.permute(0, 2, 1, 3), atol=1e-2, rtol=1e-2)  # bf16 rounding
+    # the fp32 accumulator's merge takes the same kernel on CUDA
+    acc = merge.update_out_and_lse(a, la, b.bfloat16(), lb)
+    assert acc[0].dtype == torch.float32 and torch.allclose(acc[0], merge._pair(a, la, b.bfloat16(), lb)[0], atol=1e-5)
+    # fold: a kernel's (BH, S, D) partials, token-major storage as FA4 returns them, merged in place
+    store = a[0].bfloat16().transpose(0, 1).contiguous()  # (S, BH, D)
+    main, main_lse = store.transpose(0, 1), la[0].clone()
+    want = merge._pair(main[None], main_lse[None], b[0][None].bfloat16(), lb[0][None])
+    got, got_lse = merge.fold(main, main_lse, b[0].bfloat16(), lb[0])
+    assert got.data_ptr() == store.data_ptr() and got_lse.data_ptr() == main_lse.data_ptr()
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want[0][0], atol=1e-2, rtol=1e-2)  # bf16 rounding
+    finite = ~want[1][0].isneginf()
+    assert torch.allclose(got_lse[finite], want[1][0][finite], atol=1e-5)
 
 
 # --- the pack's Triton gather (packing.gather_rows) ----------------------------------------
