@@ -1,5 +1,6 @@
 """Distributed attention on CPU (gloo, 2–4 processes) against a single-process reference."""
 
+import os
 
 import pytest
 import torch
@@ -217,6 +218,13 @@ def _markers_worker(rank, world):
     with counter:  # no profiler: the call's ranges issue no op
         sp_attention(q, k, v, strategy="sparsp", config=cfg)
     assert not any("record_function" in name for name in counter.names), counter.names
+    os.environ["SPARSP_RANGES"] = "1"  # forced on (how their cost was timed)
+    try:
+        with _Counter() as forced:
+            sp_attention(q, k, v, strategy="sparsp", config=cfg)
+    finally:
+        del os.environ["SPARSP_RANGES"]
+    assert any("record_function" in name for name in forced.names), forced.names
     with profile() as prof:
         sp_attention(q, k, v, strategy="sparsp", config=cfg)
     names = {e.name for e in prof.events()}

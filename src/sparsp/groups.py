@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 
 import torch
@@ -29,8 +30,10 @@ def marker(name: str):
     """A named range of the call for profilers (``bench attention --profile``, ``nsys`` with
     ``emit_nvtx``): ``torch.profiler.record_function(name)`` while a profiler records, else a
     no-op. Entering and leaving a ``record_function`` costs the host ≈ 12 µs on an H200 host
-    even with no profiler running, and a call has six (docs/performance.md)."""
-    if torch._C._autograd._profiler_enabled():
+    even with no profiler running, and a call has six (docs/performance.md).
+    ``SPARSP_RANGES=1`` enters them always (how the saving was timed: ``bench attention
+    --env-variant SPARSP_RANGES=1``)."""
+    if torch._C._autograd._profiler_enabled() or os.environ.get("SPARSP_RANGES") == "1":
         return torch.profiler.record_function(name)
     return _NO_MARKER
 
