@@ -212,3 +212,48 @@ def test_validate_accepts_auto_only_by_name():
     with pytest.raises(ValueError, match="strategy='autox' is not one of .*auto"):
         validate(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), None,
                  "autox", None)
+
+
+def test_auto_decides_once_per_figures_and_reads_a_profile_file_once(tmp_path, monkeypatch):
+    """The choice runs on the host between the call's read and its first transfer: figures seen
+    before cost a lookup (no ``Demand`` built again), and a ``SPARSP_PROFILE`` file is read once."""
+    import json
+    from types import SimpleNamespace
+
+    import sparsp.simulate as simulate
+    import sparsp.simulate.model as model
+    from sparsp import SparspConfig
+    from sparsp.plan import Shapes
+    from sparsp.strategies import auto
+
+    sh = Shapes(rank=0, world_size=2, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 40))
+    N = sh.total_blocks
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.rand(1, 4, N, N, generator=g) < p for p in (0.3, 0.8)]
+    figures = [[round(x) for x in auto.figures(m, sh).tolist()] for m in masks]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profile": simulate.get_profile("h200x2-host").to_dict()}))
+    monkeypatch.setenv(auto.PROFILE_ENV, str(path))
+    calls = {"demand_of": 0, "get_profile": 0}
+
+    def counted(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(model, "demand_of", counted("demand_of", model.demand_of))
+    monkeypatch.setattr(simulate, "get_profile", counted("get_profile", simulate.get_profile))
+    q = torch.zeros(1, 48, 4, 16, dtype=torch.bfloat16)
+    cfg, transport = SparspConfig(block_size=16), SimpleNamespace(name="nccl")
+    auto.forget()
+    try:
+        first = [auto.choose_from(figures[0], sh, q, None, cfg, transport) for _ in range(3)]
+        assert calls == {"demand_of": 1, "get_profile": 1}, calls
+        assert len(set(first)) == 1 and auto.last_decision().profile == "h200x2-host"
+        auto.choose_from(figures[1], sh, q, None, cfg, transport)  # new figures: decided again
+        assert calls == {"demand_of": 2, "get_profile": 1}, calls
+        assert auto.choose_from(figures[0], sh, q, None, cfg, transport) == first[0]
+        assert calls["demand_of"] == 2
+    finally:
+        auto.forget()

@@ -31,9 +31,13 @@ transport figure is the call's transport if the profile has it, else the profile
 
 Predictions are cached per (profile, candidates, geometry) and demand rounded to three
 significant digits (``Demand.rounded``: a choice never hinges on a few blocks, and denoising
-steps repeat their masks), so most calls cost a dictionary lookup after the measurement. The
-choice and its predicted times are logged once per geometry on the ``sparsp`` logger (and at
-debug level whenever they change); ``last_decision()`` returns the latest one.
+steps repeat their masks), and the decision itself per exact figures: the choice runs on the
+host between the call's read and its first transfer, so a call whose figures repeat (the same
+mask) costs a lookup there instead of building and rounding its ``Demand`` again
+(``scripts/probe_auto_choice.py``, two CPU processes: 197 → 61 µs per call; on 2×H200 ``auto``
+trailed ``sparsp`` by 0.15 ms at LTX size while doing that work on every call). The choice and its predicted times are logged once per geometry on
+the ``sparsp`` logger (and at debug level whenever they change); ``last_decision()`` returns the
+latest one. ``SPARSP_PROFILE`` naming a JSON file is read once per value.
 """
 
 from __future__ import annotations
@@ -77,7 +81,9 @@ class Decision:
 
 
 _profile = None
-_cache: OrderedDict = OrderedDict()
+_cache: OrderedDict = OrderedDict()  # rounded demand and call settings → (choice, times)
+_exact: OrderedDict = OrderedDict()  # exact figures and call settings → (Decision, density)
+_env_profiles: dict[str, object] = {}  # SPARSP_PROFILE's value → its profile
 _logged: dict[tuple, str] = {}
 _blocks: dict[tuple, object] = {}
 _last: Decision | None = None
@@ -93,12 +99,15 @@ def use_profile(profile=None) -> None:
         profile = get_profile(profile)
     _profile = profile
     _cache.clear()
+    _exact.clear()
 
 
 def forget() -> None:
     """Drop cached predictions, the once-per-geometry log memory and the last decision."""
     global _last
     _cache.clear()
+    _exact.clear()
+    _env_profiles.clear()
     _logged.clear()
     _blocks.clear()
     _last = None
@@ -123,8 +132,12 @@ def profile_for(transport: str, ranks: int):
     prof = _profile
     if prof is None:
         env = os.environ.get(PROFILE_ENV, "").strip()
-        prof = get_profile(env) if env else get_profile(
-            "h200x2-nvlink" if transport == "ipc" else "h200x2-host")
+        if env:
+            prof = _env_profiles.get(env)
+            if prof is None:  # a file is read once per value, not on every call
+                prof = _env_profiles[env] = get_profile(env)
+        else:
+            prof = get_profile("h200x2-nvlink" if transport == "ipc" else "h200x2-host")
     return prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
 
 
@@ -185,12 +198,39 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
     """The strategy for this call (same on every rank) from ``figures`` read on the host; see
     the module docstring."""
     global _last
-    from ..simulate.model import demand_of
-
-    B, H, G, N = sh.batch, sh.heads, sh.world_size, sh.total_blocks
+    B, H, G = sh.batch, sh.heads, sh.world_size
     names = candidates(H, G)
     if len(names) == 1:
         return names[0]
+    token = ("set", id(_profile)) if _profile is not None else ("env", os.environ.get(PROFILE_ENV, "").strip())
+    key = (tuple(host), sh, names, transport.name, q.dtype, config.prefetch, config.local_first, token)
+    hit = _exact.get(key)
+    if hit is None:
+        hit = _exact[key] = _decision(host, sh, q, config, transport, names)
+        if len(_exact) > _CACHE_SIZE:
+            _exact.popitem(last=False)
+    else:
+        _exact.move_to_end(key)
+    decision, density = hit
+    _last = decision
+    geometry = (id(group), sh, q.dtype, q.device)
+    if _logged.get(geometry) != decision.strategy:
+        level = logging.INFO if geometry not in _logged else logging.DEBUG
+        _logged[geometry] = decision.strategy
+        log.log(level, "sparsp auto: %s for G=%d, %d tokens, %dx%d heads, density %.3f "
+                "(predicted ms: %s; profile %s, transport %s)", decision.strategy, G, sum(sh.seq_lens), H,
+                sh.head_dim, density, ", ".join(f"{s} {t:.3g}" for s, t in decision.predicted_ms.items()),
+                decision.profile, decision.transport)
+    return decision.strategy
+
+
+def _decision(host: list[int], sh: Shapes, q: torch.Tensor, config, transport,
+              names: tuple[str, ...]) -> tuple[Decision, float]:
+    """``choose_from``'s work for figures not seen before: the ``Demand``, rounded, through the
+    prediction cache; and the mask's density for the log line."""
+    from ..simulate.model import demand_of
+
+    B, H, G, N = sh.batch, sh.heads, sh.world_size, sh.total_blocks
     exact = demand_of(host, _blocks_of(sh, q.device), B * H, N, batch=B)
     d = exact.rounded(DIGITS)
     profile = profile_for(transport.name, G)
@@ -207,17 +247,8 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
     else:
         _cache.move_to_end(key)
     choice, times = hit
-    _last = Decision(choice, dict(times), profile.name, transport.name)
-    geometry = (id(group), sh, q.dtype, str(q.device))
-    if geometry not in _logged or _logged[geometry] != choice:
-        level = logging.INFO if geometry not in _logged else logging.DEBUG
-        _logged[geometry] = choice
-        density = sum(exact.head_pairs) / (B * H * sum(sh.seq_lens) ** 2)
-        log.log(level, "sparsp auto: %s for G=%d, %d tokens, %dx%d heads, density %.3f "
-                "(predicted ms: %s; profile %s, transport %s)", choice, G, sum(sh.seq_lens), H,
-                sh.head_dim, density, ", ".join(f"{s} {t:.3g}" for s, t in times.items()),
-                profile.name, transport.name)
-    return choice
+    density = sum(exact.head_pairs) / (B * H * sum(sh.seq_lens) ** 2)
+    return Decision(choice, dict(times), profile.name, transport.name), density
 
 
 __all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "PLANNED", "candidates", "choose_from",
