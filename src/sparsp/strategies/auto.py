@@ -35,9 +35,10 @@ steps repeat their masks), and the decision itself per exact figures: the choice
 host between the call's read and its first transfer, so a call whose figures repeat (the same
 mask) costs a lookup there instead of building and rounding its ``Demand`` again
 (``scripts/probe_auto_choice.py``, two CPU processes: 197 → 61 µs per call; on 2×H200 ``auto``
-trailed ``sparsp`` by 0.15 ms at LTX size while doing that work on every call). The choice and its predicted times are logged once per geometry on
-the ``sparsp`` logger (and at debug level whenever they change); ``last_decision()`` returns the
-latest one. ``SPARSP_PROFILE`` naming a JSON file is read once per value.
+trailed ``sparsp`` by 0.15 ms at LTX size while doing that work on every call). The choice and
+its predicted times are logged once per geometry on the ``sparsp`` logger (and at debug level
+whenever they change); ``last_decision()`` returns the latest one. ``SPARSP_PROFILE`` naming a
+JSON file is read once per value.
 """
 
 from __future__ import annotations
@@ -194,6 +195,19 @@ def figures(mask: torch.Tensor, sh: Shapes) -> torch.Tensor:
     return demand_figures(mask.reshape(B * H, N, N), _blocks_of(sh, mask.device), batch=B)
 
 
+def _cached(cache: OrderedDict, key, make):
+    """``cache[key]``, made by ``make()`` when missing; least recently used out past
+    ``_CACHE_SIZE`` entries."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = make()
+        if len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return hit
+
+
 def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, transport) -> str:
     """The strategy for this call (same on every rank) from ``figures`` read on the host; see
     the module docstring."""
@@ -204,14 +218,7 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
         return names[0]
     token = ("set", id(_profile)) if _profile is not None else ("env", os.environ.get(PROFILE_ENV, "").strip())
     key = (tuple(host), sh, names, transport.name, q.dtype, config.prefetch, config.local_first, token)
-    hit = _exact.get(key)
-    if hit is None:
-        hit = _exact[key] = _decision(host, sh, q, config, transport, names)
-        if len(_exact) > _CACHE_SIZE:
-            _exact.popitem(last=False)
-    else:
-        _exact.move_to_end(key)
-    decision, density = hit
+    decision, density = _cached(_exact, key, lambda: _decision(host, sh, q, config, transport, names))
     _last = decision
     geometry = (id(group), sh, q.dtype, q.device)
     if _logged.get(geometry) != decision.strategy:
@@ -236,17 +243,9 @@ def _decision(host: list[int], sh: Shapes, q: torch.Tensor, config, transport,
     profile = profile_for(transport.name, G)
     key = (profile.name, id(profile), transport.name, names, sh.head_dim, q.element_size(),
            config.prefetch, config.local_first, d)
-    hit = _cache.get(key)
-    if hit is None:
-        hit = decide(d, profile, transport.name, names, head_dim=sh.head_dim,
-                     dtype_bytes=q.element_size(), prefetch=config.prefetch,
-                     local_first=config.local_first)
-        _cache[key] = hit
-        if len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    else:
-        _cache.move_to_end(key)
-    choice, times = hit
+    choice, times = _cached(_cache, key, lambda: decide(
+        d, profile, transport.name, names, head_dim=sh.head_dim, dtype_bytes=q.element_size(),
+        prefetch=config.prefetch, local_first=config.local_first))
     density = sum(exact.head_pairs) / (B * H * sum(sh.seq_lens) ** 2)
     return Decision(choice, dict(times), profile.name, transport.name), density
 
