@@ -472,3 +472,73 @@ def _auto_worker(rank, world, lens, H, seed, mode):
 @pytest.mark.parametrize("mode", ["finest", "whole", "pairs"])
 def test_automatic_chunks_agree_between_ends(mode):
     run_distributed(_auto_worker, 3, [48, 32, 45], 6, 9, mode, timeout=300)
+
+
+def _order_worker(rank, world, lens, H, drain, local_first):
+    """The events of one call in the order the host issued them: each ``send_buffer`` and the
+    step it serves, the local kernel and every chunk kernel."""
+    import torch.distributed as dist
+
+    from sparsp import sp_attention
+    from sparsp.strategies import base, get_transport
+
+    t = get_transport("host", None, torch.device("cpu"), 60)
+    events: list = []
+    send_buffer, attend, attend_local = t.send_buffer, base.Call.attend, base.Call.attend_local
+
+    def sent(peer, numel, dtype):
+        events.append(("send", numel))
+        return send_buffer(peer, numel, dtype)
+
+    def local(self):
+        if not self._local_done:
+            events.append(("local",))
+        return attend_local(self)
+
+    def chunk(self, payload, lay, origin, heads=None):
+        events.append(("chunk", heads))
+        return attend(self, payload, lay, origin, heads=heads)
+
+    t.send_buffer = sent
+    base.Call.attend, base.Call.attend_local = chunk, local
+    try:
+        B, D, bs = 1, 8, 16
+        S = sum(lens)
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
+        tok_block, N = slice_blocks(lens, bs)
+        gm = torch.ones(B, H, N, N, dtype=torch.bool)  # every head reads every block
+        a = sum(lens[:rank])
+        sl = slice(a, a + lens[rank])
+        cfg = SparspConfig(block_size=bs, transport="host", kernel="torch", drain_chunks=drain,
+                           local_first=local_first)
+        out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
+                           strategy="sparsp", config=cfg, _global_mask=gm)
+        err = (out.double() - reference(q, k, v, tok_block, gm)[:, sl]).abs().max().item()
+    finally:
+        t.send_buffer = send_buffer
+        base.Call.attend, base.Call.attend_local = attend, attend_local
+        t.fence()
+        dist.barrier()
+    assert err <= 1e-5, f"rank {rank}: error {err}"
+    return t.window, events
+
+
+@pytest.mark.parametrize("local_first", [False, True])
+def test_a_round_with_more_chunks_than_slots_issues_its_late_steps_after_the_local_kernel(local_first):
+    # Two ranks over the host transport (3 slots per peer), the drain cut into 5 head groups:
+    # the first 3 steps are issued, then (unless it was queued first) the local kernel, which
+    # must not wait for the host's wait on a slot, and each later step after the kernel of a
+    # landed chunk.
+    H, drain = 5, 5
+    for window, events in run_distributed(_order_worker, 2, [48, 40], H, drain, local_first, timeout=300):
+        kinds = [e[0] for e in events]
+        assert kinds.count("send") == drain and kinds.count("chunk") == drain, events
+        assert kinds.index("local") == (0 if local_first else window), events
+        kinds.remove("local")
+        assert kinds[:window] == ["send"] * window, events
+        after = kinds[window:]
+        for i in range(drain - window):  # a chunk's kernel, then the next step
+            assert after[2 * i:2 * i + 2] == ["chunk", "send"], events
+        assert after[2 * (drain - window):] == ["chunk"] * window, events
+        assert sorted(e[1] for e in events if e[0] == "chunk") == chunks.head_groups(H, drain), events

@@ -378,6 +378,16 @@ def test_canonical_block_ids_matches_brute_force(bh, nk, p, tail, seed):
     assert torch.equal(canonical_block_ids(selected, tail), brute_block_ids(selected, tail))
 
 
+@settings(max_examples=30, deadline=None)
+@given(units=st.integers(1, 4), bh=st.integers(0, 6), nk=st.integers(1, 7), p=st.floats(0, 1),
+       tail=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_canonical_block_ids_numbers_each_stacked_selection_on_its_own(units, bh, nk, p, tail, seed):
+    gen = torch.Generator().manual_seed(seed)
+    stacked = torch.rand(units, bh, nk, generator=gen) < p
+    got = canonical_block_ids(stacked, tail)
+    assert torch.equal(got, torch.stack([brute_block_ids(s, tail) for s in stacked]))
+
+
 # ---------------------------------------------------------------------------- merge
 
 

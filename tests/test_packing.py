@@ -55,6 +55,33 @@ def test_prepared_rows_equal_block_by_block_rows(seed):
     assert torch.equal(kk, k.reshape(-1, 3)[want]) and torch.equal(vv, v.reshape(-1, 3)[want])
 
 
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stacked_selections_prepare_as_each_alone(seed):
+    # a payload's head-group units are prepared at once (sparsp's chunks: one set of kernels
+    # for all units); each unit's layout equals the one its selection gets alone
+    g = torch.Generator().manual_seed(seed)
+    B, H, bs = 1 + seed % 2, 4, (4, 8)[seed % 2]
+    S = int(torch.randint(1, 60, (1,), generator=g))
+    n = math.ceil(S / bs)
+    whole = torch.rand(B, H, n, generator=g) < 0.6
+    units = [(0, 1), (1, 3), (3, 4)]
+    stacked = torch.zeros(len(units), B, H, n, dtype=torch.bool)
+    for u, (h0, h1) in enumerate(units):
+        stacked[u, :, h0:h1] = whole[:, h0:h1]
+    stacked = stacked.view(len(units), B * H, n)
+    parts = prepare(stacked, S, bs, heads=H).unbind()
+    assert len(parts) == len(units)
+    for sel, part in zip(stacked, parts):
+        alone = prepare(sel, S, bs, heads=H)
+        counts = (int(alone.num_selected), int(alone.num_short))
+        assert (int(part.num_selected), int(part.num_short)) == counts
+        a, b = part.finish(*counts), alone.finish(*counts)
+        assert a.num_rows == b.num_rows and a.num_aligned == b.num_aligned
+        for name in ("block_ids", "block_start", "block_len", "rows", "selected"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(a.rows, _reference_rows(sel, S, bs, H))
+
 def test_kernel_indices_list_kept_blocks_ascending():
     g = torch.Generator().manual_seed(3)
     B, H, nQ, n, bs = 1, 2, 5, 7, 4

@@ -89,7 +89,8 @@ class Pending:
     """A layout before its counts reach the host (``prepare``): everything that does not depend
     on them, made at the selection's capacity (every block selected) on the device, so that
     the call's host synchronisation is followed by slicing only. ``num_selected`` and
-    ``num_short`` are the 0-dim device counts the caller copies to the host."""
+    ``num_short`` are the 0-dim device counts the caller copies to the host. Made from stacked
+    selections, every tensor has their leading dimension (``unbind`` splits it)."""
 
     ids: torch.Tensor
     starts: torch.Tensor  # [BH·n] capacity
@@ -100,6 +101,13 @@ class Pending:
     selected: torch.Tensor
     seq_len: int
     block_size: int
+
+    def unbind(self) -> list["Pending"]:
+        """One ``Pending`` per stacked selection (views: no kernel)."""
+        parts = zip(self.ids, self.starts, self.lens, self.num_selected, self.num_short, self.selected,
+                    self.rows if self.rows is not None else [None] * self.ids.shape[0])
+        return [Pending(ids, starts, lens, rows, n_sel, n_short, sel, self.seq_len, self.block_size)
+                for ids, starts, lens, n_sel, n_short, sel, rows in parts]
 
     def finish(self, n_sel: int, n_short: int) -> Layout:
         """The ``Layout`` for the host counts (views of the capacity tensors: no kernel)."""
@@ -113,15 +121,20 @@ class Pending:
 
 def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int | None = None) -> Pending:
     """Everything of ``layout`` that needs no host count; with ``heads`` also the token rows
-    the producer packs (``Layout.token_rows``), made from the inverse of the block ids."""
-    BH, n = selected.shape
+    the producer packs (``Layout.token_rows``), made from the inverse of the block ids.
+
+    ``selected``: bool [BH, n], or [U, BH, n] for U selections of one shard at once (a
+    payload's head-group units: the same number of kernels as one, ``Pending.unbind``)."""
+    *lead, BH, n = selected.shape
     tail = seq_len % block_size != 0
     device = selected.device
     ids = canonical_block_ids(selected, tail)
     tail_len = seq_len - (n - 1) * block_size
-    n_sel = selected.sum()
-    n_short = selected[:, -1].sum() if tail else torch.zeros((), dtype=torch.long, device=device)
+    n_sel = selected.sum((-2, -1))
+    n_short = selected[..., -1].sum(-1) if tail else torch.zeros(lead, dtype=torch.long, device=device)
     n_full = n_sel - n_short
+    if lead:  # [U, 1]: against the capacity positions
+        n_full = n_full.unsqueeze(-1)
     cap = BH * n
     pos = _arange(cap, device)
     full = pos < n_full
@@ -131,14 +144,14 @@ def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int
     if heads is not None:
         # inverse of the ids: the flat (bh, j) of every buffer block (slot ``cap`` takes the
         # blocks that are not selected)
-        inv = torch.zeros(cap + 1, dtype=torch.long, device=device)
-        inv.scatter_(0, torch.where(selected, ids, cap).reshape(-1), pos)
+        inv = torch.zeros(*lead, cap + 1, dtype=torch.long, device=device)
+        inv.scatter_(-1, torch.where(selected, ids, cap).reshape(*lead, cap), pos.expand(*lead, cap) if lead else pos)
         r = _arange(cap * block_size, device)
         in_full = r < n_full * block_size
         rr = r - n_full * block_size
         blk = torch.where(in_full, r // block_size, n_full + rr // tail_len).clamp_(max=cap)
         off = torch.where(in_full, r % block_size, rr % tail_len)
-        src = inv[blk]
+        src = inv.gather(-1, blk)
         bh, j = src // n, src % n
         rows = ((bh // heads) * seq_len + j * block_size + off) * heads + bh % heads
     return Pending(ids, starts, lens, rows, n_sel, n_short, selected, seq_len, block_size)

@@ -236,7 +236,8 @@ class Metadata:
         geometry: what ``strategies/captured.py`` replays as a CUDA graph); ``finish`` reads it.
 
         ``selections[key] = (selected bool [BH, n_p], p)``: blocks of rank p's shard a payload
-        holds → ``layouts[key]``. ``extra[key]``: 0-dim integer tensors wanted on the host →
+        holds → ``layouts[key]``; a stacked [U, BH, n_p] (a payload's head-group units) →
+        ``layouts[(*key, i)]`` for i < U, made by one set of kernels. ``extra[key]``: 0-dim integer tensors wanted on the host →
         ``values[key]`` (ints). ``tail``: a 1-D tensor of integer values (exact in float64),
         read with them → ``values[TAIL]`` (a list of ints)."""
         sh = self.shapes
@@ -245,8 +246,10 @@ class Metadata:
             # everything of the layout that needs no count is queued now, before the sync
             # (a payload this rank packs also gets its token rows)
             pend = prepare(sel, sh.seq_lens[p], sh.block_size, heads=sh.heads if p == sh.rank else None)
-            pending[key] = pend
-            counts += [pend.num_selected, pend.num_short]
+            parts = {key: pend} if sel.dim() == 2 else {(*key, i): u for i, u in enumerate(pend.unbind())}
+            for part_key, part in parts.items():
+                pending[part_key] = part
+                counts += [part.num_selected, part.num_short]
         extra = extra or {}
         counts += [extra[k].long() for k in extra]
         table = self.headers()

@@ -52,34 +52,39 @@ def canonical_block_ids(selected: Tensor, tail: bool) -> Tensor:
     """Buffer block index of every selected ``(bh, kb)`` under the canonical order.
 
     Args:
-        selected: bool ``[BH, nK]``; which blocks of each ``bh`` row are packed.
+        selected: bool ``[..., BH, nK]``; which blocks of each ``bh`` row are packed (leading
+            dimensions: independent selections, e.g. a payload's head-group units, each
+            numbered on its own).
         tail: column ``nK - 1`` is a short block (segment length not a multiple of the block
             size); short blocks are packed after every full block.
 
     Returns:
-        long ``[BH, nK]``: the buffer block index, ``-1`` where not selected.
+        long ``[..., BH, nK]``: the buffer block index, ``-1`` where not selected.
 
     Both ends of a transfer call this on the same (exchanged) mask, so they agree on every
     offset without sending metadata (DESIGN "demand-directed routing": offsets from prefix
     sums). Pure tensor ops, no Python loop over blocks.
     """
-    if selected.dim() != 2 or selected.dtype != torch.bool:
+    if selected.dim() < 2 or selected.dtype != torch.bool:
         raise ValueError(
-            f"selected must be a 2-D bool tensor, got shape {tuple(selected.shape)} "
-            f"and dtype {selected.dtype}"
+            f"selected must be a bool tensor of 2 or more dimensions, got shape "
+            f"{tuple(selected.shape)} and dtype {selected.dtype}"
         )
+    lead = selected.shape[:-2]
     full = selected.clone()
-    if tail and selected.shape[1] > 0:
-        full[:, -1] = False
+    if tail and selected.shape[-1] > 0:
+        full[..., -1] = False
     # Row-major over (bh, kb) is the flattened order, so an inclusive cumsum minus one is the
     # rank of each selected full block.
-    full_rank = torch.cumsum(full.reshape(-1).long(), 0).reshape(full.shape) - 1
+    full_rank = torch.cumsum(full.reshape(*lead, -1).long(), -1).reshape(full.shape) - 1
     ids = torch.where(full, full_rank, torch.full_like(full_rank, -1))
-    if tail and selected.shape[1] > 0:
-        short = selected[:, -1]
-        num_full = full.sum()  # a 0-dim tensor: no host sync on GPU
-        short_rank = torch.cumsum(short.long(), 0) - 1 + num_full
-        ids[:, -1] = torch.where(short, short_rank, torch.full_like(short_rank, -1))
+    if tail and selected.shape[-1] > 0:
+        short = selected[..., -1]
+        num_full = full.sum((-2, -1))  # on the device: no host sync on GPU
+        if lead:
+            num_full = num_full.unsqueeze(-1)
+        short_rank = torch.cumsum(short.long(), -1) - 1 + num_full
+        ids[..., -1] = torch.where(short, short_rank, torch.full_like(short_rank, -1))
     return ids
 
 

@@ -137,17 +137,17 @@ LOCAL_FIRST_RUN_OPS = {"dense": ((37, 0, 0), (72, 0, 0), (9, 57, 0), (25, 0, 0))
                        "relay": ((12, 0, 0), (76, 0, 0), (-45, 87, 0), (25, 0, 0))}
 ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 2)}  # no fetch, no remote kernel: the output's ops
 # ``sparsp`` cuts a payload into head-group units before the sync (``strategies/chunks.py``:
-# automatically only the drain of a transfer-bound pair, into 4 units): each unit is a
-# selection of its own (restricted, prepared, counted). Same count, G = 2, 3, 4, 6 (the same at
-# each), a rank's two drain payloads (sent, received) cut into u = 2, 4, 12 units: before the
-# read 68, 232, 888 ops more than unchunked = −14 + 82·(u − 1), i.e. per payload −7 once it is
-# cut (the whole received payload's kernel block lists, made in the stage, are then made per
-# chunk after the sync) and 41 per unit more; graphed, the units' selections are inside the
-# graph: none more. The finish slices each unit's layout from the read: 5, 15, 55 ops more =
-# 2.5 per payload and unit, in both cases. The chunk rule (``chunks.unit_count``) charges the
-# eager count, before the read and in the finish, until the chunked drain is measured with
-# graphs.
-MASK_CUT_OPS, MASK_UNIT_OPS = -7, 41
+# automatically only the drain of a transfer-bound pair, into 4 units): the units' selections
+# are stacked and laid out by one set of kernels (``packing.prepare`` on [U, B·H, n]), and a
+# received payload's block lists are made per unit in the stage instead of once whole. Same
+# count, G = 2, 3, 4, 6 (the same at each), a rank's two drain payloads (sent, received) cut
+# into u = 2, 4, 12 units: before the read 58, 118, 358 ops more than unchunked =
+# 28 + 30·(u − 1), i.e. per payload 14 once it is cut (the stacking, the units' views) and 15
+# per unit more (a received unit's block lists); graphed, all of it is inside the graph: none
+# more. The finish slices each unit's layout from the read: 5, 15, 55 ops more = 2.5 per
+# payload and unit, in both cases. The chunk rule (``chunks.unit_count``) charges the eager
+# count, before the read and in the finish, until the chunked drain is measured with graphs.
+MASK_CUT_OPS, MASK_UNIT_OPS = 14, 15
 GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS = 0, 0
 FINISH_UNIT_OPS = 2.5
 # Merge traffic per output element (``Call.merge``, ``kernels.merge``, Triton kernels that read

@@ -171,7 +171,7 @@ class Call:
         self.kernel = get_kernel(self.kernel_name, self.q.device)
         self._q_hm: torch.Tensor | None = None
         self._lists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kernel block lists
-        self.consumes: dict = {}  # plan key -> origin: payloads this rank computes on whole
+        self.consumes: dict = {}  # plan key -> (origin, heads or None): payloads it computes
         self.out = None
         self.lse = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last partial (``merge``)
@@ -342,10 +342,8 @@ class Call:
             if heads is None:
                 kv_num, kv_idx = self.lists(origin, lay.block_ids)
             else:
-                h0, h1 = heads
-                q = q[:, h0:h1]
-                ids = head_slice(lay.block_ids, self.shapes.batch, heads)
-                kv_num, kv_idx = kernel_indices(self.rows_for(origin)[:, h0:h1], ids, self.width)
+                q = q[:, heads[0]:heads[1]]
+                kv_num, kv_idx = self.lists(origin, lay.block_ids, heads)
             buf = KVBuffer.from_payload(payload, rows=lay.num_rows, block_start=lay.block_start,
                                         block_len=lay.block_len, num_aligned=lay.num_aligned,
                                         block_size=lay.block_size, head_dim=self.q.shape[-1])
@@ -461,14 +459,24 @@ class Call:
         pairs = self.kept.get(sh.rank, sh.batch * sh.heads * sh.num_blocks[sh.rank] ** 2)
         self._geo.last_round = (max(rows.values()), pairs)
 
+    def stage_side(self) -> None:
+        """Mark the compute stream's present end as where ``side`` streams start, for packs
+        and transfers a strategy issues after it queued kernels (``sparsp``'s late steps);
+        nothing on the CPU or when ``attend_local_early`` marked it already. Call it before
+        the kernels the side work must not wait for."""
+        if self._staged is None and self.q.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
     def side(self, on: bool = True):
-        """Context for issuing the first round's packs and transfers (``Call.pack_local``,
-        ``send_buffer``/``publish``/``fetch``) while the early local kernel runs: a
-        high-priority side stream that starts where the plan stage ended (its layouts and
-        token rows), so the pack's gathers and the transfer do not queue behind the local
-        kernel. Waits (``handle.wait()``) stay on the compute stream, outside this context;
-        ``join`` orders the compute stream after the side stream once the run is queued.
-        Without an early local kernel (or on the CPU), or with ``on`` false: no context."""
+        """Context for issuing packs and transfers (``Call.pack_local``,
+        ``send_buffer``/``publish``/``fetch``) beside queued kernels: the first round while
+        the early local kernel runs, or a round's late steps (``stage_side``). A high-priority
+        side stream that starts where the plan stage ended (its layouts and token rows), so
+        the pack's gathers and the transfer do not queue behind the kernels. Waits
+        (``handle.wait()``) stay on the compute stream, outside this context; ``join`` orders
+        the compute stream after the side stream once the run is queued. Before any mark (or
+        on the CPU), or with ``on`` false: no context."""
         if self._staged is None or not on:
             return contextlib.nullcontext()
         stream = _side_stream(self.q.device)
@@ -482,16 +490,24 @@ class Call:
         if self._side is not None:
             torch.cuda.current_stream(self.q.device).wait_stream(self._side)
 
-    def lists(self, origin: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lists(self, origin: int, ids: torch.Tensor,
+              heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's block lists of the local queries over blocks of ``origin`` held with
-        buffer ids ``ids`` [B·H, n_origin] (a layout's ``block_ids``), made once per call. They
-        need only the mask and ids known before the host sync, so the plan stage
+        buffer ids ``ids`` [B·H, n_origin] (a layout's ``block_ids``), made once per call;
+        with ``heads`` = (h0, h1), those of query heads [h0, h1) only (a chunk). They need
+        only the mask and ids known before the host sync, so the plan stage
         (``captured.stage``) makes those of the local shard and of every payload in
         ``consumes``."""
-        key = (origin, ids.data_ptr(), tuple(ids.shape))
+        key = (origin, ids.data_ptr(), tuple(ids.shape), heads)
         got = self._lists.get(key)
         if got is None:
-            got = self._lists[key] = kernel_indices(self.rows_for(origin), ids, self.width)
+            if heads is None:
+                got = kernel_indices(self.rows_for(origin), ids, self.width)
+            else:
+                h0, h1 = heads
+                got = kernel_indices(self.rows_for(origin)[:, h0:h1],
+                                     head_slice(ids, self.shapes.batch, heads), self.width)
+            self._lists[key] = got
         return got
 
     def local_lists(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,8 +99,8 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
     staged = meta.stage(selections, call.kept_counts(), tail=tail)
     # the kernels' block lists: mask + ids known before the sync
     call.local_lists()
-    for key, origin in call.consumes.items():
-        call.lists(origin, staged.pending[key].ids)
+    for key, (origin, heads) in call.consumes.items():
+        call.lists(origin, staged.pending[key].ids, heads)
     return call, staged, error
 
 

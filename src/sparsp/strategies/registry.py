@@ -44,7 +44,8 @@ class StrategySpec:
     """Moves K/V and calls the kernel for one attention call (``strategies/base.py``)."""
     plan: Callable[["Call"], dict] | None
     """Before any payload moves: the payload selections whose layouts the run needs
-    (``{key: (selected bool [B·H, n_p], p)}``), resolved in the call's one host sync."""
+    (``{key: (selected bool [B·H, n_p], p)}``, or [U, B·H, n_p] for U head-group units laid
+    out as ``(*key, i)``: ``Metadata.stage``), resolved in the call's one host sync."""
     sparse: bool
     """Reads the block mask (False: a dense baseline that ignores the thresholds)."""
     heads_divisible: bool

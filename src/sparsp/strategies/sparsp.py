@@ -19,7 +19,7 @@ so they agree on every message without exchanging anything.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 
 import torch
@@ -78,13 +78,24 @@ def _units(call: Call, k: int, owner: int, consumer: int) -> list[tuple[int, int
     return chunks.head_groups(sh.heads, n)
 
 
-def _restrict(sel: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Tensor:
-    """``sel`` [B·H, n] with every row outside heads [h0, h1) cleared (no host sync)."""
-    h0, h1 = heads
+_UNIT_HEADS: dict = {}
+
+
+def _units_of(sel: torch.Tensor, batch: int, units: list[tuple[int, int]]) -> torch.Tensor:
+    """``sel`` [B·H, n] as one selection per head group [U, B·H, n], every row outside the
+    group's heads cleared: one kernel, and one set of layout kernels for all units
+    (``Metadata.stage``). The groups' head masks are made once per (groups, device), on the
+    eager first call of a geometry, so a captured stage only reads them."""
+    key = (tuple(units), str(sel.device))
+    heads = _UNIT_HEADS.get(key)
+    if heads is None:
+        H = units[-1][1]
+        heads = torch.zeros(len(units), 1, H, 1, dtype=torch.bool)
+        for u, (h0, h1) in enumerate(units):
+            heads[u, :, h0:h1] = True
+        heads = _UNIT_HEADS[key] = heads.to(sel.device)
     whole = sel.view(batch, -1, sel.shape[-1])
-    out = torch.zeros_like(whole)
-    out[:, h0:h1] = whole[:, h0:h1]
-    return out.view_as(sel)
+    return (whole.unsqueeze(0) & heads).view(len(units), *sel.shape)
 
 
 def _pairs(call: Call, k: int):
@@ -99,13 +110,16 @@ def plan(call: Call) -> dict:
         for name, owner, consumer in _pairs(call, k):
             sel = call.need(consumer, owner)
             units = _units(call, k, owner, consumer)
+            # a received payload's block lists need no count: the plan stage makes them, for
+            # the whole payload or each unit (a chunk of one unit uses them as they are)
             if len(units) == 1:
                 out[(name, k)] = (sel, owner)
-                if name == "recv":  # computed whole: its block lists can be made before the sync
-                    call.consumes[(name, k)] = owner
+                if name == "recv":
+                    call.consumes[(name, k)] = (owner, None)
                 continue
-            for i, heads in enumerate(units):
-                out[(name, k, i)] = (_restrict(sel, call.shapes.batch, heads), owner)
+            out[(name, k)] = (_units_of(sel, call.shapes.batch, units), owner)  # → (name, k, i)
+            if name == "recv":
+                call.consumes.update({(name, k, i): (owner, heads) for i, heads in enumerate(units)})
     return out
 
 
@@ -162,6 +176,25 @@ def _remember_drain(call: Call) -> None:
                  "recv": (rows["recv"], call.kept.get((r + 1) % G, 0))}
 
 
+@dataclass
+class _Round:
+    """One round's messages on this rank: its steps are issued in order, the first ``window``
+    at once and each later one after a landed chunk's kernel (``run``)."""
+
+    src: int
+    dst: int
+    sends: list[Chunk]
+    recvs: list[Chunk]
+    out: torch.Tensor  # the payload buffer the received chunks land in
+    free_after: torch.cuda.Event | None  # the compute stream's last use of ``out`` (a late step)
+    issued: int = 0  # steps issued so far
+    landing: list = field(default_factory=list)  # (chunk, region, handle) of each issued fetch
+
+    @property
+    def steps(self) -> int:
+        return max(len(self.sends), len(self.recvs))
+
+
 @register_strategy("sparsp", sparse=True, placement="periodic", byte_rule="direct", plan=plan, local_first=True,
                    description="round k: exactly D[r,·,(r−k) mod G] from its owner, per head; "
                                "chunked by head groups, merged as chunks land")
@@ -170,51 +203,81 @@ def run(call: Call) -> None:
     r, G = call.rank, call.world
     t = call.transport
     D = call.q.shape[-1]
-    free = deque(call.payload_buffers(call.config.prefetch + 1))
-    inflight: deque = deque()
+    cuda = call.q.device.type == "cuda"
+    # Slot transports (``ipc``, ``host``) hold ``window`` messages per peer: the step after
+    # that waits on the host until the peer released the first, i.e. until a whole chunk
+    # travelled. Issued before the local kernel's launch, that wait left the device idle for
+    # it (a 4-chunk drain at Wan 2.1 size over the host fabric: the local kernel started
+    # ≈ 11 ms late); so a round issues ``window`` steps at once and each later one after the
+    # kernel of a landed chunk, on the side stream (``Call.side``) so that neither its pack
+    # nor its copy queues behind the compute stream's kernels.
+    window = getattr(t, "window", None)
+    free = deque((buf, None) for buf in call.payload_buffers(call.config.prefetch + 1))
+    inflight: deque[_Round] = deque()
 
-    def start(k: int) -> None:
-        dst, src = (r + k) % G, (r - k) % G
-        sends, recvs = payload_chunks(call, "send", k), payload_chunks(call, "recv", k)
-        if call.timer is not None and k == G - 1:  # benchmarks: how the drain travelled
-            call.timer.drain_chunks = len(recvs)
-        out = free.popleft()
-        landing = []
-        # One step per message: publish the i-th chunk for dst, then fetch the i-th from src
-        # (transport/base.py's round rule, per step; a side with fewer chunks sends or fetches
-        # 0 elements, which moves nothing and takes no slot). Every rank walks its steps in the
-        # same order, so a wait only ever depends on an earlier step of a peer.
-        for i in range(max(len(sends), len(recvs))):
-            send = sends[i] if i < len(sends) else Chunk(None, None)
-            buf = t.send_buffer(dst, send.rows * 2 * D, call.q.dtype)
+    def issue(rnd: _Round, upto: int) -> None:
+        """Steps of ``rnd`` up to ``upto`` (exclusive). One step per message: publish the
+        i-th chunk for dst, then fetch the i-th from src (transport/base.py's round rule, per
+        step; a side with fewer chunks sends or fetches 0 elements, which moves nothing and
+        takes no slot). Every rank walks its steps in the same order, so a wait only ever
+        depends on an earlier step of a peer."""
+        late = rnd.issued > 0
+        while rnd.issued < min(upto, rnd.steps):
+            i = rnd.issued
+            if late and rnd.free_after is not None:  # the side stream: after the buffer's last kernel
+                torch.cuda.current_stream(call.q.device).wait_event(rnd.free_after)
+                rnd.free_after = None
+            send = rnd.sends[i] if i < len(rnd.sends) else Chunk(None, None)
+            buf = t.send_buffer(rnd.dst, send.rows * 2 * D, call.q.dtype)
             if send.rows:  # both ends derive the same size: nothing moves for an empty set
                 call.pack_local(send.lay, buf)
-            t.publish(dst, buf)
-            if i < len(recvs):
-                region = _region(call, out, recvs[i].heads)
-                handle = call.fetch(src, region[: recvs[i].rows * 2 * D])
-                landing.append((recvs[i], region, handle))
+            t.publish(rnd.dst, buf)
+            if i < len(rnd.recvs):
+                region = _region(call, rnd.out, rnd.recvs[i].heads)
+                handle = call.fetch(rnd.src, region[: rnd.recvs[i].rows * 2 * D])
+                rnd.landing.append((rnd.recvs[i], region, handle))
             else:
-                t.fetch(src, out[:0])  # ends the step; any sends it carries are fenced
+                t.fetch(rnd.src, rnd.out[:0])  # ends the step; any sends it carries are fenced
             # Released at once: the transports queue the 'released' signal behind the copy
             # (slots.py; nccl has no slots), so the producer's slot frees as soon as it is
             # copied. Released after the wait instead, a round with more chunks for one peer
             # than its window has slots would deadlock: both ends wait in send_buffer for a
             # release that only comes once their own round has been issued.
-            t.release(src)
-        inflight.append((src, out, landing))
+            t.release(rnd.src)
+            rnd.issued += 1
+
+    def start(k: int) -> None:
+        sends, recvs = payload_chunks(call, "send", k), payload_chunks(call, "recv", k)
+        if call.timer is not None and k == G - 1:  # benchmarks: how the drain travelled
+            call.timer.drain_chunks = len(recvs)
+        out, free_after = free.popleft()
+        rnd = _Round((r - k) % G, (r + k) % G, sends, recvs, out, free_after)
+        issue(rnd, rnd.steps if window is None else window)
+        inflight.append(rnd)
 
     with call.side():  # beside the local kernel the call may have queued already
         for k in range(1, min(G, call.config.prefetch + 1)):
             start(k)
+    if cuda and window is not None:
+        call.stage_side()  # where a late step's stream starts: before the local kernel
     call.attend_local()  # while the first payloads are in flight (done already when early)
     for k in range(1, G):
-        src, out, landing = inflight.popleft()
-        for j, (chunk, region, handle) in enumerate(landing):
+        rnd = inflight.popleft()
+        for j, (chunk, region, handle) in enumerate(rnd.landing):  # grows as late steps issue
             handle.wait()
-            if j == len(landing) - 1 and k + call.config.prefetch < G:
+            last = j == len(rnd.recvs) - 1
+            if last and k + call.config.prefetch < G:
                 # the round's transfer is complete: the next one may use the link
+                with call.side():  # the round's last steps (sends only) go first
+                    issue(rnd, rnd.steps)
                 start(k + call.config.prefetch)  # into the one free buffer: overlaps this compute
             if chunk.rows:
-                call.attend(region, chunk.lay, src, heads=chunk.heads)
-        free.append(out)
+                call.attend(region, chunk.lay, rnd.src, heads=chunk.heads)
+            if rnd.issued < rnd.steps:  # a slot of this peer frees as this chunk lands there
+                with call.side():
+                    issue(rnd, rnd.steps if last else rnd.issued + 1)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        free.append((rnd.out, done))
