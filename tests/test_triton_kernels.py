@@ -232,6 +232,46 @@ def test_triton_compact_equals_the_torch_lists(width):
     assert num[0, 0, 0] == 0 and num[1, 2, 4] == 37
 
 
+# --- the payload layouts (packing.prepare_fused) -------------------------------------------
+
+
+@pytest.mark.parametrize("S, bs, units, heads", [(64, 16, 0, 3), (61, 16, 0, 3), (45, 8, 3, 2),
+                                                 (130, 32, 2, None), (7, 8, 0, 4)])
+def test_triton_layout_equals_the_torch_layout(S, bs, units, heads):
+    import math
+
+    from sparsp.packing import prepare, prepare_fused
+
+    B, H = 2, 3
+    n = math.ceil(S / bs)
+    g = torch.Generator().manual_seed(S + units)
+    shape = (units, B * H, n) if units else (B * H, n)
+    selected = torch.rand(*shape, generator=g) < 0.5
+    selected.view(-1, n)[0] = False  # a row that selects nothing
+    selected.view(-1, n)[-1] = True  # one that selects everything, the short block included
+    want = prepare(selected, S, bs, heads=heads)  # CPU: the torch form
+    got = prepare_fused(selected.to(DEVICE), S, bs, heads=heads)
+    pairs = list(zip(want.unbind(), got.unbind())) if units else [(want, got)]
+    for w, o in pairs:
+        counts = (int(w.num_selected), int(w.num_short))
+        assert (int(o.num_selected), int(o.num_short)) == counts
+        a, b = w.finish(*counts), o.finish(*counts)
+        assert torch.equal(a.block_ids, b.block_ids.cpu()), "ids"
+        assert torch.equal(a.block_start, b.block_start.cpu()) and torch.equal(a.block_len, b.block_len.cpu())
+        assert (a.num_rows, a.num_aligned) == (b.num_rows, b.num_aligned)
+        if heads is None:
+            assert b.rows is None
+        else:
+            assert torch.equal(a.rows, b.rows.cpu()), "token rows"
+
+
+def test_triton_layout_checks_its_size():
+    from sparsp.packing import LAYOUT_MAX_BLOCKS, prepare_fused
+
+    with pytest.raises(ValueError, match="blocks per selection"):
+        prepare_fused(torch.zeros(1, LAYOUT_MAX_BLOCKS + 1, dtype=torch.bool, device=DEVICE), 16, 16)
+
+
 # --- strategy="auto"'s demand figures in one pass (demand.rank_columns) ----------------------
 
 

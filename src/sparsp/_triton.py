@@ -1,7 +1,8 @@
 """Triton, when importable, and the one rule for whether a call's Triton kernel runs.
 
 sparsp's Triton kernels (the metadata's block sums, the mask's CDF selection, the block lists,
-the pack's gather, the LSE merge, ``auto``'s demand figures; docs/kernels.md) each replace a
+the pack's gather, the LSE merge, ``auto``'s demand figures, the payload layouts;
+docs/kernels.md) each replace a
 few torch ops on CUDA. Each has a switch back to those ops, an environment variable set to
 ``0``. ``triton`` and ``tl`` are ``None`` where Triton is not installed (the CPU wheels of
 torch); every kernel is then defined under ``if triton is not None`` and its torch form runs.
@@ -21,7 +22,7 @@ except ImportError:  # pragma: no cover - a torch build without Triton
 
 
 SWITCHES = ("SPARSP_FUSED_SELECT", "SPARSP_TRITON_LISTS", "SPARSP_TRITON_PACK", "SPARSP_TRITON_MERGE",
-            "SPARSP_TRITON_FIGURES", "SPARSP_TRITON_SUMS")
+            "SPARSP_TRITON_FIGURES", "SPARSP_TRITON_SUMS", "SPARSP_TRITON_LAYOUT")
 """Every kernel's switch (docs/kernels.md)."""
 
 

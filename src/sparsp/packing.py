@@ -21,7 +21,7 @@ from .kernels.buffer import canonical_block_ids
 
 from ._triton import runs, tl, triton
 
-__all__ = ["Layout", "Pending", "gather_rows", "halves", "layout", "pack", "prepare"]
+__all__ = ["Layout", "Pending", "gather_rows", "halves", "layout", "pack", "prepare", "prepare_fused"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,12 @@ def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int
     the producer packs (``Layout.token_rows``), made from the inverse of the block ids.
 
     ``selected``: bool [BH, n], or [U, BH, n] for U selections of one shard at once (a
-    payload's head-group units: the same number of kernels as one, ``Pending.unbind``)."""
+    payload's head-group units: the same number of kernels as one, ``Pending.unbind``).
+
+    On CUDA two Triton kernels make all of it (``prepare_fused``: ~20 torch kernels for a
+    layout, ~25 more for its token rows, each a node of the captured plan stage)."""
+    if _layout_ok(selected):
+        return prepare_fused(selected, seq_len, block_size, heads=heads)
     *lead, BH, n = selected.shape
     tail = seq_len % block_size != 0
     device = selected.device
@@ -155,6 +160,100 @@ def prepare(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int
         bh, j = src // n, src % n
         rows = ((bh // heads) * seq_len + j * block_size + off) * heads + bh % heads
     return Pending(ids, starts, lens, rows, n_sel, n_short, selected, seq_len, block_size)
+
+
+LAYOUT_MAX_BLOCKS = 32768
+"""The most blocks (B·H·n) one selection may have for the Triton layout kernel, whose one program
+holds a whole selection's prefix sums in registers (LTX-Video at G = 2: 2,304; HunyuanVideo and
+Wan 2.1: ~11,900); larger ones take the torch ops."""
+
+if triton is not None:
+    @triton.jit
+    def _layout(sel_ptr, ids_ptr, starts_ptr, lens_ptr, inv_ptr, counts_ptr, cap, n, bs, tail_len,
+                TAIL: tl.constexpr, INV: tl.constexpr, BLOCK: tl.constexpr):
+        # one program: one selection [B·H, n] flattened row-major (``canonical_block_ids``'s
+        # order: full blocks by their prefix count, then the short last column's after them)
+        u = tl.program_id(0).to(tl.int64)
+        pos = tl.arange(0, BLOCK).to(tl.int64)
+        inside = pos < cap
+        sel = tl.load(sel_ptr + u * cap + pos, mask=inside, other=0) != 0
+        if TAIL:
+            last = (pos % n) == n - 1
+            full = sel & (last == 0)
+            short = sel & last
+        else:
+            full = sel
+            short = sel & (pos < 0)
+        f = full.to(tl.int64)
+        sh = short.to(tl.int64)
+        n_full = tl.sum(f, 0)
+        n_short = tl.sum(sh, 0)
+        ids = tl.where(full, tl.cumsum(f, 0) - 1, tl.where(short, tl.cumsum(sh, 0) - 1 + n_full, -1))
+        tl.store(ids_ptr + u * cap + pos, ids, mask=inside)
+        first = pos < n_full
+        tl.store(starts_ptr + u * cap + pos,
+                 tl.where(first, pos * bs, n_full * bs + (pos - n_full) * tail_len), mask=inside)
+        tl.store(lens_ptr + u * cap + pos, tl.where(first, bs, tail_len), mask=inside)
+        tl.store(counts_ptr + 2 * u, n_full + n_short)
+        tl.store(counts_ptr + 2 * u + 1, n_short)
+        if INV:  # buffer block -> flat (bh, j): the token rows' source (slots past the count unused)
+            tl.store(inv_ptr + u * cap + ids, pos, mask=inside & sel)
+
+    @triton.jit
+    def _token_rows(inv_ptr, counts_ptr, rows_ptr, cap, n, bs, tail_len, heads, seq_len,
+                    BLOCK: tl.constexpr):
+        # program (i, u): BLOCK capacity rows of selection u; rows past its count are never read
+        u = tl.program_id(1).to(tl.int64)
+        r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = r < cap * bs
+        n_full = tl.load(counts_ptr + 2 * u) - tl.load(counts_ptr + 2 * u + 1)
+        in_full = r < n_full * bs
+        rr = tl.where(in_full, 0, r - n_full * bs)
+        blk = tl.minimum(tl.where(in_full, r // bs, n_full + rr // tail_len), cap - 1)
+        off = tl.where(in_full, r % bs, rr % tail_len)
+        src = tl.load(inv_ptr + u * cap + blk, mask=inside, other=0)
+        bh = src // n
+        j = src % n
+        tl.store(rows_ptr + u * cap * bs + r, ((bh // heads) * seq_len + j * bs + off) * heads + bh % heads,
+                 mask=inside)
+
+
+def _layout_ok(selected: torch.Tensor) -> bool:
+    return (runs(selected, "SPARSP_TRITON_LAYOUT") and selected.dim() in (2, 3)
+            and 0 < selected.shape[-2] * selected.shape[-1] <= LAYOUT_MAX_BLOCKS)
+
+
+def prepare_fused(selected: torch.Tensor, seq_len: int, block_size: int, *, heads: int | None = None) -> Pending:
+    """``prepare`` as two Triton kernels: the ids, starts, lengths and counts of every selection
+    in one program each (prefix sums in registers), then the token rows (with ``heads``).
+    Equal to the torch form on every row the layout uses. CUDA; on CPU tensors in Triton's
+    interpreter. ``selected`` bool [BH, n] or [U, BH, n], at most ``LAYOUT_MAX_BLOCKS`` blocks
+    each."""
+    *lead, BH, n = selected.shape
+    units = lead[0] if lead else 1
+    cap = BH * n
+    if not 0 < cap <= LAYOUT_MAX_BLOCKS:
+        raise ValueError(f"prepare_fused takes 1 to {LAYOUT_MAX_BLOCKS} blocks per selection, got {cap}")
+    device = selected.device
+    tail = seq_len % block_size != 0
+    tail_len = seq_len - (n - 1) * block_size
+    sel = selected.contiguous().view(torch.uint8)
+    ids = torch.empty(*lead, BH, n, dtype=torch.long, device=device)
+    starts = torch.empty(*lead, cap, dtype=torch.long, device=device)
+    lens = torch.empty(*lead, cap, dtype=torch.long, device=device)
+    counts = torch.empty(*lead, 2, dtype=torch.long, device=device)
+    inv = torch.empty(*lead, cap, dtype=torch.long, device=device) if heads is not None else ids
+    block = triton.next_power_of_2(cap)
+    _layout[(units,)](sel, ids, starts, lens, inv, counts, cap, n, block_size, tail_len,
+                      TAIL=tail, INV=heads is not None, BLOCK=block,
+                      num_warps=min(32, max(4, block // 512)))  # ≤ 16 blocks per thread
+    rows = None
+    if heads is not None:
+        rows = torch.empty(*lead, cap * block_size, dtype=torch.long, device=device)
+        block = 1024
+        _token_rows[(triton.cdiv(cap * block_size, block), units)](
+            inv, counts, rows, cap, n, block_size, tail_len, heads, seq_len, BLOCK=block)
+    return Pending(ids, starts, lens, rows, counts[..., 0], counts[..., 1], selected, seq_len, block_size)
 
 
 def layout(selected: torch.Tensor, seq_len: int, block_size: int,
