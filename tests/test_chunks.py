@@ -542,3 +542,45 @@ def test_a_round_with_more_chunks_than_slots_issues_its_late_steps_after_the_loc
             assert after[2 * i:2 * i + 2] == ["chunk", "send"], events
         assert after[2 * (drain - window):] == ["chunk"] * window, events
         assert sorted(e[1] for e in events if e[0] == "chunk") == chunks.head_groups(H, drain), events
+
+
+def _late_fault_worker(rank, world, timeout_s):
+    """Rank 1 never hands back the slots it copied out of (its ``release`` is dropped): rank 0's
+    first late step waits in ``send_buffer`` for a slot of a window that stays full."""
+    import time
+
+    from sparsp import sp_attention
+    from sparsp.strategies import close_transports, get_transport
+
+    t = get_transport("host", None, torch.device("cpu"), timeout_s)
+    if rank == 1:
+        t.release = lambda peer: None
+    B, H, D, bs, lens = 1, 5, 8, 16, [48, 40]
+    S = sum(lens)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
+    tok_block, N = slice_blocks(lens, bs)
+    gm = torch.ones(B, H, N, N, dtype=torch.bool)
+    a = sum(lens[:rank])
+    sl = slice(a, a + lens[rank])
+    cfg = SparspConfig(block_size=bs, transport="host", kernel="torch", drain_chunks=5,
+                       local_first=False, timeout_s=timeout_s)
+    start = time.monotonic()
+    try:
+        sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
+                     strategy="sparsp", config=cfg, _global_mask=gm)
+        error = None
+    except (TimeoutError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        close_transports()
+    return error, time.monotonic() - start
+
+
+def test_a_late_step_whose_slot_is_never_released_times_out_naming_the_peer():
+    timeout_s = 2.0
+    (err0, took0), (err1, took1) = run_distributed(_late_fault_worker, 2, timeout_s, timeout=120)
+    assert err0 is not None and "send_buffer to peer 1" in err0 and "not released" in err0, err0
+    assert took0 < timeout_s + 10, took0  # within the timeout (and CPU slack), not a hang
+    # rank 1 waits for rank 0's late chunk, which rank 0 never publishes: it times out too
+    assert err1 is not None and "peer 0" in err1, err1
