@@ -393,3 +393,31 @@ def test_crash_leftover_is_reclaimed_at_next_start():
         f.write(struct.pack("<8s", b"garbage!"))
     assert run_distributed(_restart, 3, tag, timeout=120) == [0, 1, 2]
     assert _leftovers(tag) == []
+
+
+def _chunk_env(rank: int, world: int, tag: str, values: list) -> tuple:
+    """Each rank builds a transport with its own ``SPARSP_CHUNK_BYTES`` (None: unset)."""
+    if values[rank] is None:
+        os.environ.pop("SPARSP_CHUNK_BYTES", None)
+    else:
+        os.environ["SPARSP_CHUNK_BYTES"] = values[rank]
+    try:
+        t = HostTransport(None, timeout_s=20, slot_bytes=8192, tag=tag)
+    except ValueError as e:
+        return None, str(e)
+    try:
+        return t.chunk_bytes, None
+    finally:
+        t.close()
+
+
+def test_chunk_bytes_from_the_environment():
+    # unset: the default; "64KiB": taken; ranks that disagree refuse the transport, naming it
+    got = run_distributed(_chunk_env, 2, _tag("chunkdefault"), [None, None], timeout=90)
+    assert got == [(16 << 20, None)] * 2
+    got = run_distributed(_chunk_env, 2, _tag("chunkenv"), ["64KiB", "65536"], timeout=90)
+    assert got == [(64 << 10, None)] * 2
+    got = run_distributed(_chunk_env, 2, _tag("chunkdiffer"), ["64KiB", "128KiB"], timeout=90)
+    assert all(size is None and "chunk_bytes" in err for size, err in got), got
+    got = run_distributed(_chunk_env, 2, _tag("chunkbad"), ["lots", "lots"], timeout=90)
+    assert all(size is None and "not a size: 'lots'" in err for size, err in got), got

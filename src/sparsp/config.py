@@ -110,6 +110,17 @@ class SparspConfig:
         return self.sim_threshold is None and all(v >= 1.0 for v in values)
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``4MiB``, ``64k``, ``1g`` or a plain integer (binary units, case-insensitive);
+    ``ValueError`` for anything else."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 4MiB, 64KiB, 1048576)") from None
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
 

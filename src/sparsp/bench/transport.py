@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import parse_size
 from .common import init_distributed, median, result_path, save_figure, write_result
 
 FABRICS = ("nvlink", "host")
@@ -61,19 +62,13 @@ LOAD_ORDERS = {"exchange-first": (EXCHANGE_FIRST,), "attention-first": (ATTENTIO
 DEFAULT_TRANSPORTS = {"nvlink": ("nccl", "ipc"), "host": ("nccl", "host")}
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-
-
 def add_arguments(p) -> None:
     p.add_argument("--fabric", default="nvlink", choices=FABRICS,
                    help="nvlink: peer access (nccl, ipc); host: NCCL_P2P_DISABLE=1 (nccl, host)")
     p.add_argument("--transports", nargs="+", default=None, choices=["nccl", "ipc", "host"],
                    help="transports to measure (default: those of --fabric)")
-    p.add_argument("--min-bytes", type=_size, default=64 << 10, help="smallest message, e.g. 64KiB")
-    p.add_argument("--max-bytes", type=_size, default=512 << 20, help="largest message, e.g. 512MiB")
+    p.add_argument("--min-bytes", type=parse_size, default=64 << 10, help="smallest message, e.g. 64KiB")
+    p.add_argument("--max-bytes", type=parse_size, default=512 << 20, help="largest message, e.g. 512MiB")
     p.add_argument("--factor", type=int, default=2, help="size step (powers of this factor)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
@@ -92,7 +87,7 @@ def add_arguments(p) -> None:
     p.add_argument("--attn-tokens", type=int, default=32768)
     p.add_argument("--attn-heads", type=int, default=24)
     p.add_argument("--attn-dim", type=int, default=128)
-    p.add_argument("--chunk-bytes", type=_size, default=16 << 20, help="host transport chunk")
+    p.add_argument("--chunk-bytes", type=parse_size, default=16 << 20, help="host transport chunk")
     p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
     p.add_argument("--out", type=Path, default=Path("bench/results"))

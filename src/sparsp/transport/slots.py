@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from .base import DoneHandle, Transport
+from ..config import parse_size
 from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
 from .flags import (Backoff, DeviceWaits, FlagLayout, describe_flag, encode_flag, not_published,
@@ -81,6 +82,11 @@ from .flags import (Backoff, DeviceWaits, FlagLayout, describe_flag, encode_flag
 from .shm import HEADER_BYTES, PAGE, ShmSegment, agree_tag, round_up, sweep_stale
 
 log = logging.getLogger("sparsp")
+
+
+CHUNK_BYTES = 16 << 20
+"""The default step of a chunked copy (``host``: the D2H/H2D pieces a consumer copies as they
+land; DESIGN measured 16–64 MiB pieces at the two-way ceiling)."""
 
 
 def _env_flag(name: str) -> bool | None:
@@ -103,7 +109,9 @@ class SlotWindows(Transport):
     - ``window``: slots per (producer, consumer) pair, i.e. how many transfers a producer may
       run ahead of a consumer;
     - ``slot_bytes``: initial payload bytes per slot (rounded up to a page; ``reserve`` grows);
-    - ``chunk_bytes``: the chunk of a chunked copy, i.e. the step of the 'published' count;
+    - ``chunk_bytes``: the chunk of a chunked copy, i.e. the step of the 'published' count
+      (default ``SPARSP_CHUNK_BYTES``, e.g. ``4MiB``, else ``CHUNK_BYTES``; the same on every
+      rank);
     - ``tag``: shared-memory segment names (``shm.agree_tag``: default drawn per transport);
     - ``stream_waits``: queue ``cuStreamWaitValue32`` for flags instead of host-side waits
       (default ``SPARSP_STREAM_WAITS``, on where the driver has stream memory operations);
@@ -113,11 +121,13 @@ class SlotWindows(Transport):
     name = "slots"
 
     def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, window: int = 3,
-                 slot_bytes: int = 1 << 20, chunk_bytes: int = 16 << 20, tag: str | None = None,
+                 slot_bytes: int = 1 << 20, chunk_bytes: int | None = None, tag: str | None = None,
                  stream_waits: bool | None = None) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"window={window} must be >= 1")
+        if chunk_bytes is None:
+            chunk_bytes = parse_size(os.environ.get("SPARSP_CHUNK_BYTES", "").strip() or str(CHUNK_BYTES))
         if chunk_bytes < PAGE:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= {PAGE}")
         self.group = group
