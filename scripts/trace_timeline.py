@@ -11,6 +11,10 @@ chunk landed, when its kernel ran. This prints, in ms from the start of `bench.c
   long (kernels, copies, memsets; the `sparsp.*` ranges as the GPU saw them last).
 
     python scripts/trace_timeline.py bench/results/runs/2026-12-01/22-2gpu-profiles-9590528/prof/wan-*-r1.json.gz
+
+Read durations with care: the first Triton launch after a profiler starts takes 2.5–2.7 ms of
+host time (30–45 µs otherwise, one H200), so a traced call's first kernel (the metadata's
+summaries) starts late; the benchmark's unprofiled split (`mask_ms`, ...) has the true phases.
 """
 
 from __future__ import annotations
