@@ -421,3 +421,28 @@ def test_chunk_bytes_from_the_environment():
     assert all(size is None and "chunk_bytes" in err for size, err in got), got
     got = run_distributed(_chunk_env, 2, _tag("chunkbad"), ["lots", "lots"], timeout=90)
     assert all(size is None and "not a size: 'lots'" in err for size, err in got), got
+
+
+def _first_chunk(rank: int, world: int, tag: str) -> list:
+    os.environ["SPARSP_FIRST_CHUNK_BYTES"] = "16KiB"
+    t = HostTransport(None, timeout_s=20, slot_bytes=1 << 20, chunk_bytes=64 << 10, tag=tag)
+    try:
+        sizes = [hi - lo for _, lo, hi in t._chunks(300 << 10)]
+        t.fence()
+        for p in range(world):  # a payload of several ramped chunks arrives intact
+            if p != rank:
+                _send(t, p, (300 << 10) // 4, torch.float32, rank, p)
+        got = [_recv(t, p, (300 << 10) // 4, torch.float32, p, rank) for p in range(world) if p != rank]
+        t.fence()
+        return [sizes, got]
+    finally:
+        t.close()
+
+
+def test_a_ramped_first_chunk_doubles_up_to_the_chunk_size():
+    # 300 KiB in chunks of 64 KiB from a 16 KiB first one: 16, 32, 64, 64, 64, 60 (KiB)
+    for sizes, got in run_distributed(_first_chunk, 2, _tag("ramp"), timeout=90):
+        assert sizes == [16 << 10, 32 << 10, 64 << 10, 64 << 10, 64 << 10, 60 << 10], sizes
+        assert got == [300 << 10]
+    with pytest.raises(ValueError, match="first_chunk_bytes"):
+        HostTransport(None, first_chunk_bytes=1 << 30)  # larger than the chunk: refused first

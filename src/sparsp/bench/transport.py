@@ -88,6 +88,9 @@ def add_arguments(p) -> None:
     p.add_argument("--attn-heads", type=int, default=24)
     p.add_argument("--attn-dim", type=int, default=128)
     p.add_argument("--chunk-bytes", type=parse_size, default=16 << 20, help="host transport chunk")
+    p.add_argument("--first-chunk-bytes", type=parse_size, default=None,
+                   help="host transport: a smaller first chunk, the next ones doubling up to "
+                        "--chunk-bytes (default: all chunks --chunk-bytes)")
     p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -251,7 +254,8 @@ def run(args) -> dict:
         gate = _aligned(gate, device)
     rows = []
     for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
-        options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
+        options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes,
+                                             "first_chunk_bytes": args.first_chunk_bytes or args.chunk_bytes}
         try:
             t = make_transport(name, None, device=device, timeout_s=args.timeout, **options)
         except Exception as e:  # noqa: BLE001 - e.g. ipc without peer access: skip, say why

@@ -111,7 +111,8 @@ class SlotWindows(Transport):
     - ``slot_bytes``: initial payload bytes per slot (rounded up to a page; ``reserve`` grows);
     - ``chunk_bytes``: the chunk of a chunked copy, i.e. the step of the 'published' count
       (default ``SPARSP_CHUNK_BYTES``, e.g. ``4MiB``, else ``CHUNK_BYTES``; the same on every
-      rank);
+      rank); ``first_chunk_bytes`` (default ``SPARSP_FIRST_CHUNK_BYTES``, else
+      ``chunk_bytes``): a smaller first chunk, the next ones doubling up to ``chunk_bytes``;
     - ``tag``: shared-memory segment names (``shm.agree_tag``: default drawn per transport);
     - ``stream_waits``: queue ``cuStreamWaitValue32`` for flags instead of host-side waits
       (default ``SPARSP_STREAM_WAITS``, on where the driver has stream memory operations);
@@ -122,7 +123,7 @@ class SlotWindows(Transport):
 
     def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, window: int = 3,
                  slot_bytes: int = 1 << 20, chunk_bytes: int | None = None, tag: str | None = None,
-                 stream_waits: bool | None = None) -> None:
+                 stream_waits: bool | None = None, first_chunk_bytes: int | None = None) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"window={window} must be >= 1")
@@ -130,6 +131,12 @@ class SlotWindows(Transport):
             chunk_bytes = parse_size(os.environ.get("SPARSP_CHUNK_BYTES", "").strip() or str(CHUNK_BYTES))
         if chunk_bytes < PAGE:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= {PAGE}")
+        if first_chunk_bytes is None:
+            first_chunk_bytes = parse_size(os.environ.get("SPARSP_FIRST_CHUNK_BYTES", "").strip()
+                                           or str(chunk_bytes))
+        if not PAGE <= first_chunk_bytes <= chunk_bytes:
+            raise ValueError(f"first_chunk_bytes={first_chunk_bytes} must be between {PAGE} and "
+                             f"chunk_bytes={chunk_bytes}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -137,6 +144,7 @@ class SlotWindows(Transport):
         self.timeout_s = float(timeout_s)
         self.window = int(window)
         self.chunk_bytes = int(chunk_bytes)
+        self.first_chunk_bytes = int(first_chunk_bytes)
         self.device = resolve_device(device, group)
         self.cuda = self.device.type == "cuda"
         self.epoch = 0
@@ -497,11 +505,11 @@ class SlotWindows(Transport):
 
     def _export(self, slot_bytes: int) -> None:
         """Collective: create, exchange and map the segments; the names are gone afterwards."""
-        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes)
+        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes, self.first_chunk_bytes)
         configs = self._allgather(config)
         if any(c != config for c in configs):
             raise ValueError(f"rank {self.rank}: transport settings differ between ranks "
-                             f"(class, slot_bytes, window, chunk_bytes): {configs}")
+                             f"(class, slot_bytes, window, chunk_bytes, first_chunk_bytes): {configs}")
         size = HEADER_BYTES + self._layout.nbytes + self._slot_area_bytes(slot_bytes)
         segs: list = [None] * self.world_size
         self._segs = segs
@@ -605,6 +613,13 @@ class SlotWindows(Transport):
         return [v for _, v in gathered]
 
     def _chunks(self, nbytes: int) -> list[tuple[int, int, int]]:
-        """(count after this chunk, start, end) for each chunk of a payload."""
-        c = self.chunk_bytes
-        return [(j + 1, lo, min(lo + c, nbytes)) for j, lo in enumerate(range(0, nbytes, c))]
+        """(count after this chunk, start, end) for each chunk of a payload: ``chunk_bytes``
+        pieces, the first ones ramping up from ``first_chunk_bytes`` by doubling (the
+        consumer's first copy waits for the producer's first piece only). Both ends call it on
+        the same size, so they agree on every boundary."""
+        out, lo, size = [], 0, self.first_chunk_bytes
+        while lo < nbytes:
+            hi = min(lo + size, nbytes)
+            out.append((len(out) + 1, lo, hi))
+            lo, size = hi, min(2 * size, self.chunk_bytes)
+        return out
