@@ -12,9 +12,13 @@ chunk landed, when its kernel ran. This prints, in ms from the start of `bench.c
 
     python scripts/trace_timeline.py bench/results/runs/2026-12-01/22-2gpu-profiles-9590528/prof/wan-*-r1.json.gz
 
-Read durations with care: the first Triton launch after a profiler starts takes 2.5–2.7 ms of
-host time (30–45 µs otherwise, one H200), so a traced call's first kernel (the metadata's
-summaries) starts late; the benchmark's unprofiled split (`mask_ms`, ...) has the true phases.
+Read host durations with care. The first Triton launch after a profiler starts takes 2.5–2.7
+ms of host time (30–45 µs otherwise, one H200); `bench attention` now records a warm-up call
+first and keeps the second (traces made before 2026-12-01's ninth session show the metadata's
+summaries kernel starting 0.5–2.5 ms late). Collectives still carry the profiler's own
+`record_param_comms` (0.1–2.5 ms of host time in one-rank LTX-2 traces of that session): the
+host gap after the metadata all-gather is the profiler's. The benchmark's unprofiled split
+(`mask_ms`, ...) has the true phases; the traces have the order of events.
 """
 
 from __future__ import annotations
