@@ -147,6 +147,22 @@ def slice_blocks(lens, bs):
     return torch.cat(ids), base
 
 
+def random_slice_case(rank: int, lens, H: int, D: int, bs: int, seed: int, density=None):
+    """Random q, k, v of the whole sequence (``seed``, B = 1), a block mask (random at
+    ``density``; ``None``: every block), and this rank's slice: ``(q, k, v)`` of the slice
+    (contiguous), the mask, and the float64 reference of the slice's rows."""
+    S = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, S, H, D, generator=g) for _ in range(3))
+    tok_block, N = slice_blocks(lens, bs)
+    gm = (torch.ones(1, H, N, N, dtype=torch.bool) if density is None
+          else torch.rand(1, H, N, N, generator=g) < density)
+    a = sum(lens[:rank])
+    sl = slice(a, a + lens[rank])
+    want = reference(q, k, v, tok_block, gm)[:, sl]
+    return tuple(t[:, sl].contiguous() for t in (q, k, v)), gm, want
+
+
 def structured_inputs(seed, B, S, H, D):
     """q, k, v [B, S, H, D] of ``seed``."""
     g = torch.Generator().manual_seed(seed)

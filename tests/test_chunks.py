@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import reference, run_distributed, slice_blocks
+from dist_utils import random_slice_case, reference, run_distributed, slice_blocks
 from sparsp import SparspConfig
 from sparsp.strategies import chunks
 from sparsp.strategies.chunks import Fabric, Piece
@@ -443,18 +443,10 @@ def _auto_worker(rank, world, lens, H, seed, mode):
         return out
 
     strategy.payload_chunks = recorded
-    B, D, bs = 1, 8, 16
-    S = sum(lens)
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-    tok_block, N = slice_blocks(lens, bs)
-    gm = torch.rand(B, H, N, N, generator=g) < 0.5
-    a = sum(lens[:rank])
-    sl = slice(a, a + lens[rank])
-    want = reference(q, k, v, tok_block, gm)[:, sl]
+    bs = 16
+    shard, gm, want = random_slice_case(rank, lens, H, 8, bs, seed, density=0.5)
     cfg = SparspConfig(block_size=bs, transport="nccl", kernel="torch")
-    out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
-                       strategy="sparsp", config=cfg, _global_mask=gm)
+    out = sp_attention(*shard, strategy="sparsp", config=cfg, _global_mask=gm)
     err = (out.double() - want).abs().max().item()
     get_transport("nccl", None, torch.device("cpu"), 60).fence()
     dist.barrier()
@@ -502,19 +494,12 @@ def _order_worker(rank, world, lens, H, drain, local_first):
     t.send_buffer = sent
     base.Call.attend, base.Call.attend_local = chunk, local
     try:
-        B, D, bs = 1, 8, 16
-        S = sum(lens)
-        g = torch.Generator().manual_seed(3)
-        q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-        tok_block, N = slice_blocks(lens, bs)
-        gm = torch.ones(B, H, N, N, dtype=torch.bool)  # every head reads every block
-        a = sum(lens[:rank])
-        sl = slice(a, a + lens[rank])
+        bs = 16
+        shard, gm, want = random_slice_case(rank, lens, H, 8, bs, 3)  # every head reads every block
         cfg = SparspConfig(block_size=bs, transport="host", kernel="torch", drain_chunks=drain,
                            local_first=local_first)
-        out = sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
-                           strategy="sparsp", config=cfg, _global_mask=gm)
-        err = (out.double() - reference(q, k, v, tok_block, gm)[:, sl]).abs().max().item()
+        out = sp_attention(*shard, strategy="sparsp", config=cfg, _global_mask=gm)
+        err = (out.double() - want).abs().max().item()
     finally:
         t.send_buffer = send_buffer
         base.Call.attend, base.Call.attend_local = attend, attend_local
@@ -555,20 +540,13 @@ def _late_fault_worker(rank, world, timeout_s):
     t = get_transport("host", None, torch.device("cpu"), timeout_s)
     if rank == 1:
         t.release = lambda peer: None
-    B, H, D, bs, lens = 1, 5, 8, 16, [48, 40]
-    S = sum(lens)
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-    tok_block, N = slice_blocks(lens, bs)
-    gm = torch.ones(B, H, N, N, dtype=torch.bool)
-    a = sum(lens[:rank])
-    sl = slice(a, a + lens[rank])
+    bs = 16
+    shard, gm, _ = random_slice_case(rank, [48, 40], 5, 8, bs, 4)
     cfg = SparspConfig(block_size=bs, transport="host", kernel="torch", drain_chunks=5,
                        local_first=False, timeout_s=timeout_s)
     start = time.monotonic()
     try:
-        sp_attention(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
-                     strategy="sparsp", config=cfg, _global_mask=gm)
+        sp_attention(*shard, strategy="sparsp", config=cfg, _global_mask=gm)
         error = None
     except (TimeoutError, RuntimeError) as e:
         error = f"{type(e).__name__}: {e}"

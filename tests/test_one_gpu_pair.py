@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import reference, run_distributed, slice_blocks
+from dist_utils import random_slice_case, run_distributed
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -26,15 +26,8 @@ def _pair_worker(rank, world, lens, H, kernel, chunks=None):
     from sparsp.strategies import close_transports
 
     torch.cuda.set_device(0)
-    B, D, bs = 1, 64, 128
-    S = sum(lens)
-    g = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-    tok_block, N = slice_blocks(lens, bs)
-    gm = torch.rand(B, H, N, N, generator=g) < 0.6
-    a = sum(lens[:rank])
-    sl = slice(a, a + lens[rank])
-    want = reference(q, k, v, tok_block, gm)[:, sl]
+    bs = 128
+    shard, gm, want = random_slice_case(rank, lens, H, 64, bs, 11, density=0.6)
     errors = {}
     try:
         for local_first in (False, True):
@@ -42,7 +35,7 @@ def _pair_worker(rank, world, lens, H, kernel, chunks=None):
                 cfg = SparspConfig(block_size=bs, transport="host", kernel=kernel, drain_chunks=drain,
                                    chunks=chunks, local_first=local_first)
                 for call in range(3):  # eager, then the plan stage captured, then replayed
-                    out = sp_attention(*(t[:, sl].contiguous().cuda() for t in (q, k, v)),
+                    out = sp_attention(*(t.cuda() for t in shard),
                                        strategy="sparsp", config=cfg, _global_mask=gm.cuda())
                     errors[(local_first, drain, call)] = (out.double().cpu() - want).abs().max().item()
     finally:
