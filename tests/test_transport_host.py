@@ -149,6 +149,30 @@ def test_segment_lifecycle_and_stale_cleanup():
 # --------------------------------------------------------------------------- distributed
 
 
+def _run_ahead(t, rank: int, msgs: dict, call: int, slow: random.Random, sent: dict, received: dict) -> None:
+    """One call's messages ``msgs[src, dst]`` (lists of (numel, dtype)): up to a full window
+    to every peer before fetching anything, then fetch and send in turns (slot reuse waits)."""
+    window = t.window
+    peers = [p for p in range(t.world_size) if p != rank]
+    out_q = {p: list(enumerate(msgs.get((rank, p), []))) for p in peers}
+    inbox = {p: msgs.get((p, rank), []) for p in peers}
+    for p in peers:
+        for j, (numel, dtype) in out_q[p][:window]:
+            sent[p] += _send(t, p, numel, dtype, call, rank, p, j)
+    rounds = max([len(inbox[p]) for p in peers] + [len(q) - window for q in out_q.values()])
+    for j in range(rounds):
+        for p in peers:
+            if j < len(inbox[p]):
+                if slow.random() < 0.05:
+                    time.sleep(slow.random() * 0.01)  # a slow consumer
+                numel, dtype = inbox[p][j]
+                received[p] += _recv(t, p, numel, dtype, call, p, rank, j)
+        for p in peers:
+            if j + window < len(out_q[p]):
+                _, (numel, dtype) = out_q[p][j + window]
+                sent[p] += _send(t, p, numel, dtype, call, rank, p, j + window)
+
+
 def _soak(rank: int, world: int, seed: int, calls: int, tag: str) -> dict:
     """Random sizes and dtypes, run-ahead by a full window, slow consumers, many fences."""
     window, slot_bytes = 3, 16 << 10
@@ -175,33 +199,65 @@ def _soak(rank: int, world: int, seed: int, calls: int, tag: str) -> dict:
                     numel = cap if plan.random() < 0.2 else plan.randrange(0, cap + 1)
                     out.append((numel if big or plan.random() < 0.9 else 0, dtype))
                 msgs[src, dst] = out
-        out_q = {p: list(enumerate(msgs[rank, p])) for p in peers}
-        # run ahead: up to a full window to every peer before fetching anything
-        for p in peers:
-            for j, (numel, dtype) in out_q[p][:window]:
-                sent[p] += _send(t, p, numel, dtype, call, rank, p, j)
-        rounds = max([len(msgs[p, rank]) for p in peers] + [len(q) - window for q in out_q.values()])
-        for j in range(rounds):
-            for p in peers:
-                if j < len(msgs[p, rank]):
-                    if slow.random() < 0.05:
-                        time.sleep(slow.random() * 0.01)  # a slow consumer
-                    numel, dtype = msgs[p, rank][j]
-                    received[p] += _recv(t, p, numel, dtype, call, p, rank, j)
-            for p in peers:
-                if j + window < len(out_q[p]):
-                    _, (numel, dtype) = out_q[p][j + window]
-                    sent[p] += _send(t, p, numel, dtype, call, rank, p, j + window)
+        _run_ahead(t, rank, msgs, call, slow, sent, received)
     assert dict(t.bytes_sent) == {p: n for p, n in sent.items() if n}
     assert dict(t.bytes_received) == {p: n for p, n in received.items() if n}
     t.close()
     return {"sent": sum(sent.values()), "received": sum(received.values())}
 
 
+def _lagging_resets(rank: int, world: int, calls: int, tag: str) -> dict:
+    """``fence`` meets the group once, before the flag reset: a rank may still be resetting
+    its words while a peer already publishes and fetches in the new epoch. Here every rank
+    sometimes dawdles right before its reset, and one pair stays silent for longer than the
+    epoch counter's half range (128 calls) before it talks again: every payload must still
+    arrive intact and no old flag may pass for a new one."""
+    window, slot_bytes = 2, 4096
+    t = HostTransport(None, timeout_s=60, window=window, slot_bytes=slot_bytes, tag=tag)
+    lag = random.Random(31 + rank)
+    reset = t._reset_flags
+
+    def late_reset() -> None:
+        if lag.random() < 0.3:
+            time.sleep(lag.random() * 0.004)
+        reset()
+
+    t._reset_flags = late_reset
+    peers = [p for p in range(world) if p != rank]
+    sent = {p: 0 for p in peers}
+    received = {p: 0 for p in peers}
+    slow = random.Random(7 + rank)
+    for call in range(calls):
+        t.fence()
+        plan = random.Random(call)  # the same on every rank
+        msgs = {}
+        for src in range(world):
+            for dst in range(world):
+                silent = {src, dst} == {0, 1} and call % 137 != 136  # talks at calls 136 and 273
+                if src != dst and not silent and plan.random() < 0.6:
+                    msgs[src, dst] = [(plan.randrange(1, slot_bytes // 4 + 1), torch.float32)
+                                      for _ in range(plan.randrange(1, 2 * window + 2))]
+        _run_ahead(t, rank, msgs, call, slow, sent, received)
+    t.close()
+    return {"sent": sent, "received": received}
+
+
 def test_soak_random_sizes_window_and_many_fences():
     tag = _tag("soak")
     stats = run_distributed(_soak, 4, 3, 200, tag, timeout=150)
     assert sum(s["sent"] for s in stats) == sum(s["received"] for s in stats) > 0
+    assert _leftovers(tag) == []
+
+
+def test_a_peer_in_the_next_epoch_before_our_flag_reset_reads_nothing_stale():
+    tag = _tag("lag")
+    calls = 300  # past 2 x 128 epochs: the silent pair spans the counter's wrap
+    stats = run_distributed(_lagging_resets, 3, calls, tag, timeout=150)
+    for src in range(3):
+        for dst in range(3):
+            if src != dst:
+                assert stats[src]["sent"][dst] == stats[dst]["received"][src]
+    assert stats[0]["sent"][1] > 0 and stats[1]["sent"][0] > 0  # the silent pair did talk
     assert _leftovers(tag) == []
 
 

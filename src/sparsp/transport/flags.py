@@ -27,10 +27,14 @@ The producer waits on 'released' before it packs into a slot again; the consumer
 **Comparison.** A waiter holds the value it expects and passes once the word is *cyclically*
 greater or equal (``flag_reached``): ``(int32)(value - expected) >= 0``, the condition of
 ``cuStreamWaitValue32`` with GEQ, so the host and the GPU wait on exactly the same
-condition. Every fence resets each word to ``(new epoch, 0, 0)`` between two barriers, so
-within a call a word only ever holds values written in that call; a stale value from up to
-127 calls back is also cyclically smaller than any expected value, so it can never be
-mistaken for a fresh one even if a reset were lost.
+condition. Every expected value has a count ≥ 1, and a word's value from an earlier epoch, up
+to 127 calls back, is cyclically smaller than any value expected in this one: it is never
+mistaken for a fresh one. Every fence resets each word its writer owns to ``(new epoch, 0,
+0)`` after a barrier that all ranks reach only once done with the old epoch, so a word is never
+more than one epoch stale, however long its pair stays silent. The reset is not followed by a
+second barrier: a peer already in the new epoch sees either the old value or the reset one,
+both below anything it waits for, and the word's one writer resets it before its own first
+write of the new epoch (program order; its GPU writes are queued after the host store).
 
 **Waiting.** ``wait_flag`` polls the word with a ``Backoff``: it first spins for ``spin_s``
 (yielding the GIL), then sleeps, doubling from a few microseconds to ``cap_s``. A GPU waiter

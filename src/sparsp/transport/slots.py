@@ -38,13 +38,16 @@ queued on the copy stream behind the copy, so "released" means "copied", not "co
 (``send_buffer``, only when it reuses a slot); the consumer waits on 'published' words in the
 producer's page (``fetch`` on the CPU path and with host-side waits; ``settle`` where the GPU
 waits on the flag); every
-rank waits on every peer's barrier counter at export and twice in ``fence``; on CUDA, ``fence``
+rank waits on every peer's barrier counter at export and once in ``fence``; on CUDA, ``fence``
 and ``close`` also wait for the GPU work this rank queued (copies, flag writes).
 
 **Epochs.** ``fence`` (once per attention call) checks that every ``send_buffer`` was
-published, waits for this rank's queued work, meets the group, advances the epoch, resets every
-flag word this rank writes to ``(new epoch, 0, 0)``, meets the group again and restarts the
-counts. Slots fetched but not released are released implicitly: their copies are complete.
+published, waits for this rank's queued work, meets the group (so every copy of the old
+epoch has completed everywhere before any slot is packed again), advances the epoch, resets
+every flag word this rank writes to ``(new epoch, 0, 0)`` and restarts the counts. It does not
+meet the group a second time after the reset: a peer already in the new epoch can only read
+an older epoch's value in a word not yet reset, which its waits reject (``flags.py``). Slots
+fetched but not released are released implicitly: their copies are complete.
 
 **Timeouts.** Every host-side wait gives up after ``timeout_s`` with a ``TimeoutError`` that
 names this rank, the peer and the step: the slot, its use, the epoch and the value the flag
@@ -321,8 +324,11 @@ class SlotWindows(Transport):
         self._quiesce()
         self._barrier("fence")
         self.epoch += 1
+        # no second barrier: a peer that is past this fence already may see a word of ours
+        # before its reset, but only ever an older epoch's value, which no wait of the new
+        # epoch accepts (flags.py, "Comparison"); and every word has one writer, so our
+        # reset never overwrites a peer's write of the new epoch
         self._reset_flags()
-        self._barrier("fence flag reset")
         self._reset_state()
 
     def settle(self) -> None:
