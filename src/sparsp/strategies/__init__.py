@@ -2,7 +2,8 @@
 
 Data path per call: validate → agree shapes (cached per geometry) → one metadata all-gather
 (header + pooled summaries → the whole block mask) → plan (the strategy's payload selections)
-→ one host sync (header checks, layouts) → transport → kernel → LSE merge.
+→ one host sync (header checks, layouts; the transport's fence runs on the host while the
+device works towards it) → transport → kernel → LSE merge.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def sp_attention(
     with torch.no_grad():
         mask_phase.__enter__()
         mask_open = True
+        fenced = False
         with record_function("sparsp.metadata"):
             # the mask is the plan stage's (captured.stage), with or without a graph
             meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
@@ -115,6 +117,13 @@ def sp_attention(
                         mask_open = False
                     call.timer = timer
                     call.attend_local_early()
+                if not fenced:
+                    # the transport's once-per-call fence (host work: its checks of the last
+                    # call's transfers, a barrier, the flag reset) while the device runs the
+                    # plan stage and the read's copy, instead of after the read, where the
+                    # device would wait for it before the first pack
+                    transport.fence()
+                    fenced = True
                 resolved = meta.finish(staged, read)
             if resolved is not None:
                 break
@@ -131,9 +140,9 @@ def sp_attention(
                 call = call.without_plan(spec)
         call.timer = timer
         call.set_resolved(*resolved)
-        # slot windows sized for the worst case, a full shard per peer (collective only when growing)
+        # slot windows sized for the worst case, a full shard per peer (collective only when
+        # growing, and then a fence of its own: the windows are made anew)
         transport.reserve(call.shapes.capacity_rows * 2 * call.shapes.head_dim * q.element_size())
-        transport.fence()
         with record_function("sparsp.run"):
             try:
                 spec.run(call)
