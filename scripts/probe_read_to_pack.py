@@ -18,7 +18,9 @@ under torchrun:
     python scripts/probe_read_to_pack.py --pair --model ltx-2 [--drain-chunks 1 4]
     torchrun --standalone --nproc-per-node 2 scripts/probe_read_to_pack.py --model ltx-2 --transport host
 
-``--out FILE`` writes the medians as JSON. A measurement to decide what to change.
+``--out FILE`` writes the medians as JSON; ``--profile DIR`` traces one more call of each
+configuration per rank (``bench attention``'s profiler settings). A measurement to decide what
+to change.
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ def _measure(rank: int, world: int, args: argparse.Namespace, device: torch.devi
                 spans["call"].append(t1 - t0)
             rows[f"drain_chunks={drain}"] = {k: round(statistics.median(v) * (1 if k == "fence_before_landing" else 1e6), 1)
                                              for k, v in spans.items()}
+            if args.profile:  # one more call traced (after a discarded warm-up one): bench's way
+                from pathlib import Path
+
+                from sparsp.bench.measure import count_syncs_and_collectives
+
+                count_syncs_and_collectives(lambda: sp_attention(q, k, v, strategy="sparsp", config=cfg),
+                                            Path(args.profile) / f"{args.model}-d{drain}-r{rank}")
     finally:
         close_transports()
     return rows
@@ -140,6 +149,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the medians as JSON here")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also trace one call per configuration and rank into DIR (read them with "
+                         "scripts/trace_timeline.py)")
     args = ap.parse_args()
     args.local_first = {"auto": None, "on": True, "off": False}[args.local_first]
     if not torch.cuda.is_available():
