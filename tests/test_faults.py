@@ -12,7 +12,8 @@ against the single-process reference.
 The fault goes into rank 1's transport after one healthy call has built and cached it: its
 next ``publish`` raises, SIGKILLs its own process (for ``host`` the payload is already packed
 into the shared slot and the 'published' flag not yet written: a transfer half done) or
-sleeps well past the timeout. Rank 1 faults before it has sent anything in that call and the
+sleeps well past the timeout; or its next ``fence`` raises (``host``: the peers then wait in
+the fence's barrier, before their host read's wait). Rank 1 faults before it has sent anything in that call and the
 mask is dense, so every survivor needs a payload from it. One more case kills rank 1 while the
 group exports its segments, the one window in which a crash leaves a segment behind
 (``shm`` docstring); the next start with the same tag must reclaim it.
@@ -52,8 +53,8 @@ LENS = [32, 48, 40]  # tokens per rank (rank 2 ends in a short block)
 B, H, D, BS = 1, 2, 16, 16
 CHAINS = {
     # kill-export first: the group after it (raise's healthy call) reclaims the leftover
-    "host": ("kill-export", "raise", "kill", "stall"),
-    "nccl": ("raise", "kill", "stall"),
+    "host": ("kill-export", "raise", "raise-fence", "kill", "stall"),
+    "nccl": ("raise", "raise-fence", "kill", "stall"),
 }
 
 
@@ -163,7 +164,21 @@ def _checked_call(rank: int, transport: str, seed: int, cdf: float) -> float:
 
 
 def _arm(t, fault: str) -> None:
-    """Make the next ``t.publish`` raise, kill this process, or stall (once)."""
+    """Make the next ``t.publish`` raise, kill this process, or stall (once); "raise-fence":
+    make the next ``t.fence`` raise (``sp_attention`` fences before its host read's wait, so
+    the peers are then in the fence's barrier or already past it)."""
+    if fault == "raise-fence":
+        fence = t.fence
+        fence_armed = [True]
+
+        def failing_fence():
+            if fence_armed[0]:
+                fence_armed[0] = False
+                raise InjectedFault(f"injected: rank {t.rank} raises in its fence")
+            return fence()
+
+        t.fence = failing_fence
+        return
     inner = t.publish
     armed = [True]
 
@@ -248,7 +263,7 @@ def _check_fault(res: Outcome, transport: str, fault: str) -> list[str]:
         if got["healthy_err"] is not None:
             assert got["healthy_err"] <= 1e-5
         if r == FAULTY:
-            if fault == "raise":
+            if fault in ("raise", "raise-fence"):
                 assert got["error"] == "InjectedFault", got
             else:  # stall: it wakes to find its peers gone, and must not hang either
                 assert got["elapsed"] < STALL_S + TIMEOUT_S + SLACK_S, got
@@ -259,6 +274,8 @@ def _check_fault(res: Outcome, transport: str, fault: str) -> list[str]:
                 f"{fault}: rank {r} took {got['elapsed']:.1f} s to raise (timeout {TIMEOUT_S} s)"
             if fault == "kill-export":  # a collective setup step: gloo cannot say who left
                 assert "opening the peers' segments" in got["message"], got
+            elif fault == "raise-fence" and transport == "host":  # the fence's barrier
+                assert re.search(rf"fence \(epoch \d+\): peer {FAULTY} did not arrive", got["message"]), got
             else:
                 assert re.search(rf"(from|to) peer {FAULTY}\b", got["message"]), got
         lines.append(f"rank {r}: {got['error']} after {got['elapsed']:.2f} s: "
