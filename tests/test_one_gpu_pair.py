@@ -59,3 +59,15 @@ def test_four_ranks_every_round_chunked_on_one_shared_gpu():
                                                   timeout=500)):
         for key, err in errors.items():
             assert err <= 1e-3, f"rank {rank} (local_first, drain_chunks, call) {key}: error {err}"
+
+
+def test_fetch_pieces_over_two_h2d_streams_on_one_shared_gpu(monkeypatch):
+    # SPARSP_H2D_STREAMS=2: a fetch's pieces alternate between two host-to-device streams, each
+    # behind its own flag wait; 256 KiB pieces make every payload many of them, with a ramp
+    monkeypatch.setenv("SPARSP_H2D_STREAMS", "2")
+    monkeypatch.setenv("SPARSP_CHUNK_BYTES", "256KiB")
+    monkeypatch.setenv("SPARSP_FIRST_CHUNK_BYTES", "64KiB")
+    H = 6
+    for rank, errors in enumerate(run_distributed(_pair_worker, 2, [640, 600], H, "torch", timeout=400)):
+        for key, err in errors.items():
+            assert err <= 1e-3, f"rank {rank} (local_first, drain_chunks, call) {key}: error {err}"

@@ -242,6 +242,18 @@ def _lagging_resets(rank: int, world: int, calls: int, tag: str) -> dict:
     return {"sent": sent, "received": received}
 
 
+def test_h2d_streams_option_is_checked(monkeypatch):
+    for bad in (0, 5, 1.5, "2"):
+        with pytest.raises(ValueError, match="h2d_streams"):
+            HostTransport(None, h2d_streams=bad)
+    monkeypatch.setenv("SPARSP_H2D_STREAMS", "two")
+    with pytest.raises(ValueError, match="SPARSP_H2D_STREAMS='two'"):
+        HostTransport(None)
+    monkeypatch.setenv("SPARSP_H2D_STREAMS", "9")
+    with pytest.raises(ValueError, match="h2d_streams=9"):
+        HostTransport(None)
+
+
 def test_soak_random_sizes_window_and_many_fences():
     tag = _tag("soak")
     stats = run_distributed(_soak, 4, 3, 200, tag, timeout=150)

@@ -26,6 +26,11 @@ advances the 'published' count after each chunk, so the consumer's H2D of chunk 
 producer's D2H of chunk j+1; ``fetch`` copies chunk by chunk on a dedicated H2D stream. Two
 streams because D2H and H2D then run at once: DESIGN measured ≈33.5 GB/s each way for a
 2-rank exchange this way on the 2×H200 box, and half that with one stream and no chunking.
+``h2d_streams`` (default ``SPARSP_H2D_STREAMS``, else 1) spreads a fetch's chunks over that many
+H2D streams (copy engines), each chunk behind its own flag wait; the first stream then waits for
+the others, so the handle and the 'released' write still follow every chunk. One H200 copying
+both ways at once: H2D 45.9 GB/s on one stream, 49.6 on two (``scripts/probe_copy_streams.py``);
+the 2-GPU exchange is to be measured before the default changes.
 
 Flag writes that must follow GPU work use ``cuStreamWriteValue32`` on the stream (no host
 round trip; cuda-python's ``cuda.bindings``), else a host thread that polls an event and then
@@ -46,6 +51,8 @@ queued earlier.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .base import DoneHandle, Topology, register_transport
@@ -55,12 +62,25 @@ from .shm import HEADER_BYTES
 from .slots import SlotWindows
 
 
+H2D_STREAMS_ENV = "SPARSP_H2D_STREAMS"
+MAX_H2D_STREAMS = 4
+
+
 class HostTransport(SlotWindows):
     """Slots in shared host memory; pinned and fed by copy-engine D2H/H2D for CUDA tensors."""
 
     name = "host"
 
-    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
+    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, h2d_streams: int | None = None,
+                 **options) -> None:
+        if h2d_streams is None:
+            text = os.environ.get(H2D_STREAMS_ENV, "").strip() or "1"
+            if not text.isdigit():
+                raise ValueError(f"{H2D_STREAMS_ENV}={text!r}: expected a whole number of streams, 1 to {MAX_H2D_STREAMS}")
+            h2d_streams = int(text)
+        if not (isinstance(h2d_streams, int) and 1 <= h2d_streams <= MAX_H2D_STREAMS):
+            raise ValueError(f"h2d_streams={h2d_streams!r} must be an int from 1 to {MAX_H2D_STREAMS}")
+        self.h2d_streams = h2d_streams
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._d2h_done: dict[tuple[int, int], torch.cuda.Event] = {}
         super().__init__(group, timeout_s=timeout_s, device=device, **options)
@@ -74,11 +94,18 @@ class HostTransport(SlotWindows):
         offset = HEADER_BYTES + self._layout.nbytes + index * self.slot_bytes
         return self._segs[producer].view(offset, self.slot_bytes)
 
+    def _copies(self) -> str:
+        return (f"chunked copies through pinned host memory, {self.h2d_streams} host-to-device "
+                f"stream{'s' if self.h2d_streams > 1 else ''}")
+
     def _start_threads(self) -> None:
         super()._start_threads()
         self._d2h = torch.cuda.Stream(self.device)
-        self._h2d = torch.cuda.Stream(self.device)
-        self._streams = [self._d2h, self._h2d]
+        # a fetch's pieces go round these streams (copy engines); the first orders the rest
+        # (the handle's event, the 'released' write)
+        self._h2ds = [torch.cuda.Stream(self.device) for _ in range(self.h2d_streams)]
+        self._h2d = self._h2ds[0]
+        self._streams = [self._d2h, *self._h2ds]
         assert self._ops is not None
         if not self._ops.wait_ops:
             self._worker = Worker("sparsp-host-fetch", self.device)
@@ -131,23 +158,28 @@ class HostTransport(SlotWindows):
         assert self._ops is not None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        keep_alive(dst, self._h2d)
-        done = torch.cuda.Event()
         chunks = self._chunks(dst.numel())
+        streams = self._h2ds[: len(chunks)]
+        for s in streams:
+            keep_alive(dst, s)
+        done = torch.cuda.Event()
         index = self._layout.published(self.rank, slot)
         device_waits = self._ops.wait_ops
 
         def issue() -> None:
-            with torch.cuda.stream(self._h2d):
-                self._h2d.wait_event(ready)
-                for count, lo, hi in chunks:
+            for s in streams:
+                s.wait_event(ready)
+            for j, (count, lo, hi) in enumerate(chunks):
+                s = streams[j % len(streams)]
+                with torch.cuda.stream(s):
                     if device_waits:
-                        self._ops.wait(self._h2d, self._devflags[peer] + 4 * index,
-                                       encode_flag(epoch, use, count))
+                        self._ops.wait(s, self._devflags[peer] + 4 * index, encode_flag(epoch, use, count))
                     else:
                         self._wait_published(peer, slot, use, count, epoch)
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-                done.record(self._h2d)
+            for s in streams[1:]:  # the first stream: after every piece
+                self._h2d.wait_stream(s)
+            done.record(self._h2d)
             if device_waits:
                 self._await_on_gpu(peer, slot, use, len(chunks), epoch)
 
