@@ -1,4 +1,4 @@
-"""Host µs of a ``sparsp`` call between its one host read and its first pack, piece by piece.
+"""Host µs of a ``sparsp`` (or ``auto``) call between its one host read and its first pack.
 
 On a fabric where the local kernel is not queued early (the host fabric at LTX size), the GPU
 has nothing to do from the moment the read's copy lands until the host packs the first payload:
@@ -106,7 +106,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace, device: torch.devi
                 stamps.now.clear()
                 stamps.fence_s = 0.0
                 t0 = time.perf_counter()
-                sp_attention(q, k, v, strategy="sparsp", config=cfg)
+                sp_attention(q, k, v, strategy=args.strategy, config=cfg)
                 torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
                 if i < args.warmup:
@@ -117,15 +117,15 @@ def _measure(rank: int, world: int, args: argparse.Namespace, device: torch.devi
                 spans["fence"].append(stamps.fence_s)
                 spans["fence_before_landing"].append(float(s["fence"] < s["landed"]))
                 spans["call"].append(t1 - t0)
-            rows[f"drain_chunks={drain}"] = {k: round(statistics.median(v) * (1 if k == "fence_before_landing" else 1e6), 1)
+            rows[f"{args.strategy} drain_chunks={drain}"] = {k: round(statistics.median(v) * (1 if k == "fence_before_landing" else 1e6), 1)
                                              for k, v in spans.items()}
             if args.profile:  # one more call traced (after a discarded warm-up one): bench's way
                 from pathlib import Path
 
                 from sparsp.bench.measure import count_syncs_and_collectives
 
-                count_syncs_and_collectives(lambda: sp_attention(q, k, v, strategy="sparsp", config=cfg),
-                                            Path(args.profile) / f"{args.model}-d{drain}-r{rank}")
+                count_syncs_and_collectives(lambda: sp_attention(q, k, v, strategy=args.strategy, config=cfg),
+                                            Path(args.profile) / f"{args.model}-{args.strategy}-d{drain}-r{rank}")
     finally:
         close_transports()
     return rows
@@ -139,6 +139,8 @@ def _pair_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="ltx-2", help="geometry preset")
+    ap.add_argument("--strategy", default="sparsp", choices=("sparsp", "auto"),
+                    help="sparsp, or auto (its choice runs between the landing and the pack)")
     ap.add_argument("--pair", action="store_true", help="two gloo processes sharing GPU 0")
     ap.add_argument("--transport", default="host", choices=("host", "ipc", "nccl"),
                     help="the sparsp call's transport (only host with --pair)")
