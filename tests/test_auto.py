@@ -257,3 +257,46 @@ def test_auto_decides_once_per_figures_and_reads_a_profile_file_once(tmp_path, m
         assert calls["demand_of"] == 2
     finally:
         auto.forget()
+
+
+def test_auto_takes_the_last_decision_only_for_equal_figures_and_settings(monkeypatch):
+    """The repeat path (no key built) answers only a call whose figures, shapes object and
+    settings equal the last decided call's; anything else goes through the caches."""
+    from types import SimpleNamespace
+
+    from sparsp import SparspConfig
+    from sparsp.plan import Shapes
+    from sparsp.strategies import auto
+
+    sh = Shapes(rank=0, world_size=2, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 40))
+    N = sh.total_blocks
+    mask = torch.rand(1, 4, N, N, generator=torch.Generator().manual_seed(3)) < 0.5
+    figures = [round(x) for x in auto.figures(mask, sh).tolist()]
+    looked_up = []
+    cached = auto._cached
+    monkeypatch.setattr(auto, "_cached", lambda cache, key, make: looked_up.append(key) or cached(cache, key, make))
+    q = torch.zeros(1, 48, 4, 16, dtype=torch.bfloat16)
+    cfg = SparspConfig(block_size=16)
+    nccl, host = SimpleNamespace(name="nccl"), SimpleNamespace(name="host")
+    auto.forget()
+    try:
+        first = auto.choose_from(figures, sh, q, None, cfg, nccl)
+        n = len(looked_up)
+        assert auto.choose_from(list(figures), sh, q, None, cfg, nccl) == first  # equal figures
+        assert len(looked_up) == n, "equal figures and settings: no lookup"
+        auto.choose_from(figures, sh, q, None, cfg, host)  # another transport: decided anew
+        assert len(looked_up) > n
+        n = len(looked_up)
+        assert auto.choose_from(figures, sh, q, None, cfg, nccl) == first  # back: the caches answer
+        assert len(looked_up) > n
+        n = len(looked_up)
+        figures[0] += 1  # the caller's list changes after the call: the remembered copy does not
+        auto.choose_from(figures, sh, q, None, cfg, nccl)
+        assert len(looked_up) > n
+        n = len(looked_up)
+        same = Shapes(rank=0, world_size=2, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 40))
+        auto.choose_from(figures, same, q, None, cfg, nccl)  # an equal but new shapes object
+        assert len(looked_up) > n
+        assert auto.last_decision() is not None
+    finally:
+        auto.forget()
