@@ -4,7 +4,8 @@
 (``strategies/auto.py``, ``choose_from``), so whatever that choice costs is on the critical path
 of a host-bound call. This probe runs ``sp_attention(strategy="auto")`` on a small geometry with
 the torch kernel, times every ``choose_from`` with ``time.perf_counter`` and prints the median
-per rank (the first call, which decides and predicts, apart):
+per rank (the first call, which decides and predicts, apart), then the last call's choice again
+1,000 times in a loop (the warm cost, without the call's own work around it):
 
     python scripts/probe_auto_choice.py [--heads 32] [--tokens 1024] [--calls 30]
 
@@ -32,8 +33,10 @@ def _worker(rank: int, world: int, heads: int, tokens: int, calls: int) -> tuple
 
     times = []
     choose = strategies.choose_from
+    last = {}
 
     def timed(*a, **kw):
+        last["args"] = (a, kw)
         t = time.perf_counter()
         out = choose(*a, **kw)
         times.append(time.perf_counter() - t)
@@ -45,7 +48,12 @@ def _worker(rank: int, world: int, heads: int, tokens: int, calls: int) -> tuple
     cfg = SparspConfig(cdf_threshold=0.9, block_size=64, transport="nccl", kernel="torch")
     for _ in range(calls):
         sp_attention(q, k, v, strategy="auto", config=cfg)
-    return times[0] * 1e6, statistics.median(times[1:]) * 1e6
+    a, kw = last["args"]  # the last call's choice again, in a loop: the warm cost alone
+    t = time.perf_counter()
+    for _ in range(1000):
+        choose(*a, **kw)
+    loop = (time.perf_counter() - t) / 1000
+    return times[0] * 1e6, statistics.median(times[1:]) * 1e6, loop * 1e6
 
 
 def main() -> None:
@@ -56,8 +64,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.calls < 2:
         raise SystemExit("--calls must be at least 2 (the first call decides, the rest repeat)")
-    for rank, (first, rest) in enumerate(run_distributed(_worker, 2, args.heads, args.tokens, args.calls)):
-        print(f"rank {rank}: choose_from first call {first:.0f} µs, later calls median {rest:.1f} µs")
+    for rank, (first, rest, loop) in enumerate(run_distributed(_worker, 2, args.heads, args.tokens, args.calls)):
+        print(f"rank {rank}: choose_from first call {first:.0f} µs, later calls median {rest:.1f} µs, "
+              f"the last call's again in a loop {loop:.1f} µs")
 
 
 if __name__ == "__main__":
