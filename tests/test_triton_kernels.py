@@ -272,17 +272,19 @@ def test_triton_layout_checks_its_size():
         prepare_fused(torch.zeros(1, LAYOUT_MAX_BLOCKS + 1, dtype=torch.bool, device=DEVICE), 16, 16)
 
 
-# --- strategy="auto"'s demand figures in one pass (demand.rank_columns) ----------------------
+# --- strategy="auto"'s demand figures in one pass (demand.rank_figures) ----------------------
 
 
-@pytest.mark.parametrize("lens, batch", [((300, 256), 1), ((256, 200, 130), 2)])
-def test_column_figures_equal_the_torch_figures(lens, batch):
+@pytest.mark.parametrize("lens, batch, density", [((300, 256), 1, 0.3), ((256, 200, 130), 2, 0.3),
+                                                  ((128, 64, 200, 70), 1, 0.5), ((192, 64), 2, 0.0),
+                                                  ((100, 160, 64), 1, 1.0)])
+def test_column_figures_equal_the_torch_figures(lens, batch, density):
     from sparsp.simulate.model import Blocks, _column_figures, demand_figures
 
     blocks = Blocks.of_call(lens, 64)  # short tail blocks included
     N, H = len(blocks.lengths), 3
     g = torch.Generator().manual_seed(sum(lens))
-    masks = torch.rand(batch * H, N, N, generator=g) < 0.3
+    masks = torch.rand(batch * H, N, N, generator=g) < density
     masks[0, 0] = False  # a query block that keeps nothing
     want = demand_figures(masks, blocks, batch=batch)  # CPU: the torch form
     dev_blocks = Blocks.of_call(lens, 64, device=DEVICE)

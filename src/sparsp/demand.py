@@ -206,18 +206,26 @@ def relay_amplification(masks, placement_fn, geometry, ranks_list, *, head_dim, 
     return out
 
 
-# --- per-rank column sums of a mask in one pass (strategy="auto"'s figures on CUDA) -------------
+# --- strategy="auto"'s demand figures of a mask in one pass -----------------------------------
 
 
 if triton is not None:
     @triton.jit
-    def _rank_columns(m_ptr, bounds_ptr, len_ptr, colw_ptr, hit_ptr, BH, N, G: tl.constexpr,
-                      MOST: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-        # one program: one (batch·head) row of masks and BLOCK_J key blocks, every rank's rows
+    def _rank_figures(m_ptr, bounds_ptr, len_ptr, out_ptr, N, H, G: tl.constexpr, MOST: tl.constexpr,
+                      BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+        # one program: one (batch·head) row of masks and BLOCK_J key blocks, every rank's rows;
+        # its shares of the figures are added into ``out`` (float64 holding integers below
+        # 2^53: every sum is exact, in any order)
         bh = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         cols = j < N
-        for r in range(G):
+        lj = tl.load(len_ptr + j, mask=cols, other=0).to(tl.float64)
+        owner = tl.zeros([BLOCK_J], dtype=tl.int32) - 1  # the rank whose slice holds key block j
+        for p in tl.static_range(G):
+            owner = tl.where((j >= tl.load(bounds_ptr + 2 * p)) & (j < tl.load(bounds_ptr + 2 * p + 1)),
+                             p, owner)
+        head = tl.zeros([BLOCK_J], dtype=tl.float64)
+        for r in tl.static_range(G):
             start = tl.load(bounds_ptr + 2 * r)
             end = tl.load(bounds_ptr + 2 * r + 1)
             acc = tl.zeros([BLOCK_J], dtype=tl.int32)
@@ -230,35 +238,44 @@ if triton is not None:
                 length = tl.load(len_ptr + i, mask=rows, other=0).to(tl.int32)
                 acc += tl.sum(m * length[:, None], axis=0)
                 hit = tl.maximum(hit, tl.max(m, axis=0))
-            out = (r * BH + bh) * N + j
-            tl.store(colw_ptr + out, acc, mask=cols)
-            tl.store(hit_ptr + out, hit.to(tl.int8), mask=cols)
+            pairs = acc.to(tl.float64) * lj  # r's kept (query token, key token) pairs per column
+            need = hit.to(tl.float64) * lj  # tokens of the key blocks r's queries keep
+            head += pairs
+            for p in tl.static_range(G):
+                mine = owner == p
+                tl.atomic_add(out_ptr + r * G + p, tl.sum(tl.where(mine, pairs, 0.0), axis=0))
+                if p != r:  # direct demand: remote blocks only
+                    tl.atomic_add(out_ptr + G * G + r * G + p, tl.sum(tl.where(mine, need, 0.0), axis=0))
+        tl.atomic_add(out_ptr + 2 * G * G + bh % H, tl.sum(head, axis=0))
 
 
-def rank_columns_ok(masks: torch.Tensor) -> bool:
-    """Whether ``rank_columns`` runs on ``masks``: CUDA, Triton importable, not switched off
+def rank_figures_ok(masks: torch.Tensor) -> bool:
+    """Whether ``rank_figures`` runs on ``masks``: CUDA, Triton importable, not switched off
     by ``SPARSP_TRITON_FIGURES=0``."""
     return runs(masks, "SPARSP_TRITON_FIGURES")
 
 
-def rank_columns(masks: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor,
-                 rows: tuple[slice, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For masks bool [BH, N, N] whose query rows are cut into G contiguous ranges ``bounds``
+def rank_figures(masks: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor, heads: int,
+                 rows: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """``simulate.model.demand_figures`` (without ``relay``) of masks bool [BH, N, N], BH =
+    batch·``heads`` batch-major, whose query rows are cut into G contiguous ranges ``bounds``
     (int32 [G, 2]: start, end; ``rows``, the same as slices on the host, bound the loop) and
-    blocks of ``lengths`` tokens (int [N]): per rank r, row
-    (batch·head) and key block j, the kept query tokens Σ_{i∈r} M[i, j]·L_i (int32 [G, BH, N])
-    and whether any of r's query blocks keeps j (int8 [G, BH, N]), in one pass over the mask
-    (one Triton program per row and column strip). CUDA; CPU tensors in Triton's interpreter."""
+    blocks of ``lengths`` tokens (int [N]): float64 [2G² + heads] — kept (query token, key token)
+    pairs per (rank, owner), the key tokens each rank demands of each other rank, kept pairs per
+    head — from one pass over the mask and one zeroed output (one Triton program per row and
+    column strip, its shares added atomically: exact integer sums in float64). CUDA; CPU tensors
+    in Triton's interpreter."""
     BH, N, _ = masks.shape
     G = bounds.shape[0]
-    most = int(max(r.stop - r.start for r in rows)) if rows is not None else N
-    colw = torch.empty(G, BH, N, dtype=torch.int32, device=masks.device)
-    hit = torch.empty(G, BH, N, dtype=torch.int8, device=masks.device)
+    if BH % heads:
+        raise ValueError(f"{BH} mask rows are not a whole number of batches of {heads} heads")
+    out = torch.zeros(2 * G * G + heads, dtype=torch.float64, device=masks.device)
     if BH == 0 or N == 0:
-        return colw, hit
+        return out
+    most = int(max(r.stop - r.start for r in rows)) if rows is not None else N
     block_j = min(128, triton.next_power_of_2(N))
     m = masks.contiguous().view(torch.uint8)
     # G and the longest rank are compile-time: one compile per group size and geometry
-    _rank_columns[(BH, triton.cdiv(N, block_j))](m, bounds, lengths, colw, hit, BH, N, G=G, MOST=most,
+    _rank_figures[(BH, triton.cdiv(N, block_j))](m, bounds, lengths, out, N, heads, G=G, MOST=most,
                                                   BLOCK_I=32, BLOCK_J=block_j)
-    return colw, hit
+    return out

@@ -397,28 +397,22 @@ def demand_of(host: list[int], blocks: Blocks, rows: int, nB: int, *, batch: int
 
 def _column_figures(masks: torch.Tensor, blocks: Blocks, batch: int) -> torch.Tensor:
     """``demand_figures`` (without ``relay``) from one pass over the mask
-    (``demand.rank_columns``: per rank the kept query tokens and the demand of every key block;
-    the torch form makes four passes), the same exact sums."""
-    L, _, onehot, remote = blocks.constants(masks.device)
-    BH = masks.shape[0]
-    colw, hit = demand.rank_columns(masks, blocks.bounds(masks.device), L, blocks.rows)
-    colw = colw.double()
-    pairs = (colw.sum(dim=1) * L.double()[None, :]) @ onehot
-    direct = (hit.sum(dim=1).double() * remote) @ onehot
-    head_pairs = (colw.sum(dim=0) @ L.double()).view(batch, BH // batch).sum(dim=0)
-    return torch.cat([pairs.flatten(), direct.flatten(), head_pairs])
+    (``demand.rank_figures``: one kernel into one zeroed output; the torch form makes four
+    passes and a dozen small ops), the same exact sums."""
+    L = blocks.constants(masks.device)[0]
+    return demand.rank_figures(masks, blocks.bounds(masks.device), L, masks.shape[0] // batch, blocks.rows)
 
 
 def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay: bool = False) -> torch.Tensor:
     """float64 [2G² + heads (+ G(G−1) with ``relay``)] on the masks' device: the exact sums
     ``demand_of`` reads (device ops only, no host sync: a captured plan stage may hold them)."""
     masks = masks.bool()
-    G, BH, nB = blocks.ranks, masks.shape[0], masks.shape[-1]
+    G, BH = blocks.ranks, masks.shape[0]
     if BH % batch:
         raise ValueError(f"{BH} mask rows do not split into a batch of {batch}")
     device = masks.device
     L, _, onehot, remote = blocks.constants(device)
-    if blocks.rows is not None and not relay and demand.rank_columns_ok(masks):
+    if blocks.rows is not None and not relay and demand.rank_figures_ok(masks):
         return _column_figures(masks, blocks, batch)
     pairs = _pair_tokens(masks, blocks)
     if blocks.rows is None:  # analysis order: the one demand function (boolean row selection)
