@@ -13,10 +13,10 @@ The fault goes into rank 1's transport after one healthy call has built and cach
 next ``publish`` raises, SIGKILLs its own process (for ``host`` the payload is already packed
 into the shared slot and the 'published' flag not yet written: a transfer half done) or
 sleeps well past the timeout; or its next ``fence`` raises (``host``: the peers then wait in
-the fence's barrier, before their host read's wait). Rank 1 faults before it has sent anything in that call and the
-mask is dense, so every survivor needs a payload from it. One more case kills rank 1 while the
-group exports its segments, the one window in which a crash leaves a segment behind
-(``shm`` docstring); the next start with the same tag must reclaim it.
+the fence's barrier, before their host read's wait). Rank 1 faults before it has sent anything
+in that call and the mask is dense, so every survivor needs a payload from it. One more case
+kills rank 1 while the group exports its segments, the one window in which a crash leaves a
+segment behind (``shm`` docstring); the next start with the same tag must reclaim it.
 
 The faults of one transport run as a chain of groups with one tag: each group's first call
 (healthy, checked against the reference) is the restart after the previous group's crash.

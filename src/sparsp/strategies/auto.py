@@ -37,10 +37,10 @@ mask) costs a lookup there instead of building and rounding its ``Demand`` again
 (``scripts/probe_auto_choice.py``, two CPU processes: 197 → 61 µs per call; on 2×H200 ``auto``
 trailed ``sparsp`` by 0.15 ms at LTX size while doing that work on every call). A call whose
 figures, shapes (the same object: the group's cached ones) and settings equal the previous
-call's takes that call's decision after one list comparison, before any key is built. The choice and
-its predicted times are logged once per geometry on the ``sparsp`` logger (and at debug level
-whenever they change); ``last_decision()`` returns the latest one. ``SPARSP_PROFILE`` naming a
-JSON file is read once per value.
+call's takes that call's decision after one list comparison, before any key is built. The
+choice and its predicted times are logged once per geometry on the ``sparsp`` logger (and at
+debug level whenever they change); ``last_decision()`` returns the latest one.
+``SPARSP_PROFILE`` naming a JSON file is read once per value.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class HostTransport(SlotWindows):
         if h2d_streams is None:
             text = os.environ.get(H2D_STREAMS_ENV, "").strip() or "1"
             if not text.isdigit():
-                raise ValueError(f"{H2D_STREAMS_ENV}={text!r}: expected a whole number of streams, 1 to {MAX_H2D_STREAMS}")
+                raise ValueError(f"{H2D_STREAMS_ENV}={text!r}: expected a whole number of streams, "
+                                 f"1 to {MAX_H2D_STREAMS}")
             h2d_streams = int(text)
         if not (isinstance(h2d_streams, int) and 1 <= h2d_streams <= MAX_H2D_STREAMS):
             raise ValueError(f"h2d_streams={h2d_streams!r} must be an int from 1 to {MAX_H2D_STREAMS}")
