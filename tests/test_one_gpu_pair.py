@@ -61,10 +61,13 @@ def test_four_ranks_every_round_chunked_on_one_shared_gpu():
             assert err <= 1e-3, f"rank {rank} (local_first, drain_chunks, call) {key}: error {err}"
 
 
-def test_fetch_pieces_over_two_h2d_streams_on_one_shared_gpu(monkeypatch):
+@pytest.mark.parametrize("stream_waits", ["1", "0"])
+def test_fetch_pieces_over_two_h2d_streams_on_one_shared_gpu(monkeypatch, stream_waits):
     # SPARSP_H2D_STREAMS=2: a fetch's pieces alternate between two host-to-device streams, each
-    # behind its own flag wait; 256 KiB pieces make every payload many of them, with a ramp
+    # behind its own flag wait (on the GPU, or a host thread's with SPARSP_STREAM_WAITS=0);
+    # 256 KiB pieces make every payload many of them, with a ramp
     monkeypatch.setenv("SPARSP_H2D_STREAMS", "2")
+    monkeypatch.setenv("SPARSP_STREAM_WAITS", stream_waits)
     monkeypatch.setenv("SPARSP_CHUNK_BYTES", "256KiB")
     monkeypatch.setenv("SPARSP_FIRST_CHUNK_BYTES", "64KiB")
     H = 6
