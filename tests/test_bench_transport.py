@@ -108,3 +108,15 @@ def test_under_load_orders_the_attention_and_the_first_exchange(monkeypatch, ord
     assert (first_publish < attention) == (order == bt.EXCHANGE_FIRST)
     assert t.log.count("publish") == t.log.count("wait") == t.log.count("release") == 5  # 50 / 10 ms
     assert row["load_order"] == order and row["under_load"] and row["exchanges_per_attention"] == 5
+
+
+def test_h2d_streams_option_parses_and_is_bounded():
+    from sparsp.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "transport", "--fabric", "host", "--h2d-streams", "2"])
+    assert args.h2d_streams == 2
+    assert parser.parse_args(["bench", "transport"]).h2d_streams is None  # SPARSP_H2D_STREAMS, else 1
+    for bad in ("0", "5", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "transport", "--h2d-streams", bad])

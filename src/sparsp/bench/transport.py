@@ -91,6 +91,9 @@ def add_arguments(p) -> None:
     p.add_argument("--first-chunk-bytes", type=parse_size, default=None,
                    help="host transport: a smaller first chunk, the next ones doubling up to "
                         "--chunk-bytes (default: all chunks --chunk-bytes)")
+    p.add_argument("--h2d-streams", type=int, default=None, choices=range(1, 5), metavar="N",
+                   help="host transport: host-to-device streams a fetch spreads its pieces over, "
+                        "1 to 4 (default: SPARSP_H2D_STREAMS, else 1; the row's mechanism says it)")
     p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -256,6 +259,8 @@ def run(args) -> dict:
     for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
         options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes,
                                              "first_chunk_bytes": args.first_chunk_bytes or args.chunk_bytes}
+        if name == "host" and args.h2d_streams is not None:
+            options["h2d_streams"] = args.h2d_streams
         try:
             t = make_transport(name, None, device=device, timeout_s=args.timeout, **options)
         except Exception as e:  # noqa: BLE001 - e.g. ipc without peer access: skip, say why
