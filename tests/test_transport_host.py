@@ -254,6 +254,37 @@ def test_h2d_streams_option_is_checked(monkeypatch):
         HostTransport(None)
 
 
+def test_numa_pages_of_a_segment_and_the_transport_placement_line():
+    """``shm.numa_pages`` counts a mapping's pages per NUMA node (where the kernel says);
+    ``HostTransport.placement`` puts every rank's segment and the GPU's node in one line."""
+    tag = _tag("numa")
+    seg = ShmSegment.create(tag, 0, 64 << 10)
+    try:
+        seg.tensor.fill_(1)  # every page touched: mapped in this process
+        pages = shm.numa_pages(seg.ptr)
+        if os.path.exists("/proc/self/numa_maps"):
+            assert pages and sum(pages.values()) >= (64 << 10) // 4096, pages
+        else:
+            assert pages == {}
+        assert shm.numa_pages(seg.ptr + 4096) == {}  # not where a mapping starts
+    finally:
+        seg.close()
+        seg.unlink()
+    line = run_distributed(_placement, 2, _tag("numa2"))[0]
+    assert line.startswith("pages per NUMA node: rank 0 ") and "; rank 1 " in line, line
+    assert line.endswith("GPU on node ?"), line  # a CPU run
+
+
+def _placement(rank: int, world: int, tag: str) -> str:
+    t = HostTransport(None, timeout_s=30, slot_bytes=4096, tag=tag)
+    try:
+        t.fence()
+        _exchange(t, rank, world, 256, torch.float32, 1)
+        return t.placement()
+    finally:
+        t.close()
+
+
 def test_soak_random_sizes_window_and_many_fences():
     tag = _tag("soak")
     stats = run_distributed(_soak, 4, 3, 200, tag, timeout=150)

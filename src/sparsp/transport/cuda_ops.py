@@ -224,6 +224,18 @@ class CopyHandle:
         torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
+def gpu_numa_node(device: torch.device) -> int | None:
+    """The NUMA node the GPU's PCI device hangs off (sysfs), or None where it is not known."""
+    try:
+        props = torch.cuda.get_device_properties(device)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            node = int(f.read().strip())
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
 def keep_alive(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Tell the caching allocator ``t`` is in use on ``stream`` (no-op for foreign memory)."""
     try:

@@ -56,9 +56,9 @@ import os
 import torch
 
 from .base import DoneHandle, Topology, register_transport
-from .cuda_ops import CopyHandle, Worker, keep_alive
+from .cuda_ops import CopyHandle, Worker, gpu_numa_node, keep_alive
 from .flags import encode_flag
-from .shm import HEADER_BYTES
+from .shm import HEADER_BYTES, numa_pages
 from .slots import SlotWindows
 
 
@@ -97,7 +97,16 @@ class HostTransport(SlotWindows):
 
     def _copies(self) -> str:
         return (f"chunked copies through pinned host memory, {self.h2d_streams} host-to-device "
-                f"stream{'s' if self.h2d_streams > 1 else ''}")
+                f"stream{'s' if self.h2d_streams > 1 else ''}, {self.placement()}")
+
+    def placement(self) -> str:
+        """Where the slots' host pages live: pages per NUMA node of every rank's segment as this
+        process maps them, and the node of this rank's GPU (the host fabric's copies cross the
+        sockets' link when the two differ; docs/transport.md)."""
+        gpu = gpu_numa_node(self.device) if self.cuda else None
+        segs = "; ".join(f"rank {p} " + (" ".join(f"N{n}={c}" for n, c in sorted(pages.items())) or "?")
+                         for p, pages in ((p, numa_pages(seg.ptr)) for p, seg in enumerate(self._segs)))
+        return f"pages per NUMA node: {segs}; GPU on node {'?' if gpu is None else gpu}"
 
     def _start_threads(self) -> None:
         super()._start_threads()

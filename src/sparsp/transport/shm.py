@@ -183,6 +183,30 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+# --------------------------------------------------------------------------- placement
+
+
+def numa_pages(ptr: int) -> dict[int, int]:
+    """Pages of this process's mapping that starts at ``ptr``, per NUMA node
+    (``/proc/self/numa_maps``; only pages this process has mapped count — all of them once the
+    segment is pinned). {} where the kernel does not say."""
+    try:
+        with open("/proc/self/numa_maps") as f:
+            for line in f:
+                addr, _, rest = line.partition(" ")
+                if int(addr, 16) != ptr:
+                    continue
+                out = {}
+                for token in rest.split():
+                    key, eq, value = token.partition("=")
+                    if eq and key[:1] == "N" and key[1:].isdigit():
+                        out[int(key[1:])] = int(value)
+                return out
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
 # --------------------------------------------------------------------------- segments
 
 
