@@ -270,19 +270,53 @@ def test_numa_pages_of_a_segment_and_the_transport_placement_line():
     finally:
         seg.close()
         seg.unlink()
-    line = run_distributed(_placement, 2, _tag("numa2"))[0]
-    assert line.startswith("pages per NUMA node: rank 0 ") and "; rank 1 " in line, line
-    assert line.endswith("GPU on node ?"), line  # a CPU run
+    for mode in ("off", "reader"):  # on a CPU run no GPU node is known: "reader" places nothing
+        line = run_distributed(_placement, 2, _tag("numa2"), mode)[0]
+        assert line.startswith(f"slot pages ({mode}) per NUMA node: rank 0 ") and "; rank 1 " in line, line
+        assert line.endswith("GPU on node ?"), line
 
 
-def _placement(rank: int, world: int, tag: str) -> str:
-    t = HostTransport(None, timeout_s=30, slot_bytes=4096, tag=tag)
+def _placement(rank: int, world: int, tag: str, mode: str) -> str:
+    t = HostTransport(None, timeout_s=30, slot_bytes=4096, tag=tag, numa=mode)
     try:
         t.fence()
         _exchange(t, rank, world, 256, torch.float32, 1)
         return t.placement()
     finally:
         t.close()
+
+
+def test_slot_ranges_put_each_window_on_its_writer_or_reader_node(monkeypatch):
+    from sparsp.transport.host import slot_ranges
+
+    nodes = [0, 1, 1, None]  # rank 3's GPU node unknown
+    off, w, sb = 8192, 3, 4096
+    assert slot_ranges("off", 1, nodes, w, sb, off) == ()
+    # rank 1's windows for consumers 0, 2, 3 follow one another from ``off``
+    assert slot_ranges("writer", 1, nodes, w, sb, off) == (
+        (off, w * sb, 1), (off + w * sb, w * sb, 1), (off + 2 * w * sb, w * sb, 1))
+    assert slot_ranges("reader", 1, nodes, w, sb, off) == ((off, w * sb, 0), (off + w * sb, w * sb, 1))
+    assert slot_ranges("writer", 3, nodes, w, sb, off) == ()  # its own node unknown
+    with pytest.raises(ValueError, match="choose one of off, writer, reader"):
+        slot_ranges("local", 0, nodes, w, sb, off)
+    with pytest.raises(ValueError, match="SPARSP_HOST_NUMA"):
+        HostTransport(None, numa="near")
+    monkeypatch.setenv("SPARSP_HOST_NUMA", "everywhere")
+    with pytest.raises(ValueError, match="'everywhere'"):
+        HostTransport(None)
+
+
+def test_a_segment_range_allocated_on_a_chosen_node():
+    if not shm.can_place():
+        pytest.skip("no set_mempolicy here")
+    seg = ShmSegment.create(_tag("place"), 0, 256 << 10, placement=((4096, 128 << 10, 0),))
+    try:
+        seg.tensor.fill_(1)
+        pages = shm.numa_pages(seg.ptr)
+        assert pages.get(0, 0) >= (256 << 10) // 4096, pages  # node 0: the one every machine has
+    finally:
+        seg.close()
+        seg.unlink()
 
 
 def test_soak_random_sizes_window_and_many_fences():

@@ -26,7 +26,9 @@ advances the 'published' count after each chunk, so the consumer's H2D of chunk 
 producer's D2H of chunk j+1; ``fetch`` copies chunk by chunk on a dedicated H2D stream. Two
 streams because D2H and H2D then run at once: DESIGN measured ≈33.5 GB/s each way for a
 2-rank exchange this way on the 2×H200 box, and half that with one stream and no chunking.
-``h2d_streams`` (default ``SPARSP_H2D_STREAMS``, else 1) spreads a fetch's chunks over that many
+``numa`` (default ``SPARSP_HOST_NUMA``, else "off"): on which GPU's NUMA node each consumer's
+window of slots is allocated (``NUMA_MODES``, ``slot_ranges``); ``placement()`` says where the
+pages are. ``h2d_streams`` (default ``SPARSP_H2D_STREAMS``, else 1) spreads a fetch's chunks over that many
 H2D streams (copy engines), each chunk behind its own flag wait; the first stream then waits for
 the others, so the handle and the 'released' write still follow every chunk. One H200 copying
 both ways at once: H2D 45.9 GB/s on one stream, 49.6 on two (``scripts/probe_copy_streams.py``);
@@ -58,12 +60,35 @@ import torch
 from .base import DoneHandle, Topology, register_transport
 from .cuda_ops import CopyHandle, Worker, gpu_numa_node, keep_alive
 from .flags import encode_flag
-from .shm import HEADER_BYTES, numa_pages
+from .shm import HEADER_BYTES, can_place, numa_pages
 from .slots import SlotWindows
 
 
 H2D_STREAMS_ENV = "SPARSP_H2D_STREAMS"
 MAX_H2D_STREAMS = 4
+NUMA_ENV = "SPARSP_HOST_NUMA"
+NUMA_MODES = ("off", "writer", "reader")
+"""Where a slot's host pages are allocated: where the segment's creator runs ("off"), on the
+producer's GPU's NUMA node ("writer": its device-to-host copies stay on its socket), or on the
+consumer's ("reader": its host-to-device copies do)."""
+
+
+def slot_ranges(mode: str, rank: int, nodes: list, window: int, slot_bytes: int,
+                offset: int) -> tuple[tuple[int, int, int], ...]:
+    """(offset, length, node) of each consumer's slots in ``rank``'s segment (they start at
+    ``offset``, one window of ``window`` slots per peer in rank order) for placement ``mode``;
+    ``nodes``: every rank's GPU node (None where not known: that window is left alone)."""
+    if mode not in NUMA_MODES:
+        raise ValueError(f"slot placement {mode!r}: choose one of {', '.join(NUMA_MODES)}")
+    if mode == "off":
+        return ()
+    out = []
+    consumers = [c for c in range(len(nodes)) if c != rank]
+    for i, c in enumerate(consumers):
+        node = nodes[rank] if mode == "writer" else nodes[c]
+        if node is not None:
+            out.append((offset + i * window * slot_bytes, window * slot_bytes, node))
+    return tuple(out)
 
 
 class HostTransport(SlotWindows):
@@ -72,7 +97,11 @@ class HostTransport(SlotWindows):
     name = "host"
 
     def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, h2d_streams: int | None = None,
-                 **options) -> None:
+                 numa: str | None = None, **options) -> None:
+        numa = (os.environ.get(NUMA_ENV, "").strip() or "off") if numa is None else numa
+        if numa not in NUMA_MODES:
+            raise ValueError(f"numa={numa!r} ({NUMA_ENV}): choose one of {', '.join(NUMA_MODES)}")
+        self.numa = numa
         if h2d_streams is None:
             text = os.environ.get(H2D_STREAMS_ENV, "").strip() or "1"
             if not text.isdigit():
@@ -95,6 +124,16 @@ class HostTransport(SlotWindows):
         offset = HEADER_BYTES + self._layout.nbytes + index * self.slot_bytes
         return self._segs[producer].view(offset, self.slot_bytes)
 
+    def _placement_mode(self) -> str:
+        return self.numa if can_place() else "off"
+
+    def _placement_ranges(self, slot_bytes: int) -> tuple[tuple[int, int, int], ...]:
+        if self._placement_mode() == "off":
+            return ()
+        nodes = self._allgather(gpu_numa_node(self.device) if self.cuda else None)
+        return slot_ranges(self.numa, self.rank, nodes, self.window, slot_bytes,
+                           HEADER_BYTES + self._layout.nbytes)
+
     def _copies(self) -> str:
         return (f"chunked copies through pinned host memory, {self.h2d_streams} host-to-device "
                 f"stream{'s' if self.h2d_streams > 1 else ''}, {self.placement()}")
@@ -106,7 +145,8 @@ class HostTransport(SlotWindows):
         gpu = gpu_numa_node(self.device) if self.cuda else None
         segs = "; ".join(f"rank {p} " + (" ".join(f"N{n}={c}" for n, c in sorted(pages.items())) or "?")
                          for p, pages in ((p, numa_pages(seg.ptr)) for p, seg in enumerate(self._segs)))
-        return f"pages per NUMA node: {segs}; GPU on node {'?' if gpu is None else gpu}"
+        return (f"slot pages ({self.numa}) per NUMA node: {segs}; GPU on node "
+                f"{'?' if gpu is None else gpu}")
 
     def _start_threads(self) -> None:
         super()._start_threads()

@@ -25,9 +25,12 @@ peer still has to open. Lifecycle:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import mmap
 import os
+import platform
 import re
 import secrets
 import stat
@@ -186,6 +189,30 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
 # --------------------------------------------------------------------------- placement
 
 
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}.get(platform.machine())
+_MPOL_DEFAULT, _MPOL_PREFERRED = 0, 1
+
+
+def can_place() -> bool:
+    """Whether ``ShmSegment.create`` can put ranges of a segment on chosen NUMA nodes here
+    (Linux ``set_mempolicy`` on a known architecture)."""
+    return _SYS_SET_MEMPOLICY is not None and os.path.exists("/sys/devices/system/node")
+
+
+@contextlib.contextmanager
+def _preferred_node(node: int):
+    """This thread's page allocations prefer NUMA ``node`` (``set_mempolicy``), then the
+    default policy again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mask = ctypes.c_ulong(1 << node)
+    if libc.syscall(_SYS_SET_MEMPOLICY, _MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(64)) != 0:
+        raise OSError(ctypes.get_errno(), f"set_mempolicy: prefer NUMA node {node}")
+    try:
+        yield
+    finally:
+        libc.syscall(_SYS_SET_MEMPOLICY, _MPOL_DEFAULT, None, ctypes.c_ulong(0))
+
+
 def numa_pages(ptr: int) -> dict[int, int]:
     """Pages of this process's mapping that starts at ``ptr``, per NUMA node
     (``/proc/self/numa_maps``; only pages this process has mapped count — all of them once the
@@ -228,8 +255,13 @@ class ShmSegment:
             self._finalizer = weakref.finalize(self, _unlink_if_same, path, st.st_dev, st.st_ino)
 
     @classmethod
-    def create(cls, tag: str, rank: int, size: int, directory: str = SHM_DIR) -> ShmSegment:
-        """Create ``sparsp-<tag>-<rank>`` (0600, exclusive), reclaiming a crashed run's leftover."""
+    def create(cls, tag: str, rank: int, size: int, directory: str = SHM_DIR,
+               placement: tuple[tuple[int, int, int], ...] = ()) -> ShmSegment:
+        """Create ``sparsp-<tag>-<rank>`` (0600, exclusive), reclaiming a crashed run's leftover.
+
+        Its pages are allocated here, on the NUMA node this thread runs on, except the byte
+        ranges of ``placement`` ((offset, length, node) each), allocated preferring ``node``
+        (``can_place``; the kernel falls back to another node when that one is full)."""
         if not _TAG_RE.fullmatch(tag):
             raise ValueError(f"shared-memory tag {tag!r} must match {_TAG_RE.pattern}")
         size = round_up(max(size, HEADER_BYTES), PAGE)
@@ -244,7 +276,10 @@ class ShmSegment:
             os.fchmod(fd, 0o600)  # the umask can only clear bits; say it anyway
             # allocate now: a tmpfs that is too small fails here with ENOSPC instead of
             # killing the process with SIGBUS on first touch of the mapping
-            os.posix_fallocate(fd, 0, size)
+            for offset, length, node in placement:
+                with _preferred_node(node):
+                    os.posix_fallocate(fd, offset, length)
+            os.posix_fallocate(fd, 0, size)  # the rest (ranges placed above stay where they are)
             seg = cls(path, fd, size, owner=True)
         except BaseException:
             os.close(fd)

@@ -186,6 +186,16 @@ class SlotWindows(Transport):
         """Bytes of this rank's shared-memory segment after the flag page (0: slots elsewhere)."""
         raise NotImplementedError
 
+    def _placement_mode(self) -> str:
+        """How this transport places its segment's pages on NUMA nodes (the same on every
+        rank: part of the settings ``_export`` checks); "off": where its creator runs."""
+        return "off"
+
+    def _placement_ranges(self, slot_bytes: int) -> tuple[tuple[int, int, int], ...]:
+        """(offset, length, node) ranges of this rank's segment to allocate on chosen nodes
+        (``ShmSegment.create``); called by every rank at export, after the settings check."""
+        return ()
+
     def _export_slots(self) -> None:
         """Collective: set up the slots after the flag segments exist (ipc: device windows)."""
 
@@ -511,18 +521,20 @@ class SlotWindows(Transport):
 
     def _export(self, slot_bytes: int) -> None:
         """Collective: create, exchange and map the segments; the names are gone afterwards."""
-        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes, self.first_chunk_bytes)
+        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes, self.first_chunk_bytes,
+                  self._placement_mode())
         configs = self._allgather(config)
         if any(c != config for c in configs):
-            raise ValueError(f"rank {self.rank}: transport settings differ between ranks "
-                             f"(class, slot_bytes, window, chunk_bytes, first_chunk_bytes): {configs}")
+            raise ValueError(f"rank {self.rank}: transport settings differ between ranks (class, slot_bytes, "
+                             f"window, chunk_bytes, first_chunk_bytes, placement): {configs}")
         size = HEADER_BYTES + self._layout.nbytes + self._slot_area_bytes(slot_bytes)
+        placement = self._placement_ranges(slot_bytes)  # collective where the mode is on (everywhere)
         segs: list = [None] * self.world_size
         self._segs = segs
 
         def create() -> None:
             sweep_stale()
-            segs[self.rank] = ShmSegment.create(self._tag, self.rank, size)
+            segs[self.rank] = ShmSegment.create(self._tag, self.rank, size, placement=placement)
 
         def open_peers() -> None:
             for p in self.peers:
