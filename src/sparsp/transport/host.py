@@ -26,13 +26,14 @@ advances the 'published' count after each chunk, so the consumer's H2D of chunk 
 producer's D2H of chunk j+1; ``fetch`` copies chunk by chunk on a dedicated H2D stream. Two
 streams because D2H and H2D then run at once: DESIGN measured ≈33.5 GB/s each way for a
 2-rank exchange this way on the 2×H200 box, and half that with one stream and no chunking.
-``numa`` (default ``SPARSP_HOST_NUMA``, else "off"): on which GPU's NUMA node each consumer's
-window of slots is allocated (``NUMA_MODES``, ``slot_ranges``); ``placement()`` says where the
-pages are. ``h2d_streams`` (default ``SPARSP_H2D_STREAMS``, else 1) spreads a fetch's chunks over that many
-H2D streams (copy engines), each chunk behind its own flag wait; the first stream then waits for
-the others, so the handle and the 'released' write still follow every chunk. One H200 copying
-both ways at once: H2D 45.9 GB/s on one stream, 49.6 on two (``scripts/probe_copy_streams.py``);
-the 2-GPU exchange is to be measured before the default changes.
+``h2d_streams`` (default ``SPARSP_H2D_STREAMS``, else 1) spreads a fetch's chunks over that
+many H2D streams (copy engines), each chunk behind its own flag wait; the first stream then
+waits for the others, so the handle and the 'released' write still follow every chunk. One
+H200 copying both ways at once: H2D 45.9 GB/s on one stream, 49.6 on two
+(``scripts/probe_copy_streams.py``); the 2-GPU exchange is to be measured before the default
+changes. ``numa`` (default ``SPARSP_HOST_NUMA``, else "off"): on which GPU's NUMA node each
+consumer's window of slots is allocated (``NUMA_MODES``, ``slot_ranges``); ``placement()``
+says where the pages are.
 
 Flag writes that must follow GPU work use ``cuStreamWriteValue32`` on the stream (no host
 round trip; cuda-python's ``cuda.bindings``), else a host thread that polls an event and then
