@@ -4,11 +4,11 @@ NUMA nodes: does where the host memory lives set the host fabric's rate?
 The ``host`` transport stages every payload in host memory: the producer copies device to
 host into a slot, the consumer host to device out of it, both GPUs at once. On the 2×H200
 box the traces put the device-to-host pieces at ≈ 52 GB/s and the host-to-device ones at ≈ 32
-while both run. A slot's pages live on the NUMA node of whichever process touched them first;
+while both run. A slot's pages are allocated on the NUMA node its segment's creator ran on;
 if the two GPUs hang off different sockets, the reads of one side cross the sockets' link.
-This probe, in one process driving both GPUs (no transport code), places buffer A (GPU a
-writes, GPU b reads) and buffer B (b writes, a reads) on each pair of nodes, runs the exchange
-in ``--piece-mib`` pieces (each host-to-device piece after its device-to-host piece, as the
+This probe, in one process driving both GPUs, places buffer A (GPU a writes, GPU b reads) and
+buffer B (b writes, a reads) on each pair of nodes the way ``SPARSP_HOST_NUMA`` places a slot
+window (``shm.ShmSegment.create(placement=...)``), runs the exchange in ``--piece-mib`` pieces (each host-to-device piece after its device-to-host piece, as the
 transport pipelines them), and prints GB/s per copy direction (``a→A``: GPU a's writes;
 ``A→b``: GPU b's reads, timed from before the first piece landed, so a pipe's whole time):
 
@@ -22,26 +22,14 @@ A measurement to decide what to change, not a benchmark.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import os
+import secrets
 import statistics
 
 import torch
 
-SYS_MBIND = 237  # x86-64
-MPOL_BIND = 2
-
-
-def gpu_node(device: int) -> int:
-    """The NUMA node sysfs gives the GPU's PCI device (-1: unknown)."""
-    props = torch.cuda.get_device_properties(device)
-    try:
-        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
-            return int(f.read().strip())
-    except (AttributeError, OSError, ValueError):
-        return -1
+from sparsp.transport.cuda_ops import gpu_numa_node
+from sparsp.transport.shm import HEADER_BYTES, ShmSegment, numa_pages
 
 
 def host_nodes() -> list[int]:
@@ -53,30 +41,25 @@ def host_nodes() -> list[int]:
 
 
 class PinnedOnNode:
-    """``nbytes`` of anonymous memory bound to NUMA ``node`` (mbind before the first touch),
-    touched, then page-locked for the GPUs (``cudaHostRegister``, portable)."""
+    """``nbytes`` of host memory allocated on NUMA ``node`` the way the ``host`` transport's
+    ``SPARSP_HOST_NUMA`` places a slot window (``ShmSegment.create(placement=...)``), then
+    page-locked for the GPUs (``cudaHostRegister``, portable); ``tensor`` is the buffer."""
 
     def __init__(self, nbytes: int, node: int) -> None:
-        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        libc = ctypes.CDLL(None, use_errno=True)
-        mask = ctypes.c_ulong(1 << node)
-        if libc.syscall(SYS_MBIND, ctypes.c_void_p(self.addr), ctypes.c_ulong(nbytes), MPOL_BIND,
-                        ctypes.byref(mask), ctypes.c_ulong(64), 0) != 0:
-            raise OSError(ctypes.get_errno(), f"mbind to node {node} failed")
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.tensor.fill_(1)  # the first touch: the pages land on ``node``
-        err = torch.cuda.cudart().cudaHostRegister(self.addr, nbytes, 1)  # cudaHostRegisterPortable
+        self.seg = ShmSegment.create(f"numaprobe{secrets.token_hex(4)}", node, HEADER_BYTES + nbytes,
+                                     placement=((HEADER_BYTES, nbytes, node),))
+        self.seg.unlink()  # this process holds the only mapping: nothing left behind
+        err = torch.cuda.cudart().cudaHostRegister(self.seg.ptr, self.seg.size, 1)  # portable
         if int(err) != 0:
+            self.seg.close()
             raise RuntimeError(f"cudaHostRegister failed: {err}")
+        self.tensor = self.seg.tensor[HEADER_BYTES:]
+        self.pages = numa_pages(self.seg.ptr)  # where the pages landed, as the kernel says
 
     def close(self) -> None:
-        torch.cuda.cudart().cudaHostUnregister(self.addr)
+        torch.cuda.cudart().cudaHostUnregister(self.seg.ptr)
         del self.tensor
-        try:
-            self.map.close()
-        except BufferError:  # a view still alive: the mapping goes with the process
-            pass
+        self.seg.close()
 
 
 def exchange(a: int, b: int, buf_a: torch.Tensor, buf_b: torch.Tensor, piece: int, iters: int) -> dict:
@@ -133,7 +116,7 @@ def main() -> None:
     if max(a, b) >= torch.cuda.device_count():
         ap.error(f"--devices {a} {b}: this machine has {torch.cuda.device_count()} GPU(s)")
     nodes = host_nodes()
-    na, nb = gpu_node(a), gpu_node(b)
+    na, nb = gpu_numa_node(torch.device("cuda", a)), gpu_numa_node(torch.device("cuda", b))
     print(f"host NUMA nodes {nodes}; GPU {a} on node {na}, GPU {b} on node {nb}; "
           f"this process may run on CPUs {sorted(os.sched_getaffinity(0))[:4]}…")
     nbytes, piece = args.mib << 20, args.piece_mib << 20
@@ -147,7 +130,8 @@ def main() -> None:
         finally:
             A.close()
             B.close()
-        print(f"A on node {node_a}, B on node {node_b}: GB/s " + ", ".join(f"{k} {v}" for k, v in r.items()))
+        print(f"A on node {node_a} (pages {A.pages}), B on node {node_b} (pages {B.pages}): GB/s "
+              + ", ".join(f"{k} {v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ class HostTransport(SlotWindows):
         gpu = gpu_numa_node(self.device) if self.cuda else None
         segs = "; ".join(f"rank {p} " + (" ".join(f"N{n}={c}" for n, c in sorted(pages.items())) or "?")
                          for p, pages in ((p, numa_pages(seg.ptr)) for p, seg in enumerate(self._segs)))
-        return (f"slot pages ({self.numa}) per NUMA node: {segs}; GPU on node "
+        return (f"slot pages ({self._placement_mode()}) per NUMA node: {segs}; GPU on node "
                 f"{'?' if gpu is None else gpu}")
 
     def _start_threads(self) -> None:
