@@ -107,7 +107,7 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     out_mask = torch.empty(scores.shape, dtype=torch.bool, device="cuda")
     for warps in (1, 2, 4, 8, 16):
         steps[f"fused select, {warps} warps"] = (
-            lambda w=warps: cdf_select._kernel("cuda")[(H * N,)](
+            lambda w=warps: cdf_select._select_rows[(H * N,)](
                 scores, cdf_t, out_mask, N, N, H, BLOCK=block, num_warps=w))
     steps["fused select (default)"] = lambda: cdf_select.select(scores, cdf_t)
     fused = cdf_select.select(scores, cdf_t)
@@ -142,11 +142,17 @@ def probe(model: str, iters: int, cdf: float) -> dict:
     steps["summaries: torch block sums + v sum"] = lambda: (
         block_sums_torch(q, 128), block_sums_torch(k, 128), v.sum(dtype=torch.float32))
     steps["summaries: summaries_into"] = lambda: summaries_into(sums, 128, q, k, v)
+    table = masks.SumsTable(q.dtype, q.device)  # the form a CUDA graph replays (plan._graphed_summaries)
+    table.set(q, k, v)
+    table.upload()
+    steps["summaries: summaries_into through the offset table"] = (
+        lambda: summaries_into(sums, 128, q, k, v, table=table))
     for tok, warps in ((4, 1), (8, 1), (16, 1), (8, 2), (16, 4)):  # the kernel's tile and warps
         steps[f"summaries: {tok} tokens, {warps} warps"] = (
             lambda tok=tok, warps=warps: masks._sums[(n_, triton.cdiv(F_, masks.SUM_FEATURES))](
-                q, k, v, sums, S, n_, F_, n_ * F_, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], BS=128,
-                TOK=tok, FCH=masks.SUM_FEATURES, HAS_B=True, HAS_C=True, num_warps=warps))
+                q, k, v, sums, sums, S, n_, F_, n_ * F_, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+                BS=128, TOK=tok, FCH=masks.SUM_FEATURES, HAS_B=True, HAS_C=True, OFFSETS=False, ALIGN=8,
+                num_warps=warps))
     # the local shard's block lists at G = 2: a [1, H, N/2, N/2] column slice of the whole mask
     half = N // 2
     rows_mask = keep_mask(probs, order, keep)[:, :, :half, :half]

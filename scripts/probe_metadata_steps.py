@@ -28,7 +28,7 @@ from sparsp.bench.common import init_distributed
 from sparsp.geometry import MODELS, preset
 from sparsp.masks import check_parts, fused_sums, summaries_into
 from sparsp.placement import make_placement
-from sparsp.plan import _header, _send_row, _summaries, gather_metadata
+from sparsp.plan import _graphed_summaries, _header, _send_row, _summaries, gather_metadata
 
 
 def _time_us(fn, reps: int, rounds: int) -> float:
@@ -78,6 +78,13 @@ def main() -> None:
         finally:
             os.environ.pop("SPARSP_TRITON_SUMS")
 
+    def graphed():
+        if not _graphed_summaries(body, cfg.block_size, q, k, v):
+            raise SystemExit("the summing graph was not taken")
+
+    for _ in range(2):  # the first sight of the key, then the capture
+        _graphed_summaries(body, cfg.block_size, q, k, v)
+
     def record():
         with torch.profiler.record_function("probe"):
             pass
@@ -89,6 +96,7 @@ def main() -> None:
         "  _header (cached)": lambda: _header(q, cfg, "sparsp", size),
         "  _send_row (cached)": lambda: _send_row(header, size),
         "  summaries_into (the launch)": lambda: summaries_into(body, cfg.block_size, q, k, v),
+        "  the same replayed from a CUDA graph (SPARSP_SUMS_GRAPH)": graphed,
         "  torch.empty (the gathered rows)": lambda: torch.empty(world * row.numel(), device=device),
         "  all_gather_into_tensor + work.wait()": all_gather,
         "  ProcessGroup._allgather_base + work.wait()": lambda: pg._allgather_base(everyone, row).wait(),

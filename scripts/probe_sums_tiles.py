@@ -50,8 +50,8 @@ def _launch(q, k, v, out, tok: int, fch: int, warps: int, block: int) -> None:
     B, S, H, D = q.shape
     n, F = -(-S // block), H * D
     masks._sums[(B * n, triton.cdiv(F, fch))](
-        q, k, v, out, S, n, F, B * n * F, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], BS=block,
-        TOK=min(tok, block), FCH=fch, HAS_B=True, HAS_C=True, num_warps=warps)
+        q, k, v, out, out, S, n, F, B * n * F, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], BS=block,
+        TOK=min(tok, block), FCH=fch, HAS_B=True, HAS_C=True, OFFSETS=False, ALIGN=8, num_warps=warps)
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ class _EmulatedGraph:
 def _emulated_capture(q, k, v, meta, group, spec, config, transport, auto):
     from sparsp.strategies import captured
 
-    rows = meta.rows.clone()
+    rows = meta.rows if meta.rows_kept else meta.rows.clone()  # as captured._capture
     args = (q, k, v, meta, rows, group, spec, config, transport, auto)
     call, staged = captured._stage(*args)
     graph = _EmulatedGraph(lambda: captured._stage(*args), _tensors(call, staged))
@@ -66,11 +66,24 @@ def _emulate(monkeypatch_graphs: bool):
     captured._capture = _emulated_capture if monkeypatch_graphs else failing
 
 
-def _worker(rank, world, lens, strategies, capture_works):
-    from sparsp import SparspConfig, sp_attention
+def _fuse_summaries():
+    """The metadata step as on CUDA (one summing launch into the kept send row, the all-gather
+    into rows kept per geometry, which a captured stage reads in place), with the summaries made
+    by torch ops (``opcount``'s stand-in)."""
+    from sparsp import plan
+    from sparsp.simulate.opcount import _summaries_like_cuda
+
+    plan.fused_sums = lambda *xs: True
+    plan.summaries_into = _summaries_like_cuda
+
+
+def _worker(rank, world, lens, strategies, capture_works, fused=False):
+    from sparsp import SparspConfig, plan, sp_attention
     from sparsp.strategies import captured, close_transports
 
     _emulate(capture_works)
+    if fused:
+        _fuse_summaries()
     B, H, D, bs = 1, 4, 16, 16
     a = sum(lens[:rank])
     done = []
@@ -83,6 +96,9 @@ def _worker(rank, world, lens, strategies, capture_works):
             got = sp_attention(*x, strategy=strategy, config=graphed)
             want = sp_attention(*x, strategy=strategy, config=eager)
             assert torch.equal(got, want), f"{strategy} {extra} call {step}"
+            if fused:  # the gathered rows are one buffer per geometry, call after call
+                kept = len(plan._GATHERED) if step == 0 else kept
+                assert len(plan._GATHERED) == kept, f"{strategy} call {step}: {len(plan._GATHERED)} buffers"
         done.append(strategy)
     stages = [s for s in captured._STAGES.values() if isinstance(s, captured._Stage)]
     replays = sorted(s.graph.replays for s in stages)
@@ -90,11 +106,12 @@ def _worker(rank, world, lens, strategies, capture_works):
     return done, len(stages), replays
 
 
-@pytest.mark.parametrize("lens", [[64, 64], [70, 45]])
-def test_replayed_stage_gives_the_eager_output(lens):
+@pytest.mark.parametrize("lens, fused", [([64, 64], False), ([70, 45], False), ([70, 45], True)])
+def test_replayed_stage_gives_the_eager_output(lens, fused):
+    # fused: the stage reads the gathered rows in place (plan._gathered_rows), not a copy
     strategies = [("sparsp", {}), ("sparsp", {"drain_chunks": 2}), ("ring-relay", {}),
                   ("ring-sparse", {}), ("ulysses", {}), ("auto", {})]
-    results = run_distributed(_worker, 2, lens, strategies, True, timeout=240)
+    results = run_distributed(_worker, 2, lens, strategies, True, fused, timeout=240)
     for done, stages, replays in results:
         assert done == [s for s, _ in strategies]
         # one stage per (strategy, config); captured on the 2nd call, replayed on calls 2-4

@@ -343,6 +343,41 @@ def test_triton_sums_alone_and_beside_others_agree_bit_for_bit():
     assert torch.equal(row[:plane], alone)
 
 
+def test_triton_sums_read_through_a_table_equal_the_direct_launch():
+    """``summaries_into(..., table=)`` (the launch a CUDA graph replays for new tensors:
+    ``plan._graphed_summaries``) reads q, k, v at the table's offsets and writes the same bits as
+    the launch on the tensors themselves; rewriting the table moves it to other tensors of the
+    same shape and strides, among them views of one fused projection."""
+    from sparsp.masks import SumsTable, check_parts, summaries_into
+
+    g = torch.Generator().manual_seed(5)
+    B, S, H, D, bs = 2, 200, 4, 64, 64
+    n = -(-S // bs)
+    size = 2 * B * n * H * D + check_parts(B, n, H * D)
+    table = SumsTable(torch.bfloat16, DEVICE)
+    for trial in range(3):
+        qkv = torch.randn(B, S, 3, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+        q, k, v = (qkv[:, :, i] for i in range(3))
+        if trial == 2:  # separate tensors, other strides than the fused views'
+            q, k, v = (x.contiguous() for x in (q, k, v))
+        assert table.fits(q, k, v)
+        want = torch.empty(size, device=DEVICE)
+        summaries_into(want, bs, q, k, v)
+        got = torch.full((size,), 7.0, device=DEVICE)
+        table.set(q, k, v)
+        table.upload()
+        summaries_into(got, bs, q, k, v, table=table)
+        assert torch.equal(got, want)
+    # k alone (no b, no c): the table's unused entries repeat a's offset
+    alone, want = torch.empty(B * n * H * D, device=DEVICE), torch.empty(B * n * H * D, device=DEVICE)
+    table.set(k)
+    table.upload()
+    summaries_into(alone, bs, k, table=table)
+    summaries_into(want, bs, k)
+    assert torch.equal(alone, want)
+    assert not table.fits(q.float()) and not table.fits(q.reshape(-1)[1:])  # dtype, 16-byte alignment
+
+
 def test_triton_sums_flag_a_nonfinite_v_and_check_their_arguments():
     from sparsp.masks import summaries_into
 

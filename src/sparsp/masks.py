@@ -147,15 +147,22 @@ def check_parts(B: int, n: int, features: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _sums(a_ptr, b_ptr, c_ptr, out_ptr, S, n, F, plane, a_b, a_s, b_b, b_s, c_b, c_s,
+    def _sums(a_ptr, b_ptr, c_ptr, out_ptr, tab_ptr, S, n, F, plane, a_b, a_s, b_b, b_s, c_b, c_s,
               BS: tl.constexpr, TOK: tl.constexpr, FCH: tl.constexpr, HAS_B: tl.constexpr,
-              HAS_C: tl.constexpr):
+              HAS_C: tl.constexpr, OFFSETS: tl.constexpr, ALIGN: tl.constexpr):
         # one program (one warp): one block of one batch element, FCH features; a's and b's
         # sums per feature, c's one partial sum. Each step loads a TOK-token tile of every
         # tensor (all in flight at once); each thread holds every row of its columns, so the
         # sum over the tile's rows stays in registers. A tensor's sum is the same sequence of
         # adds whatever else is summed beside it, so a tensor summed alone (``block_sums``)
         # gets the bits it gets in the metadata row.
+        # OFFSETS: a, b and c lie at the one pointer passed plus the element offsets in
+        # ``tab_ptr`` (int64 [3], whole multiples of ALIGN elements: 16 bytes), read on the
+        # device, so that a CUDA graph replays this launch for new tensors (``GraphedSums``)
+        if OFFSETS:
+            a_ptr += tl.multiple_of(tl.load(tab_ptr), ALIGN)
+            b_ptr += tl.multiple_of(tl.load(tab_ptr + 1), ALIGN)
+            c_ptr += tl.multiple_of(tl.load(tab_ptr + 2), ALIGN)
         row = tl.program_id(0)
         fc = tl.program_id(1)
         bi = (row // n).to(tl.int64)
@@ -187,11 +194,14 @@ if triton is not None:
 
 
 def summaries_into(out: torch.Tensor, block_size: int, a: torch.Tensor, b: torch.Tensor | None = None,
-                   c: torch.Tensor | None = None) -> None:
+                   c: torch.Tensor | None = None, *, table: "SumsTable | None" = None) -> None:
     """One kernel over (B, S, H, D) tensors of one shape: ``out`` (float32, flat) = a's block
     sums (B, n, H, D), then b's, then ``check_parts`` partial sums of c (the metadata row's
     summaries: q, k and v's non-finite check, ``sparsp.plan``). A short last block sums its
-    real tokens. CUDA (``fused_sums``); on CPU tensors in Triton's interpreter."""
+    real tokens. CUDA (``fused_sums``); on CPU tensors in Triton's interpreter. ``table``: the
+    kernel reads a, b and c where ``table``'s device offsets say (``SumsTable``: a CUDA graph of
+    this launch sums new tensors of the same shape and strides); a, b, c give only their
+    shapes and strides then."""
     B, S, H, D = a.shape
     n, F = math.ceil(S / block_size), H * D
     plane = B * n * F
@@ -206,10 +216,50 @@ def summaries_into(out: torch.Tensor, block_size: int, a: torch.Tensor, b: torch
             raise ValueError(f"summaries_into: shapes differ, {tuple(a.shape)} and {tuple(x.shape)}")
     bb, cc = (b if b is not None else a), (c if c is not None else a)
     tok = min(16, triton.next_power_of_2(block_size))
+    pa, pb, pc = (a, bb, cc) if table is None else (table.base,) * 3
     _sums[(B * n, triton.cdiv(F, SUM_FEATURES))](
-        a, bb, cc, out, S, n, F, plane, a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), cc.stride(0),
-        cc.stride(1), BS=block_size, TOK=tok, FCH=SUM_FEATURES, HAS_B=b is not None, HAS_C=c is not None,
-        num_warps=1)
+        pa, pb, pc, out, out if table is None else table.device, S, n, F, plane, a.stride(0), a.stride(1),
+        bb.stride(0), bb.stride(1), cc.stride(0), cc.stride(1), BS=block_size, TOK=tok, FCH=SUM_FEATURES,
+        HAS_B=b is not None, HAS_C=c is not None, OFFSETS=table is not None,
+        ALIGN=max(1, SumsTable.ALIGN_BYTES // a.element_size()), num_warps=1)
+
+
+class SumsTable:
+    """Where ``summaries_into`` finds its inputs when a CUDA graph replays it: element offsets
+    of a, b and c from one fixed ``base`` allocation of their dtype, written on the host into
+    pinned memory (``set``) and copied to the device by the graph itself (``upload``, captured
+    as the graph's first node: a replay reads what the host wrote last). Offsets are whole
+    multiples of 16 bytes (``fits``), so the kernel's loads stay vectorised.
+
+    The host may rewrite the table only once the device has run the previous replay's copy:
+    the metadata step's caller reads the device back (the call's one host read) before its next
+    call, which orders them."""
+
+    ALIGN_BYTES = 16
+
+    def __init__(self, dtype: torch.dtype, device) -> None:
+        self.base = torch.empty(self.ALIGN_BYTES, dtype=dtype, device=device)
+        self.host = torch.zeros(3, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+        self.device = torch.zeros(3, dtype=torch.int64, device=device)
+        self._values = self.host.numpy()
+        self._origin, self._size = self.base.data_ptr(), self.base.element_size()
+
+    def fits(self, *xs: torch.Tensor) -> bool:
+        """Whether every tensor is of the base's dtype and device and 16-byte aligned."""
+        return all(x.dtype == self.base.dtype and x.device == self.base.device
+                   and x.data_ptr() % self.ALIGN_BYTES == 0 for x in xs)
+
+    def set(self, a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> None:
+        """Write the offsets of a, b, c (a stands in for a missing one) on the host."""
+        o, size = self._origin, self._size
+        pa = a.data_ptr()
+        self._values[0] = (pa - o) // size
+        self._values[1] = ((b.data_ptr() if b is not None else pa) - o) // size
+        self._values[2] = ((c.data_ptr() if c is not None else pa) - o) // size
+
+    def upload(self) -> None:
+        """Queue the table's copy to the device on the current stream (a graph node when captured)."""
+        self.device.copy_(self.host, non_blocking=True)
 
 
 _CACHE: dict[tuple, object] = {}

@@ -37,7 +37,9 @@ sum and token count are all-reduced first (two more collectives; similarity is o
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -47,9 +49,11 @@ import torch.distributed as dist
 
 from .config import SparspConfig
 from .groups import HostRead, all_gather_flat, start_host_read, stream_ordered, to_host, wait
-from .masks import (PooledBlocks, block_lengths, block_sums, cached_zeros, check_parts, fused_sums, key_sum,
-                    select_blocks, summarize, summaries_into)
+from .masks import (PooledBlocks, SumsTable, block_lengths, block_sums, cached_zeros, check_parts, fused_sums,
+                    key_sum, select_blocks, summarize, summaries_into)
 from .packing import Layout, prepare
+
+log = logging.getLogger("sparsp")
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _HEADER = ("sequence length", "batch", "heads", "head dim", "dtype", "block_size", "strategy")
@@ -181,10 +185,12 @@ _STATE: dict[tuple, _GroupState] = {}
 
 
 def forget_shapes() -> None:
-    """Drop the per-group state and the kept send rows (``close_transports`` calls it: a new
-    group may reuse an id)."""
+    """Drop the per-group state, the kept send rows, their gathered rows and summing graphs
+    (``close_transports`` calls it: a new group may reuse an id)."""
     _STATE.clear()
     _SEND_ROWS.clear()
+    _GATHERED.clear()
+    _SUM_GRAPHS.clear()
 
 
 @dataclass
@@ -218,6 +224,7 @@ class Metadata:
     center: torch.Tensor | None = None  # the global key mean, when similarity smoothed the keys
     similarity: bool = False  # the summaries are pooled means and similarities (``_summaries``)
     check: bool = True  # the rows carry the non-finite check's sums (``check_finite``)
+    rows_kept: bool = False  # ``rows`` is the geometry's kept buffer (``_gathered_rows``)
 
     def headers(self) -> torch.Tensor:
         """The header table (``table_of`` the rows), made on first use: on the device, so in
@@ -261,7 +268,10 @@ class Metadata:
     def start_read(self, staged: "Staged") -> HostRead:
         """Queue the copy of ``staged.flat`` to the host (``finish`` collects it): what the
         stream runs after it (the local shard's kernel) does not delay the read."""
-        return start_host_read(staged.flat)
+        # once per call, and ``finish`` uses its values up before the next call's read: the
+        # pinned buffer and event are kept per shape (``groups.HostRead``; like the gathered
+        # rows, made per call again with ``SPARSP_CALL_BUFFERS=0``)
+        return start_host_read(staged.flat, reuse=os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0")
 
     def finish(self, staged: "Staged", read: HostRead | None = None):
         """The host read of ``staged.flat`` (``read``, or one started now), the header checks,
@@ -365,9 +375,12 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     checked = v if config.check_finite else None
     while True:
         cap = state.capacity  # group-wide: it changes only from gathered headers
-        if fused and size <= cap:  # the kernel writes the summaries into the kept send row
+        kept = fused and size <= cap
+        if kept:  # the kernel writes the summaries into the kept send row
             mine = _send_row(header, cap)
-            summaries_into(mine[header.numel(): header.numel() + size], bs, q, k, checked)
+            body = mine[header.numel(): header.numel() + size]
+            if not (config.cuda_graphs and q.is_cuda and _graphed_summaries(body, bs, q, k, checked)):
+                summaries_into(body, bs, q, k, checked)
         else:
             if data is None:
                 data = torch.empty(size, dtype=torch.float32, device=q.device)
@@ -375,7 +388,11 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
             body = data if data.numel() <= cap else data[:cap]
             pad = cached_zeros((cap - body.numel(),), q.device)
             mine = torch.cat([header, body, pad])
-        everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        # into rows kept with the kept send row: the same buffer every call, which a captured
+        # plan stage reads in place (strategies/captured.py)
+        kept = kept and os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0"
+        everyone = (_gathered_rows(mine, world) if kept else
+                    torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device))
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):
             # NCCL: the stream waits, the host goes on queueing the mask; the call's one host
@@ -397,13 +414,14 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         break
     state.shapes[local_key] = guess
     return Metadata(guess, table, rows, cap, counts, config.timeout_s, center,
-                    similarity=config.sim_threshold is not None, check=config.check_finite)
+                    similarity=config.sim_threshold is not None, check=config.check_finite, rows_kept=kept)
 
 
 _SEND_ROWS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-MAX_SEND_ROWS = 16
+MAX_SEND_ROWS = MAX_SUM_GRAPHS = 16
 """Send rows kept (one per geometry, capacity and stream; the least recently used goes first:
-a row holds a rank's whole summaries, ≈ 12 MB at HunyuanVideo's G = 2 shard)."""
+a row holds a rank's whole summaries, ≈ 12 MB at HunyuanVideo's G = 2 shard), and as many
+graphs of the summing kernel (``_graphed_summaries``; each keeps its row alive)."""
 
 
 def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
@@ -422,6 +440,91 @@ def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
     else:
         _SEND_ROWS.move_to_end(key)
     return row
+
+
+_GATHERED: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def _gathered_rows(row: torch.Tensor, world: int) -> torch.Tensor:
+    """The all-gather's output for a kept send row (``_send_row``), made once per row and group
+    size. Reuse is safe as the row's is: every reader of a call's gathered rows is queued on
+    the stream before the next call's all-gather writes them."""
+    key = (row.data_ptr(), row.numel(), world)
+    rows = _GATHERED.get(key)
+    if rows is None:
+        rows = _GATHERED[key] = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
+        while len(_GATHERED) > MAX_SEND_ROWS:
+            _GATHERED.popitem(last=False)
+    else:
+        _GATHERED.move_to_end(key)
+    return rows
+
+
+@dataclass
+class _SumsGraph:
+    """One geometry's summing kernel as a CUDA graph: the table's upload, then the launch."""
+
+    graph: torch.cuda.CUDAGraph
+    table: SumsTable
+    body: torch.Tensor  # the send row's summaries, which the graph writes (kept alive with it)
+
+
+_SUM_GRAPHS: OrderedDict[tuple, object] = OrderedDict()  # key -> _SumsGraph, _FAILED or None (seen once)
+_FAILED = object()
+
+
+def _graphed_summaries(body: torch.Tensor, bs: int, q, k, v) -> bool:
+    """Write the call's summaries into ``body`` by replaying the geometry's CUDA graph of the
+    summing kernel (``masks.SumsTable``): the host writes three offsets and launches a graph
+    instead of the kernel's Triton launch (≈ 25–50 µs of host per call, on the path at LTX size:
+    docs/performance.md). False when not taken — the first call of a key, inputs not 16-byte
+    aligned, a capture that failed (logged once), ``SPARSP_SUMS_GRAPH=0`` — and the caller
+    launches the kernel itself."""
+    if os.environ.get("SPARSP_SUMS_GRAPH", "1") == "0":
+        return False
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    key = (body.data_ptr(), body.numel(), bs, tuple(q.shape), q.dtype, q.stride(), k.stride(),
+           None if v is None else v.stride(), stream)
+    st = _SUM_GRAPHS.get(key)
+    if st is None:
+        if key not in _SUM_GRAPHS:  # the first call of the key launches the kernel itself
+            _SUM_GRAPHS[key] = None
+            while len(_SUM_GRAPHS) > MAX_SUM_GRAPHS:
+                _SUM_GRAPHS.popitem(last=False)
+            return False
+        table = SumsTable(q.dtype, q.device)
+        if not table.fits(q, k, *([v] if v is not None else [])):
+            return False
+        try:
+            st = _SUM_GRAPHS[key] = _capture_sums(table, body, bs, q, k, v)
+        except Exception as e:  # a capture error leaves the launch intact
+            log.warning("sparsp: CUDA graph capture of the summing kernel failed (%s: %s); this "
+                        "geometry launches it", type(e).__name__, e)
+            _SUM_GRAPHS[key] = _FAILED
+            return False
+    elif st is _FAILED or not st.table.fits(q, k, *([v] if v is not None else [])):
+        return False
+    _SUM_GRAPHS.move_to_end(key)
+    st.table.set(q, k, v)
+    st.graph.replay()
+    return True
+
+
+def _capture_sums(table: SumsTable, body: torch.Tensor, bs: int, q, k, v) -> _SumsGraph:
+    table.set(q, k, v)
+    current = torch.cuda.current_stream(q.device)
+    side = torch.cuda.Stream(q.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):  # warm-up: the kernel's table variant compiles outside the capture
+        table.upload()
+        summaries_into(body, bs, q, k, v, table=table)
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a transport's helper thread may use CUDA while this thread captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        table.upload()
+        summaries_into(body, bs, q, k, v, table=table)
+    return _SumsGraph(graph, table, body)
 
 
 def _summaries(q, k, v, group, config: SparspConfig, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

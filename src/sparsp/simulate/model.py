@@ -85,21 +85,24 @@ INPUT_PASSES = 3
 # one kernel (``masks.summaries_into``: counted as the CUDA path issues it, one launch where the
 # torch form issued 12 ops; k's sum made in the stage from the gathered block sums: + 1 per rank),
 # and again for the call's profiler ranges, which issue no op unless a profiler records
-# (``groups.marker``: 2 ops per range; the metadata step's and the plan stage's before the read).
-MASK_OPS = {"dense": (50, 0, 0), "sparse": (99, 15, 0), "direct": (108, 119, 0),
-            "relay": (136, 63, 4)}
+# (``groups.marker``: 2 ops per range; the metadata step's and the plan stage's before the read),
+# and for the gathered rows kept per geometry (``plan._gathered_rows``: no ``empty`` per call).
+MASK_OPS = {"dense": (50, 0, 0), "sparse": (98, 15, 0), "direct": (107, 119, 0),
+            "relay": (135, 63, 4)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered rows to the
 # counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the stage's
-# ops become two (a copy of the gathered rows, the graph launch); what remains is the block
+# ops become one graph launch; what remains is the block
 # sums and the all-gather before it and the read's start after it (``opcount``'s
 # ``GRAPHED_MASK_OPS``: 49 → 24 at cec0721, which moved the means and the flags into the
-# stage; 24 → 12 with the summaries' one kernel, 12 → 7 without the profiler ranges). Dense
-# strategies compute no mask and run no graph.
-GRAPHED_MASK_OPS = {"dense": (50, 0, 0), "sparse": (7, 0, 0), "direct": (7, 0, 0),
-                    "relay": (7, 0, 0)}
+# stage; 24 → 12 with the summaries' one kernel, 12 → 7 without the profiler ranges, 7 → 5 with
+# the gathered rows kept per geometry, which the graph reads in place: no ``empty``, no copy).
+# (The summing kernel, replayed from its own graph on CUDA (``plan._graphed_summaries``), stays
+# one launch.) Dense strategies compute no mask and run no graph.
+GRAPHED_MASK_OPS = {"dense": (50, 0, 0), "sparse": (5, 0, 0), "direct": (5, 0, 0),
+                    "relay": (5, 0, 0)}
 # The same counts for ``sparsp`` on a group of one (the one-GPU reference of ``bench
-# attention``'s ``1gpu-sparse`` row: a plan without peers): 95 eager, 7 graphed.
-ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 95}, {"direct": 7}
+# attention``'s ``1gpu-sparse`` row: a plan without peers): 94 eager, 5 graphed.
+ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 94}, {"direct": 5}
 # Ops after the host read, before the strategy's run, in both orders (``Metadata.finish``: the
 # header checks and the layouts from the read's counts, and the end of its profiler range): the
 # device waits for them before the run's first kernel (in order, the local one; local first, the

@@ -7,7 +7,8 @@ kernels' block lists of the local shard and of every payload computed whole (``C
 None of it reads the host, and its shapes are fixed by the geometry (group, shapes, summary capacity,
 strategy, config, dtype, device, transport). At LTX size it is ~200 small ops: the host takes
 ~2 ms to queue what the device runs in a fraction of that, and the call waits for the host.
-Captured once, the stage costs one copy of the gathered rows and one graph launch.
+Captured once, the stage costs one graph launch (reading the gathered rows where the
+metadata step keeps them; one copy of them first where it does not).
 
 The first call of a geometry runs eagerly (it fills the per-geometry constants the stage
 reads: block lengths, index ranges, thresholds); the second captures after an eager warm-up
@@ -46,7 +47,7 @@ class _Stage:
     """One geometry's captured stage: its static input and the graph's outputs."""
 
     graph: torch.cuda.CUDAGraph
-    rows: torch.Tensor  # the static input: a copy of the gathered rows
+    rows: torch.Tensor  # the static input: the kept gathered rows, or a copy of them
     mask: torch.Tensor  # the whole mask
     demand: torch.Tensor | None  # every rank's demand (None: the plan read none)
     lists: dict  # the kernels' block lists (``Call.lists``)
@@ -111,7 +112,9 @@ def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, tra
 
 
 def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool) -> _Stage:
-    rows = meta.rows.clone()
+    # the static input: the gathered rows themselves where the metadata step keeps them in one
+    # buffer per geometry (``plan._gathered_rows``), so a replay copies nothing; else a copy
+    rows = meta.rows if meta.rows_kept else meta.rows.clone()
     args = (q, k, v, meta, rows, group, spec, config, transport, auto)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -150,7 +153,8 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
             _STAGES[key] = _FAILED
             return None
         _STAGES[key] = st
-    st.rows.copy_(meta.rows)
+    if st.rows.data_ptr() != meta.rows.data_ptr():
+        st.rows.copy_(meta.rows)
     st.graph.replay()
     call = Call(q, k, v, meta.shapes, config, group, transport, full_mask=st.mask)
     call._demand, call._lists = st.demand, dict(st.lists)
