@@ -41,9 +41,13 @@ from sparsp.strategies.auto import figures
 
 
 def block_sums_torch(x: torch.Tensor, bs: int) -> torch.Tensor:
-    """``masks.block_sums``' torch form (whole blocks)."""
+    """``masks.block_sums``' torch form (whole blocks, then the short last one)."""
     B, S, H, D = x.shape
-    return x.reshape(B, S // bs, bs, H, D).sum(2, dtype=torch.float32)
+    full = S // bs * bs
+    sums = x[:, :full].reshape(B, S // bs, bs, H, D).sum(2, dtype=torch.float32)
+    if full < S:
+        sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
+    return sums
 
 
 def _time(fn, iters: int) -> float:
