@@ -90,6 +90,7 @@ def _worker(rank, world, lens, strategies, capture_works, fused=False):
     for strategy, extra in strategies:
         graphed = SparspConfig(cdf_threshold=0.9, block_size=bs, transport="nccl", kernel="torch", **extra)
         eager = dataclasses.replace(graphed, cuda_graphs=False)
+        kept = 0
         for step in range(4):  # eager, capture + replay, replay, replay: new inputs each call
             q, k, v = structured_inputs(10 + step, B, sum(lens), H, D)
             x = [t[:, a:a + lens[rank]].contiguous() for t in (q, k, v)]
@@ -97,7 +98,7 @@ def _worker(rank, world, lens, strategies, capture_works, fused=False):
             want = sp_attention(*x, strategy=strategy, config=eager)
             assert torch.equal(got, want), f"{strategy} {extra} call {step}"
             if fused:  # the gathered rows are one buffer per geometry, call after call
-                kept = len(plan._GATHERED) if step == 0 else kept
+                kept = kept if step else len(plan._GATHERED)
                 assert len(plan._GATHERED) == kept, f"{strategy} call {step}: {len(plan._GATHERED)} buffers"
         done.append(strategy)
     stages = [s for s in captured._STAGES.values() if isinstance(s, captured._Stage)]

@@ -424,6 +424,19 @@ a row holds a rank's whole summaries, ≈ 12 MB at HunyuanVideo's G = 2 shard), 
 graphs of the summing kernel (``_graphed_summaries``; each keeps its row alive)."""
 
 
+def _kept(cache: OrderedDict, key: tuple, make) -> torch.Tensor:
+    """``cache[key]``, made by ``make()`` on a miss; at most ``MAX_SEND_ROWS`` entries, the
+    least recently used dropped first."""
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = make()
+        while len(cache) > MAX_SEND_ROWS:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return got
+
+
 def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
     """The metadata send row of a geometry and capacity on the current stream: ``header``, then
     room for the summaries, then zero padding, made once; ``summaries_into`` fills the summaries
@@ -432,14 +445,7 @@ def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
     dev = header.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
     key = (header.data_ptr(), cap, stream)  # the header: a cached constant per geometry
-    row = _SEND_ROWS.get(key)
-    if row is None:
-        row = _SEND_ROWS[key] = torch.cat([header, cached_zeros((cap,), dev)])
-        while len(_SEND_ROWS) > MAX_SEND_ROWS:
-            _SEND_ROWS.popitem(last=False)
-    else:
-        _SEND_ROWS.move_to_end(key)
-    return row
+    return _kept(_SEND_ROWS, key, lambda: torch.cat([header, cached_zeros((cap,), dev)]))
 
 
 _GATHERED: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -449,15 +455,8 @@ def _gathered_rows(row: torch.Tensor, world: int) -> torch.Tensor:
     """The all-gather's output for a kept send row (``_send_row``), made once per row and group
     size. Reuse is safe as the row's is: every reader of a call's gathered rows is queued on
     the stream before the next call's all-gather writes them."""
-    key = (row.data_ptr(), row.numel(), world)
-    rows = _GATHERED.get(key)
-    if rows is None:
-        rows = _GATHERED[key] = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
-        while len(_GATHERED) > MAX_SEND_ROWS:
-            _GATHERED.popitem(last=False)
-    else:
-        _GATHERED.move_to_end(key)
-    return rows
+    return _kept(_GATHERED, (row.data_ptr(), row.numel(), world),
+                 lambda: torch.empty(world * row.numel(), dtype=row.dtype, device=row.device))
 
 
 @dataclass
