@@ -119,3 +119,45 @@ def test_summing_graph_replays_new_inputs_as_the_launch_does():
     for rank, (same, graphs) in enumerate(run_distributed(_summing_graph_worker, 2, [640, 600], 4, timeout=300)):
         assert all(same.values()), f"rank {rank}: calls whose outputs differ: {same}"
         assert graphs == {"0": 0, "1": 1}, f"rank {rank}: summing graphs captured {graphs}"
+
+
+def _eviction_worker(rank, world):
+    import dataclasses
+
+    from sparsp import SparspConfig, plan, sp_attention
+    from sparsp.strategies import captured, close_transports
+
+    torch.cuda.set_device(0)
+    # two of each kept thing: every new geometry drops a summing graph, a plan stage, a send row
+    # and its gathered rows, whose pinned table and host-read copies were used inside a capture
+    plan.MAX_SEND_ROWS = plan.MAX_SUM_GRAPHS = captured.MAX_STAGES = 2
+    cfg = SparspConfig(block_size=128, transport="host", kernel="torch", cdf_threshold=0.8)
+    eager = dataclasses.replace(cfg, cuda_graphs=False)
+    differ = []
+    try:
+        for round_ in range(2):
+            for S in (640, 768, 896, 1024, 1152):
+                for call in range(3):  # launched, captured, replayed
+                    g = torch.Generator().manual_seed(S + call)
+                    q, k, v = (torch.randn(1, S, 4, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(3))
+                    got = sp_attention(q, k, v, strategy="sparsp", config=cfg)
+                    want = sp_attention(q, k, v, strategy="sparsp", config=eager)
+                    if not torch.equal(got, want):
+                        differ.append((round_, S, call))
+                # pinned memory churn between geometries: freed host blocks are reused
+                pins = [torch.empty(1 << 16, pin_memory=True) for _ in range(8)]
+                del pins
+                torch.cuda.synchronize()
+        graphs = sum(isinstance(s, plan._SumsGraph) for s in plan._SUM_GRAPHS.values())
+    finally:
+        close_transports()
+    torch.cuda.synchronize()
+    return differ, graphs
+
+
+def test_evicted_graphs_and_buffers_leave_later_calls_intact():
+    # more geometries than kept graphs and buffers: those dropped (their pinned memory used in a
+    # capture included) break nothing, and every call equals the eager stage's
+    (differ, graphs), = run_distributed(_eviction_worker, 1, timeout=300)
+    assert not differ, f"(round, S, call) whose outputs differ from the eager stage's: {differ}"
+    assert 1 <= graphs <= 2

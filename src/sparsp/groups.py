@@ -114,6 +114,16 @@ class HostRead:
             self._done = torch.cuda.Event()
             self._done.record()
 
+    @classmethod
+    def queued(cls, host: torch.Tensor, done: torch.cuda.Event) -> "HostRead":
+        """The read of a copy into pinned ``host`` already queued on the current stream (a node
+        of a replayed CUDA graph): only ``done`` is recorded now, behind it."""
+        read = cls.__new__(cls)
+        with marker("sparsp.host_read"):
+            done.record()
+        read._host, read._done = host, done
+        return read
+
     def result(self, timeout_s: float, what: str) -> torch.Tensor:
         """The host copy, once it landed; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
         done = self._done

@@ -203,6 +203,9 @@ class Staged:
     pending: dict
     extra: tuple
     tail: bool = False
+    # (pinned host buffer, event): a captured stage copies ``flat`` there itself, as the graph's
+    # last node (``strategies/captured.py``); the read then only marks that copy's end
+    copied: tuple | None = None
 
 
 TAIL = ("tail",)
@@ -268,6 +271,8 @@ class Metadata:
     def start_read(self, staged: "Staged") -> HostRead:
         """Queue the copy of ``staged.flat`` to the host (``finish`` collects it): what the
         stream runs after it (the local shard's kernel) does not delay the read."""
+        if staged.copied is not None:  # the replayed stage queued the copy: mark its end
+            return HostRead.queued(*staged.copied)
         # once per call, and ``finish`` uses its values up before the next call's read: the
         # pinned buffer and event are kept per shape (``groups.HostRead``; like the gathered
         # rows, made per call again with ``SPARSP_CALL_BUFFERS=0``)

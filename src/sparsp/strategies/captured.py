@@ -29,8 +29,9 @@ smoothing adds collectives before the mask), test masks (``_global_mask``) and d
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -119,14 +120,27 @@ def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: library handles and workspaces before capture
-        _stage(*args)
+        _, warm = _stage(*args)
     torch.cuda.current_stream().wait_stream(side)
+    # the host read's copy as the graph's last node, into a pinned buffer kept with the stage
+    # (``SPARSP_CALL_BUFFERS=0``: the read copies per call); finish uses its values up before
+    # the next call replays, as with ``groups.HostRead(reuse=True)``
+    host = (torch.empty(warm.flat.shape, dtype=warm.flat.dtype, pin_memory=True)
+            if _keeps_buffers() else None)
     graph = torch.cuda.CUDAGraph()
     # thread_local: a transport's helper thread may use CUDA while this thread captures
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         call, staged = _stage(*args)
+        if host is not None:
+            host.copy_(staged.flat, non_blocking=True)
+    if host is not None:
+        staged = replace(staged, copied=(host, torch.cuda.Event()))
     # the capture's Call is dropped: it holds that call's q, k, v
     return _Stage(graph, rows, call.full_mask, call._demand, call._lists, staged)
+
+
+def _keeps_buffers() -> bool:
+    return os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0"
 
 
 def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
@@ -134,7 +148,7 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
     """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
     key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
-           transport.name, _triton.settings())
+           transport.name, _triton.settings(), _keeps_buffers())
     if key not in _STAGES:
         _STAGES[key] = None  # the first call: eager, which fills the stage's constants
         while len(_STAGES) > MAX_STAGES:
