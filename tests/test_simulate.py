@@ -154,6 +154,25 @@ def test_local_first_overlaps_the_read_and_the_run_ops_with_the_local_kernel():
             - timeline(local_first, launches, head_dim=128).latency_ms) == pytest.approx(0.1)
 
 
+def test_the_fence_and_finish_after_the_read_run_beside_a_local_first_kernel():
+    # call_ms 1 ms of which call_after_ms 0.4 after the read's start (the transport's fence, the
+    # read's finish); host-bound mask phase (no device path), free ops and launches
+    in_order, local_first = _orders()
+    prof = _profile(call_ms=1.0, call_after_ms=0.4, op_ms=0.0)
+    none_after = _profile(call_ms=1.0, call_after_ms=0.0, op_ms=0.0)
+    a, b = timeline(in_order, prof, head_dim=128), timeline(local_first, prof, head_dim=128)
+    # in order the whole call_ms precedes the run: the same call as with nothing after the read
+    assert a.latency_ms == pytest.approx(timeline(in_order, none_after, head_dim=128).latency_ms)
+    # local first the local kernel is launched before the fence: it starts 0.4 ms earlier ...
+    first = lambda t: min(c.start for c in t.of(0, "compute"))  # noqa: E731
+    assert first(b) == pytest.approx(0.6)
+    assert first(timeline(local_first, none_after, head_dim=128)) == pytest.approx(1.0)
+    # ... and the first round, issued after the fence and the finish, as late as in order
+    assert b.of(0, "transfer")[0].start == pytest.approx(a.of(0, "transfer")[0].start)
+    # a call_ms below call_after_ms puts all of it after the read
+    assert _profile(call_ms=0.2, call_after_ms=0.4).call_after == 0.2
+
+
 def test_local_first_pack_runs_beside_the_local_kernel():
     # a pack of 1 ms (10 MB at 10 GB/s of device copies): on the side stream it is the first
     # round's lead time, not the compute stream's; the local step starts as before

@@ -185,6 +185,14 @@ class Profile:
     validation, the plan's Python bookkeeping, the transport's fence. An estimate (1 ms), not
     measured by ``bench kernel`` or ``bench transport``; the layouts it once covered are counted
     ops of the mask phase now (``model.MASK_OPS``)."""
+    call_after_ms: float = 0.1
+    """The part of ``call_ms`` a call spends after its host read was started: the transport's
+    fence and the read's finish (``sp_attention``). In order it precedes the run as the rest
+    does; a local-first call launches its local kernel before it, so there it runs beside that
+    kernel (``timeline``). ≈ 0.1 ms: one fence 46 µs and the read's landing to the first pack
+    83–105 µs, measured on one H200 with two ranks sharing it (``scripts/probe_fence.py``,
+    ``scripts/probe_read_to_pack.py``; docs/performance.md, tenth session) — not fitted. A
+    profile whose ``call_ms`` is smaller has all of it after (``call_after``)."""
     sync_ms: float = 0.5
     """Latency of the call's one collective, the metadata all-gather (``model.SYNCS_PER_CALL``),
     on the device path (the host does not wait for it on NCCL); ``--calibrate`` sets it to
@@ -216,7 +224,7 @@ class Profile:
         _positive("Profile", "hbm_gbps", self.hbm_gbps)
         for attr in ("duplex_gbps", "host_gbps", "inter_socket_gbps", "switch_uplink_gbps"):
             _positive("Profile", attr, getattr(self, attr), allow_none=True)
-        for attr in ("launch_ms", "call_ms", "sync_ms", "op_ms"):
+        for attr in ("launch_ms", "call_ms", "call_after_ms", "sync_ms", "op_ms"):
             _positive("Profile", attr, getattr(self, attr), allow_zero=True)
         if not self.transports or not all(isinstance(t, TransportFigure) for t in self.transports):
             raise ValueError(f"Profile.transports must be a non-empty tuple of TransportFigure, "
@@ -265,6 +273,11 @@ class Profile:
 
     def switch_of(self, gpu: int) -> int:
         return gpu // self.gpus_per_switch
+
+    @property
+    def call_after(self) -> float:
+        """``call_after_ms``, at most ``call_ms`` (ms)."""
+        return min(self.call_after_ms, self.call_ms)
 
     # --- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:

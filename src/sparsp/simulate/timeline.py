@@ -238,7 +238,8 @@ def timeline(work: Work, profile: Profile, *, transport: str | None = None, head
         device += _ms(work.mask_bytes[r], profile.hbm_gbps) if work.mask_bytes else 0.0
         device += _ms(work.gather_bytes[r], gather_rate) if work.gather_bytes else 0.0
         host = work.host_ops[r] * profile.op_ms if work.host_ops else 0.0
-        cost = profile.call_ms + max(device, host)
+        # the read lands when both are done; ``call_after_ms`` comes after its start (_HostIssue)
+        cost = profile.call_ms - profile.call_after + max(device, host)
         fixed.append(add(Task("fixed", r, 0, [], 0.0 if "fixed" in skip else cost)))
     issue = _HostIssue(work, profile, [0.0 if "fixed" in skip else tasks[f].duration for f in fixed],
                        free="fixed" in skip)
@@ -287,7 +288,7 @@ class _HostIssue:
         w, p = self.work, self.profile
         before, _ = self._ops(w.early_ops, r, (0, 0))
         mask = self._ops(w.host_ops, r, 0)
-        return p.call_ms + (mask + before) * p.op_ms + p.launch_ms
+        return p.call_ms - p.call_after + (mask + before) * p.op_ms + p.launch_ms
 
     def run_start(self, r: int) -> float:
         """(ms) when the host has finished the read and begins the run's ops."""
@@ -296,7 +297,8 @@ class _HostIssue:
         if w.local_first:
             _, after = self._ops(w.early_ops, r, (0, 0))
             read = max(read, self.local_launch(r) + after * p.op_ms)
-        return read + self._ops(w.finish_ops, r, 0) * p.op_ms
+        # the fence and the read's finish (``Profile.call_after_ms``), then the finish's ops
+        return read + (0.0 if self.free else p.call_after) + self._ops(w.finish_ops, r, 0) * p.op_ms
 
     def _slots(self, r: int) -> int:
         # the run's kernel launches: one per step (ring-like, sparsp: a step without kept
