@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dist_utils import run_distributed  # noqa: E402
 
 
-def _worker(rank: int, world: int, heads: int, tokens: int, calls: int) -> tuple[float, float]:
+def _worker(rank: int, world: int, heads: int, tokens: int, calls: int, fresh: bool = False) -> tuple[float, float]:
     import sparsp.strategies as strategies
     from sparsp import SparspConfig, sp_attention
 
@@ -46,7 +46,10 @@ def _worker(rank: int, world: int, heads: int, tokens: int, calls: int) -> tuple
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, tokens, heads, 64, generator=g) for _ in range(3))
     cfg = SparspConfig(cdf_threshold=0.9, block_size=64, transport="nccl", kernel="torch")
-    for _ in range(calls):
+    for call in range(calls):
+        if fresh:  # new inputs every call, as the layers and steps of a denoising loop give
+            g = torch.Generator().manual_seed(1000 * call + rank)
+            q, k, v = (torch.randn(1, tokens, heads, 64, generator=g) for _ in range(3))
         sp_attention(q, k, v, strategy="auto", config=cfg)
     a, kw = last["args"]  # the last call's choice again, in a loop: the warm cost alone
     t = time.perf_counter()
@@ -61,10 +64,13 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--new-inputs", action="store_true",
+                    help="new random q, k, v every call (masks and figures change: no repeat)")
     args = ap.parse_args()
     if args.calls < 2:
         raise SystemExit("--calls must be at least 2 (the first call decides, the rest repeat)")
-    for rank, (first, rest, loop) in enumerate(run_distributed(_worker, 2, args.heads, args.tokens, args.calls)):
+    for rank, (first, rest, loop) in enumerate(run_distributed(_worker, 2, args.heads, args.tokens, args.calls,
+                                                                   args.new_inputs)):
         print(f"rank {rank}: choose_from first call {first:.0f} µs, later calls median {rest:.1f} µs, "
               f"the last call's again in a loop {loop:.1f} µs")
 

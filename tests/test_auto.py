@@ -300,3 +300,52 @@ def test_auto_takes_the_last_decision_only_for_equal_figures_and_settings(monkey
         assert auto.last_decision() is not None
     finally:
         auto.forget()
+
+
+def test_auto_reuses_its_group_decision_for_figures_within_near(monkeypatch):
+    """A denoising loop's masks change every call but stay close from step to step: figures
+    within ``NEAR`` (relative L1 per kind) of figures this group decided take that decision
+    without the model; farther ones, or the same ones in another group, run it."""
+    from types import SimpleNamespace
+
+    from sparsp import SparspConfig
+    from sparsp.plan import Shapes
+    from sparsp.strategies import auto
+
+    sh = Shapes(rank=0, world_size=2, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 40))
+    N = sh.total_blocks
+    mask = torch.rand(1, 4, N, N, generator=torch.Generator().manual_seed(5)) < 0.5
+    figures = [round(x) for x in auto.figures(mask, sh).tolist()]
+    G, H = 2, 4
+    ran = []
+    decide = auto.decide
+    monkeypatch.setattr(auto, "decide", lambda *a, **kw: ran.append(1) or decide(*a, **kw))
+    q = torch.zeros(1, 48, 4, 16, dtype=torch.bfloat16)
+    cfg, transport = SparspConfig(block_size=16), SimpleNamespace(name="nccl")
+    group_a, group_b = object(), object()
+
+    def nudged(kind: int, share: float) -> list[int]:
+        """``figures`` with one figure of a kind (0 pairs, 1 direct, 2 heads) moved by ``share``
+        of that kind's sum."""
+        cuts = (0, G * G, 2 * G * G, 2 * G * G + H)
+        out = list(figures)
+        out[cuts[kind]] += round(share * sum(figures[cuts[kind]:cuts[kind + 1]]))
+        return out
+
+    auto.forget()
+    try:
+        first = auto.choose_from(figures, sh, q, group_a, cfg, transport)
+        assert len(ran) == 1
+        for kind in range(3):  # 1 % of a kind's sum away: the same decision, no model
+            assert auto.choose_from(nudged(kind, 0.01), sh, q, group_a, cfg, transport) == first
+        assert len(ran) == 1
+        auto.choose_from(nudged(2, 0.05), sh, q, group_a, cfg, transport)  # 5 % away: the model
+        assert len(ran) == 2
+        # another group decides for itself (its ranks may have another history): the model runs
+        # for figures group a took from its memory (the exact ones come from the shared cache)
+        auto.choose_from(nudged(1, 0.01), sh, q, group_b, cfg, transport)
+        assert len(ran) == 3
+        assert auto.choose_from(figures, sh, q, group_b, cfg, transport) == first
+        assert len(ran) == 3  # within NEAR of what group b has just decided
+    finally:
+        auto.forget()
