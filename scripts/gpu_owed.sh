@@ -8,6 +8,8 @@
 #   bash scripts/gpu_owed.sh c3456      # LTX-2 host: drain in 2, a 1 MiB first piece, local first, 2 H2D streams
 #   bash scripts/gpu_owed.sh c7         # LTX sizes, both fabrics: the eleventh session's summing graph
 #                                       # and kept buffers against both off, in the same rounds
+#   bash scripts/gpu_owed.sh c8         # LTX sizes, both fabrics: sparsp and auto with 4 input sets
+#                                       # cycled (new masks every call: auto's choice as in a real loop)
 #   bash scripts/gpu_owed.sh copies     # the host fabric's copies: topology, NUMA placement, H2D streams
 #   bash scripts/gpu_owed.sh official   # every strategy, all four presets, both fabrics, cdf 0.9
 #                                       # -> bench/results/attention-*-2xH200-<date>.json (≈ 480 s)
@@ -41,6 +43,10 @@ case "$step" in
     RUN=c7 PRESETS="ltx-video ltx-2" ATTN_LIMIT=120 \
       ATTN_ARGS="$A --iters 20 --env-variant SPARSP_SUMS_GRAPH=0,SPARSP_CALL_BUFFERS=0" bash $S | grep -E "$G"
     rm -f "$OUT/results.tgz"; tar -czf "$OUT/c7.tgz" -C "$OUT" logs c7 ;;
+  c8)
+    RUN=c8 PRESETS="ltx-video ltx-2" ATTN_LIMIT=150 \
+      ATTN_ARGS="--cdf 0.9 --iters 20 --strategy sparsp auto --input-sets 4 --no-1gpu" bash $S | grep -E "$G"
+    rm -f "$OUT/results.tgz"; tar -czf "$OUT/c8.tgz" -C "$OUT" logs c8 ;;
   copies)
     export PYTHONPATH="$PWD/src:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages"
     mkdir -p "$OUT/copies"
@@ -59,5 +65,5 @@ case "$step" in
   official)
     ATTN_ARGS="--cdf 0.9" ATTN_LIMIT=150 PRESETS="ltx-video ltx-2 wan2.1-14b hunyuan-video" bash $S | grep -E "$G" ;;
   *)
-    sed -n '2,16p' "$0"; exit 2 ;;
+    sed -n '2,18p' "$0"; exit 2 ;;
 esac

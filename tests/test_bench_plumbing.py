@@ -127,6 +127,22 @@ def test_env_variant_parsing_and_scoping(monkeypatch):
         p.parse_args(["--env-variant", "A"])
 
 
+def test_input_sets_cycle_the_timed_calls():
+    """``--input-sets N``: each timed call takes the next of N input sets (as a denoising loop
+    gives every call a new mask); N must be a whole number >= 1."""
+    import argparse
+
+    seen = []
+    call = attention.cycling([(1, 2), (3, 4), (5, 6)], lambda a, b: seen.append(a + b) or a)
+    assert [call() for _ in range(7)] == [1, 3, 5, 1, 3, 5, 1] and seen == [3, 7, 11, 3, 7, 11, 3]
+    p = argparse.ArgumentParser()
+    attention.add_arguments(p)
+    assert p.parse_args([]).input_sets == 1 and p.parse_args(["--input-sets", "4"]).input_sets == 4
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--input-sets", bad])
+
+
 # --------------------------------------------------------------------------- link_gbps
 
 
