@@ -246,8 +246,13 @@ class SumsTable:
 
     def fits(self, *xs: torch.Tensor) -> bool:
         """Whether every tensor is of the base's dtype and device and 16-byte aligned."""
-        return all(x.dtype == self.base.dtype and x.device == self.base.device
-                   and x.data_ptr() % self.ALIGN_BYTES == 0 for x in xs)
+        return all(x.dtype == self.base.dtype and x.device == self.base.device for x in xs) and \
+            self.aligned(*xs)
+
+    @classmethod
+    def aligned(cls, *xs: torch.Tensor | None) -> bool:
+        """Whether every tensor given starts on the 16-byte grid the kernel's offsets assume."""
+        return all(x.data_ptr() % cls.ALIGN_BYTES == 0 for x in xs if x is not None)
 
     def set(self, a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> None:
         """Write the offsets of a, b, c (a stands in for a missing one) on the host."""

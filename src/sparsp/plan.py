@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from ._lru import lru_get
 from .config import SparspConfig
 from .groups import HostRead, all_gather_flat, start_host_read, stream_ordered, to_host, wait
 from .masks import (PooledBlocks, SumsTable, block_lengths, block_sums, cached_zeros, check_parts, fused_sums,
@@ -276,7 +277,7 @@ class Metadata:
         # once per call, and ``finish`` uses its values up before the next call's read: the
         # pinned buffer and event are kept per shape (``groups.HostRead``; like the gathered
         # rows, made per call again with ``SPARSP_CALL_BUFFERS=0``)
-        return start_host_read(staged.flat, reuse=os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0")
+        return start_host_read(staged.flat, reuse=keeps_call_buffers())
 
     def finish(self, staged: "Staged", read: HostRead | None = None):
         """The host read of ``staged.flat`` (``read``, or one started now), the header checks,
@@ -395,7 +396,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
             mine = torch.cat([header, body, pad])
         # into rows kept with the kept send row: the same buffer every call, which a captured
         # plan stage reads in place (strategies/captured.py)
-        kept = kept and os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0"
+        kept = kept and keeps_call_buffers()
         everyone = (_gathered_rows(mine, world) if kept else
                     torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device))
         work = all_gather_flat(everyone, mine, group)
@@ -422,24 +423,17 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
                     similarity=config.sim_threshold is not None, check=config.check_finite, rows_kept=kept)
 
 
+def keeps_call_buffers() -> bool:
+    """Whether a call keeps its host-read buffer, its gathered rows and (captured) the read's
+    copy per geometry: unless ``SPARSP_CALL_BUFFERS=0``."""
+    return os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0"
+
+
 _SEND_ROWS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 MAX_SEND_ROWS = MAX_SUM_GRAPHS = 16
 """Send rows kept (one per geometry, capacity and stream; the least recently used goes first:
 a row holds a rank's whole summaries, ≈ 12 MB at HunyuanVideo's G = 2 shard), and as many
 graphs of the summing kernel (``_graphed_summaries``; each keeps its row alive)."""
-
-
-def _kept(cache: OrderedDict, key: tuple, make) -> torch.Tensor:
-    """``cache[key]``, made by ``make()`` on a miss; at most ``MAX_SEND_ROWS`` entries, the
-    least recently used dropped first."""
-    got = cache.get(key)
-    if got is None:
-        got = cache[key] = make()
-        while len(cache) > MAX_SEND_ROWS:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return got
 
 
 def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
@@ -450,7 +444,7 @@ def _send_row(header: torch.Tensor, cap: int) -> torch.Tensor:
     dev = header.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
     key = (header.data_ptr(), cap, stream)  # the header: a cached constant per geometry
-    return _kept(_SEND_ROWS, key, lambda: torch.cat([header, cached_zeros((cap,), dev)]))
+    return lru_get(_SEND_ROWS, key, lambda: torch.cat([header, cached_zeros((cap,), dev)]), MAX_SEND_ROWS)
 
 
 _GATHERED: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -460,8 +454,8 @@ def _gathered_rows(row: torch.Tensor, world: int) -> torch.Tensor:
     """The all-gather's output for a kept send row (``_send_row``), made once per row and group
     size. Reuse is safe as the row's is: every reader of a call's gathered rows is queued on
     the stream before the next call's all-gather writes them."""
-    return _kept(_GATHERED, (row.data_ptr(), row.numel(), world),
-                 lambda: torch.empty(world * row.numel(), dtype=row.dtype, device=row.device))
+    return lru_get(_GATHERED, (row.data_ptr(), row.numel(), world),
+                   lambda: torch.empty(world * row.numel(), dtype=row.dtype, device=row.device), MAX_SEND_ROWS)
 
 
 @dataclass
@@ -496,9 +490,9 @@ def _graphed_summaries(body: torch.Tensor, bs: int, q, k, v) -> bool:
             while len(_SUM_GRAPHS) > MAX_SUM_GRAPHS:
                 _SUM_GRAPHS.popitem(last=False)
             return False
-        table = SumsTable(q.dtype, q.device)
-        if not table.fits(q, k, *([v] if v is not None else [])):
+        if not SumsTable.aligned(q, k, v):
             return False
+        table = SumsTable(q.dtype, q.device)
         try:
             st = _SUM_GRAPHS[key] = _capture_sums(table, body, bs, q, k, v)
         except Exception as e:  # a capture error leaves the launch intact
@@ -506,7 +500,7 @@ def _graphed_summaries(body: torch.Tensor, bs: int, q, k, v) -> bool:
                         "geometry launches it", type(e).__name__, e)
             _SUM_GRAPHS[key] = _FAILED
             return False
-    elif st is _FAILED or not st.table.fits(q, k, *([v] if v is not None else [])):
+    elif st is _FAILED or not SumsTable.aligned(q, k, v):
         return False
     _SUM_GRAPHS.move_to_end(key)
     st.table.set(q, k, v)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .._lru import lru_get
 from ..plan import Shapes
 from .registry import strategy_names, strategy_spec
 
@@ -229,14 +230,7 @@ def figures(mask: torch.Tensor, sh: Shapes) -> torch.Tensor:
 def _cached(cache: OrderedDict, key, make):
     """``cache[key]``, made by ``make()`` when missing; least recently used out past
     ``_CACHE_SIZE`` entries."""
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = make()
-        if len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit
+    return lru_get(cache, key, make, _CACHE_SIZE)
 
 
 def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, transport) -> str:

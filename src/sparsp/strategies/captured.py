@@ -29,14 +29,13 @@ smoothing adds collectives before the mask), test masks (``_global_mask``) and d
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import _triton
-from ..plan import Metadata, Staged
+from ..plan import Metadata, Staged, keeps_call_buffers
 from .auto import figures
 from .base import Call
 
@@ -126,7 +125,7 @@ def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool
     # (``SPARSP_CALL_BUFFERS=0``: the read copies per call); finish uses its values up before
     # the next call replays, as with ``groups.HostRead(reuse=True)``
     host = (torch.empty(warm.flat.shape, dtype=warm.flat.dtype, pin_memory=True)
-            if _keeps_buffers() else None)
+            if keeps_call_buffers() else None)
     graph = torch.cuda.CUDAGraph()
     # thread_local: a transport's helper thread may use CUDA while this thread captures
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -139,16 +138,12 @@ def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool
     return _Stage(graph, rows, call.full_mask, call._demand, call._lists, staged)
 
 
-def _keeps_buffers() -> bool:
-    return os.environ.get("SPARSP_CALL_BUFFERS", "1") != "0"
-
-
 def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
              auto: bool = False) -> tuple[Call, Staged] | None:
     """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
     key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
-           transport.name, _triton.settings(), _keeps_buffers())
+           transport.name, _triton.settings(), keeps_call_buffers())
     if key not in _STAGES:
         _STAGES[key] = None  # the first call: eager, which fills the stage's constants
         while len(_STAGES) > MAX_STAGES:
