@@ -11,9 +11,12 @@ import contextlib
 import datetime
 import os
 import time
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+
+from ._lru import lru_get
 
 __all__ = ["HostRead", "all_gather_flat", "gather_objects", "global_rank", "marker", "resolve_device",
            "start_host_read", "stream_ordered", "to_host", "wait"]
@@ -77,7 +80,7 @@ def start_host_read(t: torch.Tensor, *, reuse: bool = False) -> "HostRead":
     return HostRead(t, reuse=reuse)
 
 
-_READ_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
+_READ_BUFFERS: OrderedDict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = OrderedDict()
 MAX_READ_BUFFERS = 64
 
 
@@ -99,13 +102,9 @@ class HostRead:
             if reuse:
                 stream = torch.cuda.current_stream(t.device)
                 key = (tuple(t.shape), t.dtype, t.device, stream.cuda_stream)
-                kept = _READ_BUFFERS.get(key)
-                if kept is None:
-                    if len(_READ_BUFFERS) >= MAX_READ_BUFFERS:
-                        _READ_BUFFERS.pop(next(iter(_READ_BUFFERS)))
-                    kept = _READ_BUFFERS[key] = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
-                                                 torch.cuda.Event())
-                self._host, self._done = kept
+                self._host, self._done = lru_get(
+                    _READ_BUFFERS, key, lambda: (torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
+                                                 torch.cuda.Event()), MAX_READ_BUFFERS)
                 self._host.copy_(t, non_blocking=True)
                 self._done.record(stream)
                 return
