@@ -13,6 +13,10 @@
 #   bash scripts/gpu_owed.sh copies     # the host fabric's copies: topology, NUMA placement, H2D streams
 #   bash scripts/gpu_owed.sh official   # every strategy, all four presets, both fabrics, cdf 0.9
 #                                       # -> bench/results/attention-*-2xH200-<date>.json (≈ 480 s)
+#   bash scripts/gpu_owed.sh one        # ONE GPU (nvidia-h200), after `stage` + FA4 installed by
+#                                       # gpu_session.sh: every gpu-marked test, then the drain
+#                                       # units' stage and host cost (probe_stage_units.py, 2 ranks on
+#                                       # the one GPU) at the four presets (≈ 330 s)
 #
 # Each step packs what it wrote into one archive under $OUT (at most 8 files come back). Steps
 # that run attention rows need FA4 installed on the warm machine (`stage`, then `c12` first).
@@ -62,8 +66,16 @@ case "$step" in
         --h2d-streams "$1" --out "$OUT/copies/t$1$2" --no-plot 2>&1 | tail -4
     done
     tar -czf "$OUT/copies.tgz" -C "$OUT" copies ;;
+  one)
+    TESTS="tests" TEST_LIMIT=300 RUN=one PRESETS="" bash $S | grep -E "$G"
+    export PYTHONPATH="$PWD/src:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages"
+    mkdir -p "$OUT/one"
+    timeout 240 torchrun --standalone --nproc-per-node 2 scripts/probe_stage_units.py \
+      --models ltx-video ltx-2 wan2.1-14b hunyuan-video --out "$OUT/one/units.json" > "$OUT/logs/units.log" 2>&1
+    echo "units rc=$?"; tail -n 20 "$OUT/logs/units.log"
+    rm -f "$OUT/results.tgz"; tar -czf "$OUT/one.tgz" -C "$OUT" logs one ;;
   official)
     ATTN_ARGS="--cdf 0.9" ATTN_LIMIT=150 PRESETS="ltx-video ltx-2 wan2.1-14b hunyuan-video" bash $S | grep -E "$G" ;;
   *)
-    sed -n '2,18p' "$0"; exit 2 ;;
+    sed -n "2,22p" "$0"; exit 2 ;;
 esac

@@ -56,16 +56,14 @@ class Stamps:
             self.last = t1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_call_arguments(ap)
-    ap.add_argument("--out", help="JSON file to write (rank 0)")
-    args = ap.parse_args()
-    rank, world, device, call, _ = warm_call(args, "probe_host_phases.py")
+def stamped_calls(call, calls: int) -> dict[str, list[float]]:
+    """Host seconds of each marked phase of ``calls`` calls, each started with the ranks met at a
+    barrier on an idle device; also ``setup``, ``tail``, the whole ``call`` and ``finish`` (the
+    resolve step less its read and wait: the read's finish and the transport's fence)."""
     per_call: dict[str, list[float]] = defaultdict(list)
     original = (strategies.record_function, groups.marker)
     try:
-        for _ in range(args.calls):
+        for _ in range(calls):
             torch.cuda.synchronize()
             torch.distributed.barrier()
             stamps = Stamps()
@@ -74,14 +72,27 @@ def main() -> None:
             call()
             t1 = time.perf_counter()
             strategies.record_function, groups.marker = original
-            for name, span in stamps.spans.items():
+            spans = stamps.spans
+            for name, span in spans.items():
                 per_call[name].append(span)
             per_call["setup"].append((stamps.first or t1) - t0)
             per_call["tail"].append(t1 - (stamps.last or t1))
             per_call["call"].append(t1 - t0)
+            per_call["finish"].append(spans.get("sparsp.resolve", 0.0) - spans.get("sparsp.host_read", 0.0)
+                                      - spans.get("sparsp.host_wait", 0.0))
     finally:
         strategies.record_function, groups.marker = original
     torch.cuda.synchronize()
+    return per_call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_call_arguments(ap)
+    ap.add_argument("--out", help="JSON file to write (rank 0)")
+    args = ap.parse_args()
+    rank, world, device, call, _ = warm_call(args, "probe_host_phases.py")
+    per_call = stamped_calls(call, args.calls)
     medians = {name: statistics.median(per_call[name]) * 1e6 for name in PHASES if per_call.get(name)}
     if rank == 0:
         print(f"{args.model}, {world} rank(s), {args.strategy}/{args.transport}: host µs per call "

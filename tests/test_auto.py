@@ -349,3 +349,42 @@ def test_auto_reuses_its_group_decision_for_figures_within_near(monkeypatch):
         assert len(ran) == 3  # within NEAR of what group b has just decided
     finally:
         auto.forget()
+
+
+def test_auto_profile_is_one_object_per_group_size_so_its_caches_hit(monkeypatch):
+    """At G larger than the built-in 2-GPU profiles, ``profile_for`` widens them; the prediction
+    caches and ``_nearby`` key on the profile's identity, so it must be the same object on every
+    call (a profile widened anew per call made each call miss wherever the allocator did not
+    happen to reuse the last one's address, and could make one rank miss where another hit)."""
+    from types import SimpleNamespace
+
+    from sparsp import SparspConfig
+    from sparsp.plan import Shapes
+    from sparsp.simulate.profiles import Profile
+    from sparsp.strategies import auto
+
+    alive = []  # every widened profile stays alive: no address is reused
+    widened = Profile.widened
+    monkeypatch.setattr(Profile, "widened", lambda self, ranks: alive.append(widened(self, ranks)) or alive[-1])
+    sh = Shapes(rank=0, world_size=4, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 48, 48, 40))
+    N = sh.total_blocks
+    mask = torch.rand(1, 4, N, N, generator=torch.Generator().manual_seed(7)) < 0.5
+    figures = [round(x) for x in auto.figures(mask, sh).tolist()]
+    ran = []
+    decide = auto.decide
+    monkeypatch.setattr(auto, "decide", lambda *a, **kw: ran.append(1) or decide(*a, **kw))
+    q = torch.zeros(1, 48, 4, 16, dtype=torch.bfloat16)
+    cfg, group = SparspConfig(block_size=16), object()
+    auto.forget()
+    try:
+        for name in ("nccl", "ipc"):
+            assert auto.profile_for(name, 4) is auto.profile_for(name, 4)
+            assert auto.profile_for(name, 4).gpus >= 4
+        first = auto.choose_from(figures, sh, q, group, cfg, SimpleNamespace(name="nccl"))
+        for step in range(1, 4):  # new figures within NEAR each call, as in a denoising loop
+            nudged = list(figures)
+            nudged[2 * 16] += step  # one kept-pairs-per-head figure, far below 1 % of its kind
+            assert auto.choose_from(nudged, sh, q, group, cfg, SimpleNamespace(name="nccl")) == first
+        assert len(ran) == 1
+    finally:
+        auto.forget()

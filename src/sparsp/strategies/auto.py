@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from operator import sub
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -107,11 +108,13 @@ class Decision:
 _profile = None
 _cache: OrderedDict = OrderedDict()  # rounded demand and call settings → (choice, times)
 _exact: OrderedDict = OrderedDict()  # exact figures, call settings, group → (Decision, density)
-# group id → (settings, bucket) → [(rounded demand, (choice, times))]: the demands this group
+# group id → (settings id, bucket) → [(size, figures per kind, sums, (choice, times))]: the demands this group
 # decided with the model. Per group and changed only by its own calls, which every rank of the
 # group makes in the same order: the same on every rank, as the group's transport epochs are.
 _near: dict[int, OrderedDict] = {}
 _env_profiles: dict[str, object] = {}  # SPARSP_PROFILE's value → its profile
+_settings: dict[tuple, int] = {}  # ``_nearby``'s settings → a small id (``_settings_id``)
+_widened: dict[tuple, tuple] = {}  # (profile set, SPARSP_PROFILE, ipc?, ranks) → (base, widened)
 _logged: dict[tuple, str] = {}
 _blocks: dict[tuple, object] = {}
 _last: Decision | None = None
@@ -128,6 +131,8 @@ def use_profile(profile=None) -> None:
         profile = get_profile(profile)
     _profile = profile
     _repeat = None
+    _widened.clear()
+    _settings.clear()
     _cache.clear()
     _exact.clear()
     _near.clear()
@@ -141,6 +146,8 @@ def forget() -> None:
     _exact.clear()
     _near.clear()
     _env_profiles.clear()
+    _widened.clear()
+    _settings.clear()
     _logged.clear()
     _blocks.clear()
     _last = None
@@ -159,19 +166,29 @@ def candidates(heads: int, ranks: int) -> tuple[str, ...]:
 
 
 def profile_for(transport: str, ranks: int):
-    """The profile for a call over ``transport`` on ``ranks`` ranks (module docstring)."""
+    """The profile for a call over ``transport`` on ``ranks`` ranks (module docstring): the same
+    object for the same source, kind of path and ``ranks`` (the prediction caches and
+    ``_nearby`` key on its identity, so a profile widened anew per call would make every rank's
+    caches miss, or hit on one rank and miss on another wherever the allocator happened to reuse
+    an address)."""
     from ..simulate import get_profile
 
+    env = "" if _profile is not None else os.environ.get(PROFILE_ENV, "").strip()
+    key = (id(_profile), env, transport == "ipc", ranks)
+    kept = _widened.get(key)
+    if kept is not None:
+        return kept[1]
     prof = _profile
     if prof is None:
-        env = os.environ.get(PROFILE_ENV, "").strip()
         if env:
             prof = _env_profiles.get(env)
             if prof is None:  # a file is read once per value, not on every call
                 prof = _env_profiles[env] = get_profile(env)
         else:
             prof = get_profile("h200x2-nvlink" if transport == "ipc" else "h200x2-host")
-    return prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
+    wide = prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
+    _widened[key] = (prof, wide)  # the base is kept too: its id stays in the key
+    return wide
 
 
 def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int, dtype_bytes: int,
@@ -274,7 +291,8 @@ def _decision(host: list[int], sh: Shapes, q: torch.Tensor, config, transport,
     settings = (profile.name, id(profile), transport.name, names, sh, q.element_size(),
                 config.prefetch, config.local_first)
     cuts = (0, G * G, 2 * G * G, 2 * G * G + H, len(host))
-    hit = _nearby(group, settings, host, cuts)
+    sid = _settings_id(settings)
+    hit = _nearby(group, sid, host, cuts)
     if hit is None:
         from ..simulate.model import demand_of
 
@@ -284,15 +302,9 @@ def _decision(host: list[int], sh: Shapes, q: torch.Tensor, config, transport,
         hit = _cached(_cache, key, lambda: decide(  # a pure function of the key: every group's
             d, profile, transport.name, names, head_dim=sh.head_dim, dtype_bytes=q.element_size(),
             prefetch=config.prefetch, local_first=config.local_first))
-        _remember(group, settings, host, cuts, hit)
+        _remember(group, sid, host, cuts, hit)
     choice, times = hit
     return Decision(choice, dict(times), profile.name, transport.name), density
-
-
-def _sums(host, cuts) -> tuple[int, ...]:
-    """The figures' sum per kind (kept pairs per rank pair, demanded K/V per rank pair, kept
-    pairs per head, the rest)."""
-    return tuple(sum(host[a:b]) for a, b in zip(cuts, cuts[1:]))
 
 
 def _bucket(pairs: int) -> int:
@@ -301,28 +313,45 @@ def _bucket(pairs: int) -> int:
     return int(math.log1p(pairs) / math.log1p(NEAR))
 
 
-def _nearby(group: int, settings: tuple, host: list[int], cuts: tuple):
+def _settings_id(settings: tuple) -> int:
+    """A small integer per distinct ``settings`` (hashed once per call, not per lookup)."""
+    sid = _settings.get(settings)
+    if sid is None:
+        if len(_settings) >= _CACHE_SIZE:  # many geometries or configs: start over
+            _settings.clear()
+            _near.clear()
+        sid = _settings[settings] = len(_settings)
+    return sid
+
+
+def _nearby(group: int, sid: int, host: list[int], cuts: tuple):
     """(choice, times) of figures this group decided whose relative L1 distance from ``host``
-    is within ``NEAR`` in every kind of figure, or None."""
+    is within ``NEAR`` in every kind of figure, or None. ``sid``: ``_settings_id``."""
     kept = _near.get(group)
     if not kept:
         return None
     b = _bucket(sum(host[cuts[0]:cuts[1]]))
+    parts = None
     for near in (b, b - 1, b + 1, b - 2, b + 2):
-        for other, sums, hit in kept.get((settings, near), ()):
-            if len(other) == len(host) and all(
-                    sum(abs(x - y) for x, y in zip(host[a:e], other[a:e])) <= NEAR * total
-                    for a, e, total in zip(cuts, cuts[1:], sums)):
+        entries = kept.get((sid, near))
+        if not entries:
+            continue
+        if parts is None:
+            parts = [host[a:e] for a, e in zip(cuts, cuts[1:])]
+        for size, theirs, sums, hit in entries:
+            if size == len(host) and all(sum(map(abs, map(sub, mine, other))) <= NEAR * total
+                                         for mine, other, total in zip(parts, theirs, sums)):
                 return hit
     return None
 
 
-def _remember(group: int, settings: tuple, host: list[int], cuts: tuple, hit) -> None:
+def _remember(group: int, sid: int, host: list[int], cuts: tuple, hit) -> None:
     kept = _near.setdefault(group, OrderedDict())
-    sums = _sums(host, cuts)
-    key = (settings, _bucket(sums[0]))
+    parts = tuple(host[a:e] for a, e in zip(cuts, cuts[1:]))
+    sums = tuple(sum(p) for p in parts)
+    key = (sid, _bucket(sums[0]))
     entries = kept.pop(key, [])
-    kept[key] = [(list(host), sums, hit)] + entries[:_NEAR_PER_KEY - 1]
+    kept[key] = [(len(host), parts, sums, hit)] + entries[:_NEAR_PER_KEY - 1]
     while len(kept) > _NEAR_KEYS:
         kept.popitem(last=False)
 
