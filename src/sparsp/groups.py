@@ -99,19 +99,12 @@ class HostRead:
             self._host = t.cpu()
             return
         with marker("sparsp.host_read"):  # benchmarks count these (under their profiler)
-            if reuse:
-                stream = torch.cuda.current_stream(t.device)
-                key = (tuple(t.shape), t.dtype, t.device, stream.cuda_stream)
-                self._host, self._done = lru_get(
-                    _READ_BUFFERS, key, lambda: (torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
-                                                 torch.cuda.Event()), MAX_READ_BUFFERS)
-                self._host.copy_(t, non_blocking=True)
-                self._done.record(stream)
-                return
-            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            stream = torch.cuda.current_stream(t.device)
+            make = lambda: (torch.empty(t.shape, dtype=t.dtype, pin_memory=True), torch.cuda.Event())  # noqa: E731
+            self._host, self._done = (lru_get(_READ_BUFFERS, (tuple(t.shape), t.dtype, t.device, stream.cuda_stream),
+                                              make, MAX_READ_BUFFERS) if reuse else make())
             self._host.copy_(t, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
+            self._done.record(stream)
 
     @classmethod
     def queued(cls, host: torch.Tensor, done: torch.cuda.Event) -> "HostRead":

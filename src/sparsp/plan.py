@@ -37,7 +37,6 @@ sum and token count are all-reduced first (two more collectives; similarity is o
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import zlib
@@ -47,14 +46,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ._lru import lru_get
+from ._lru import captured_on_second_sight, lru_get
 from .config import SparspConfig
 from .groups import HostRead, all_gather_flat, start_host_read, stream_ordered, to_host, wait
 from .masks import (PooledBlocks, SumsTable, block_lengths, block_sums, cached_zeros, check_parts, fused_sums,
                     key_sum, select_blocks, summarize, summaries_into)
 from .packing import Layout, prepare
-
-log = logging.getLogger("sparsp")
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _HEADER = ("sequence length", "batch", "heads", "head dim", "dtype", "block_size", "strategy")
@@ -467,8 +464,7 @@ class _SumsGraph:
     body: torch.Tensor  # the send row's summaries, which the graph writes (kept alive with it)
 
 
-_SUM_GRAPHS: OrderedDict[tuple, object] = OrderedDict()  # key -> _SumsGraph, _FAILED or None (seen once)
-_FAILED = object()
+_SUM_GRAPHS: OrderedDict[tuple, object] = OrderedDict()  # key -> _SumsGraph (``captured_on_second_sight``)
 
 
 def _graphed_summaries(body: torch.Tensor, bs: int, q, k, v) -> bool:
@@ -483,26 +479,11 @@ def _graphed_summaries(body: torch.Tensor, bs: int, q, k, v) -> bool:
     stream = torch.cuda.current_stream(q.device).cuda_stream
     key = (body.data_ptr(), body.numel(), bs, tuple(q.shape), q.dtype, q.stride(), k.stride(),
            None if v is None else v.stride(), stream)
-    st = _SUM_GRAPHS.get(key)
+    st = captured_on_second_sight(
+        _SUM_GRAPHS, key, lambda: _capture_sums(SumsTable(q.dtype, q.device), body, bs, q, k, v), MAX_SUM_GRAPHS,
+        what="the summing kernel", otherwise="launches it", ready=lambda: SumsTable.aligned(q, k, v))
     if st is None:
-        if key not in _SUM_GRAPHS:  # the first call of the key launches the kernel itself
-            _SUM_GRAPHS[key] = None
-            while len(_SUM_GRAPHS) > MAX_SUM_GRAPHS:
-                _SUM_GRAPHS.popitem(last=False)
-            return False
-        if not SumsTable.aligned(q, k, v):
-            return False
-        table = SumsTable(q.dtype, q.device)
-        try:
-            st = _SUM_GRAPHS[key] = _capture_sums(table, body, bs, q, k, v)
-        except Exception as e:  # a capture error leaves the launch intact
-            log.warning("sparsp: CUDA graph capture of the summing kernel failed (%s: %s); this "
-                        "geometry launches it", type(e).__name__, e)
-            _SUM_GRAPHS[key] = _FAILED
-            return False
-    elif st is _FAILED or not SumsTable.aligned(q, k, v):
         return False
-    _SUM_GRAPHS.move_to_end(key)
     st.table.set(q, k, v)
     st.graph.replay()
     return True

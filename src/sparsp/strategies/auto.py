@@ -114,7 +114,7 @@ _exact: OrderedDict = OrderedDict()  # exact figures, call settings, group → (
 _near: dict[int, OrderedDict] = {}
 _env_profiles: dict[str, object] = {}  # SPARSP_PROFILE's value → its profile
 _settings: dict[tuple, int] = {}  # ``_nearby``'s settings → a small id (``_settings_id``)
-_widened: dict[tuple, tuple] = {}  # (profile set, SPARSP_PROFILE, ipc?, ranks) → (base, widened)
+_widened: dict[tuple, object] = {}  # (SPARSP_PROFILE, ipc?, ranks) → the widened profile
 _logged: dict[tuple, str] = {}
 _blocks: dict[tuple, object] = {}
 _last: Decision | None = None
@@ -174,10 +174,10 @@ def profile_for(transport: str, ranks: int):
     from ..simulate import get_profile
 
     env = "" if _profile is not None else os.environ.get(PROFILE_ENV, "").strip()
-    key = (id(_profile), env, transport == "ipc", ranks)
+    key = (env, transport == "ipc", ranks)  # ``use_profile`` empties it
     kept = _widened.get(key)
     if kept is not None:
-        return kept[1]
+        return kept
     prof = _profile
     if prof is None:
         if env:
@@ -186,8 +186,7 @@ def profile_for(transport: str, ranks: int):
                 prof = _env_profiles[env] = get_profile(env)
         else:
             prof = get_profile("h200x2-nvlink" if transport == "ipc" else "h200x2-host")
-    wide = prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
-    _widened[key] = (prof, wide)  # the base is kept too: its id stays in the key
+    wide = _widened[key] = prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
     return wide
 
 

@@ -28,18 +28,16 @@ smoothing adds collectives before the mask), test masks (``_global_mask``) and d
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import _triton
+from .._lru import captured_on_second_sight
 from ..plan import Metadata, Staged, keeps_call_buffers
 from .auto import figures
 from .base import Call
-
-log = logging.getLogger("sparsp")
 
 
 @dataclass
@@ -54,8 +52,7 @@ class _Stage:
     staged: Staged  # the pending layouts and the counts vector the host reads
 
 
-_FAILED = object()
-_STAGES: OrderedDict[tuple, object] = OrderedDict()  # key -> _Stage, _FAILED, or None (seen once)
+_STAGES: OrderedDict[tuple, object] = OrderedDict()  # key -> _Stage (``captured_on_second_sight``)
 MAX_STAGES = 32
 """Geometries (and configs) whose stage is remembered; past this the least recently used is
 dropped with its graph and memory pool (a caller sweeping thresholds per call makes a new
@@ -144,24 +141,10 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
     key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
            transport.name, _triton.settings(), keeps_call_buffers())
-    if key not in _STAGES:
-        _STAGES[key] = None  # the first call: eager, which fills the stage's constants
-        while len(_STAGES) > MAX_STAGES:
-            _STAGES.popitem(last=False)
-        return None
-    _STAGES.move_to_end(key)
-    st = _STAGES[key]
-    if st is _FAILED:
-        return None
+    st = captured_on_second_sight(_STAGES, key, lambda: _capture(q, k, v, meta, group, spec, config, transport, auto),
+                                  MAX_STAGES, what="the plan stage", otherwise="runs it eagerly")
     if st is None:
-        try:
-            st = _capture(q, k, v, meta, group, spec, config, transport, auto)
-        except Exception as e:  # a capture error leaves the eager path intact
-            log.warning("sparsp: CUDA graph capture of the plan stage failed (%s: %s); this "
-                        "geometry runs it eagerly", type(e).__name__, e)
-            _STAGES[key] = _FAILED
-            return None
-        _STAGES[key] = st
+        return None
     if st.rows.data_ptr() != meta.rows.data_ptr():
         st.rows.copy_(meta.rows)
     st.graph.replay()
