@@ -533,13 +533,16 @@ class SlotWindows(Transport):
         self._segs = segs
 
         def create() -> None:
-            sweep_stale()
             segs[self.rank] = ShmSegment.create(self._tag, self.rank, size, placement=placement)
 
         def open_peers() -> None:
             for p in self.peers:
                 segs[p] = ShmSegment.open(self._tag, p, size)
 
+        # every rank sweeps before any rank creates: a sweep that ran beside a peer's create could
+        # see a crashed run's segment of the same name (a given tag), and unlink by name the new
+        # one the peer made between the sweep's check and its unlink (seen once in CI, 2 cores)
+        self._agree("removing stale segments", lambda: len(sweep_stale()))
         self._agree("creating the shared-memory segment", create)
         self._agree("opening the peers' segments", open_peers)
         segs[self.rank].unlink()  # everyone has it mapped: a crash from here on leaks nothing
