@@ -5,27 +5,38 @@ PY := $(VENV)/bin/python
 # The CPU build of torch lies on local disk; installing it first means no dependency can pull
 # a multi-GB CUDA build from the registry.
 TORCH_VERSION ?= 2.13.0
-STAMP := $(VENV)/.sparsp-installed
+# One stamp per install: the demo needs the package alone, the tests its `test` extra too.
+STAMP_BASE := $(VENV)/.sparsp-installed
+STAMP_TEST := $(VENV)/.sparsp-installed-test
 
-.PHONY: demo test soak install clean
+.PHONY: demo test gpu-test soak install clean
 
-$(STAMP): pyproject.toml
+$(STAMP_BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e .
+	@touch $(STAMP_BASE)
+
+$(STAMP_TEST): $(STAMP_BASE)
 	$(PY) -m pip install -q -e ".[test]"
-	@touch $(STAMP)
+	@touch $(STAMP_TEST)
 
-install: $(STAMP)
+install: $(STAMP_TEST)
 
-demo: $(STAMP)
+demo: $(STAMP_BASE)
 	$(VENV)/bin/sparsp analyze --model hunyuan-video --ranks 8 --out results/demo
 
-test: $(STAMP)
+test: $(STAMP_TEST)
 	$(PY) -m pytest -q
 
-soak: $(STAMP)
-	SPARSP_SOAK_CALLS=5000 $(PY) -m pytest -q -s -m slow tests
+# On a machine with CUDA GPUs: the `gpu`-marked tests and a GPU soak, with the machine's own
+# python and torch (PYTHON=...), not the CPU venv.
+gpu-test:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh tests
+
+soak: $(STAMP_TEST)
+	$(PY) -m pytest -q -s -m slow --soak-calls 5000 tests
 
 clean:
 	rm -rf $(VENV) results build src/*.egg-info

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# GPU check for the lent 2×H200 machine (device tool): the `gpu`-marked tests, then the
-# benchmarks on both fabrics, then a short table last.
+# GPU check: the `gpu`-marked tests and a GPU soak, then the benchmarks on both fabrics, then
+# a short table last. Run it on a machine with CUDA GPUs (`make gpu-test` runs `tests`).
 #
 #   scripts/gpu_check.sh [tests|soak|bench|attention|transport|all]   (default: all)
 #
-# Runs from a plain checkout with the machine's own python3 (torch 2.11 there, no installs):
-# the package is used from src/ via PYTHONPATH. Results land in bench/results/ and, when the
-# device tool's $OUT is set, are copied there too.
+# Runs from a plain checkout with the machine's own python3 (or $PYTHON) and its own torch, no
+# installs: the package is used from src/ via PYTHONPATH. Results land in bench/results/ and,
+# when $OUT is set, are copied there too. Knobs: PRESETS, CDFS, ATTN_ARGS, TRANSPORT_ARGS,
+# SOAK_CALLS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0  # the machine's setting: NVLink multicast stays off
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 MODE=${1:-all}
@@ -43,7 +44,7 @@ run_torchrun() {  # torchrun with one process per GPU
 
 if [[ $MODE == attention || $MODE == bench || $MODE == all ]]; then
   # the four presets at three thresholds, every strategy and the one-GPU rows, on each fabric
-  # (measured 2026-11-30: ~205 s per fabric for the four presets at one threshold)
+  # (about 200 s per fabric for the four presets at one threshold on 2×H200)
   for fabric in nvlink host; do
     p2p=""; [[ $fabric == host ]] && p2p=1
     for preset in ${PRESETS:-hunyuan-video wan2.1-14b ltx-video ltx-2}; do

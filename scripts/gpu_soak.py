@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU soak (issue 5, item 3): many consecutive ``sp_attention`` calls over NCCL with new
+"""GPU soak: many consecutive ``sp_attention`` calls over NCCL with new
 inputs (and so new masks) every call; device memory must not grow.
 
     PYTHONPATH=src python3 scripts/gpu_soak.py                      # 2 GPUs, 2,000 calls
@@ -212,7 +212,7 @@ def _spawned(rank: int, args, world: int, port: int, codes) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # the 2xH200 machine's setting (scripts/gpu_check.sh): NVLink multicast stays off
+    # NVLink multicast stays off, as scripts/gpu_check.sh sets it
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
     if "RANK" in os.environ:  # torchrun

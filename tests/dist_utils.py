@@ -199,13 +199,15 @@ def slice_errors(rank: int, world: int, q, k, v, lens, want: dict, cfg,
 
 
 def placed_run(rank: int, world: int, geom, kind: str, cdf: float, seed: int, *,
-               transport: str = "nccl", after=None) -> dict[str, tuple[float, int, int]]:
+               transport: str = "nccl", local_transport: str | None = None,
+               after=None) -> dict[str, tuple[float, int, int]]:
     """Every strategy on a placed video sequence of ``geom`` (called on every rank, gloo).
 
     The outputs of all ranks are gathered and unpermuted; returns, per strategy, (max abs error
     against ``reference`` — dense for ``ring`` —, bytes this rank received, the bytes
     ``comm_bytes`` predicts for it). ``ulysses`` runs only when the heads divide over the ranks.
-    ``transport``: the config's transport; ``after(strategy, transport)`` runs after each
+    ``transport``, ``local_transport``: the config's (``SparspConfig.local_transport``: the
+    transport of the pairs on one host); ``after(strategy, transport)`` runs after each
     strategy, its counters still holding that call's bytes.
     """
     import torch.distributed as dist
@@ -224,8 +226,9 @@ def placed_run(rank: int, world: int, geom, kind: str, cdf: float, seed: int, *,
             "dense": reference(q, k, v, tok_block, torch.ones_like(mask))}
     qp, kp, vp = (pl.permute(x, 1) for x in (q, k, v))
     sl = pl.token_slice(rank)
-    cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport=transport, kernel="torch", timeout_s=60.0)
-    transport = get_transport(transport, None, torch.device("cpu"), cfg.timeout_s)
+    cfg = SparspConfig(cdf_threshold=cdf, block_size=bs, transport=transport, kernel="torch", timeout_s=60.0,
+                       local_transport=local_transport)
+    transport = get_transport(transport, None, torch.device("cpu"), cfg.timeout_s, cfg.local_transport)
     n_max = max(pl.tokens_per_rank)
     runs = {}
     for strategy in strategy_names():

@@ -1,4 +1,4 @@
-"""``strategy="auto"`` (issue 12): the cost model picks the strategy per call from the call's own
+"""``strategy="auto"``: the cost model picks the strategy per call from the call's own
 mask. Checked: the same choice on every rank, the output of the chosen strategy, a full mask
 picks the dense ring where the kernel or the link decides (``sparsp`` where the host's ops
 after the sync do), a sparse mask on a slow link picks ``sparsp``, heads that do not divide
@@ -13,7 +13,7 @@ import torch
 
 from dist_utils import run_distributed, structured_inputs
 
-from sparsp.simulate import KernelFigure, Profile, TransportFigure
+from sparsp.cost import KernelFigure, Profile, TransportFigure
 from sparsp.strategies.auto import MARGIN
 
 
@@ -58,11 +58,12 @@ class _Count(logging.Handler):
 @contextlib.contextmanager
 def _host_reads():
     """Counts the call's host reads (``plan.to_host``, ``plan.start_host_read``); a separate read of the demand figures
-    (``simulate.model.measure``) fails the call."""
+    (``cost.figures.measure``) fails the call."""
+    import sparsp.cost.figures as figures
+    import sparsp.cost.model as model
     import sparsp.plan as plan
-    import sparsp.simulate.model as model
 
-    reads, to_host, start, measure = [0], plan.to_host, plan.start_host_read, model.measure
+    reads, to_host, start, measure = [0], plan.to_host, plan.start_host_read, figures.measure
 
     def counted(fn):
         def wrapped(*a, **kw):
@@ -73,11 +74,13 @@ def _host_reads():
     def refused(*a, **kw):
         raise AssertionError("auto read its demand figures on the host on their own")
 
-    plan.to_host, plan.start_host_read, model.measure = counted(to_host), counted(start), refused
+    plan.to_host, plan.start_host_read = counted(to_host), counted(start)
+    figures.measure = model.measure = refused
     try:
         yield reads
     finally:
-        plan.to_host, plan.start_host_read, model.measure = to_host, start, measure
+        plan.to_host, plan.start_host_read = to_host, start
+        figures.measure = model.measure = measure
 
 
 def _auto_worker(rank, world, H, cases):
@@ -118,7 +121,7 @@ def test_auto_chooses_the_same_on_every_rank_and_runs_it():
     cases = [
         # dense: cdf 1.0 → every block; default profile. At 88 tokens the host decides: the
         # same bytes and kernel work as ring, but sparsp's block lists come from the plan
-        # stage, so it issues fewer ops after the host sync (simulate.model.RUN_OPS)
+        # stage, so it issues fewer ops after the host sync (cost.ops.RUN_OPS)
         ([48, 40], 1.0, None, None),
         ([48, 40], 1.0, None, SLOW),
         ([48, 40], 0.5, "local", SLOW),  # sparse mask, slow link → sparsp
@@ -151,7 +154,7 @@ def test_auto_never_picks_ulysses_when_heads_do_not_divide():
 
 def test_decide_on_measured_demand():
     """The model's side alone, on hand-made masks (one process)."""
-    from sparsp.simulate.model import Blocks, measure
+    from sparsp.cost import Blocks, measure
     from sparsp.strategies.auto import candidates, decide
 
     lens, bs, H, B = (64, 64, 64, 64), 16, 8, 1
@@ -185,9 +188,9 @@ def test_decide_on_measured_demand():
 def test_decide_runs_sparsp_in_the_order_the_code_would():
     """``decide(local_first=None)`` (the config's default, automatic) predicts ``sparsp`` — the
     candidate auto stages — in the order ``Call.local_first_pays`` gives it
-    (``simulate.model.resolve_local_first``): local first over a copy-engine transport whose
+    (``cost.model.resolve_local_first``): local first over a copy-engine transport whose
     first round lands within the local kernel, in order over ``nccl``; True and False force it."""
-    from sparsp.simulate.model import Blocks, measure
+    from sparsp.cost import Blocks, measure
     from sparsp.strategies.auto import decide
 
     lens, bs, H, B = (64, 64, 64, 64), 16, 8, 1
@@ -220,9 +223,8 @@ def test_auto_decides_once_per_figures_and_reads_a_profile_file_once(tmp_path, m
     import json
     from types import SimpleNamespace
 
-    import sparsp.simulate as simulate
-    import sparsp.simulate.model as model
-    from sparsp import SparspConfig
+    from sparsp import SparspConfig, env
+    from sparsp.cost import get_profile
     from sparsp.plan import Shapes
     from sparsp.strategies import auto
 
@@ -232,8 +234,8 @@ def test_auto_decides_once_per_figures_and_reads_a_profile_file_once(tmp_path, m
     masks = [torch.rand(1, 4, N, N, generator=g) < p for p in (0.3, 0.8)]
     figures = [[round(x) for x in auto.figures(m, sh).tolist()] for m in masks]
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"profile": simulate.get_profile("h200x2-host").to_dict()}))
-    monkeypatch.setenv(auto.PROFILE_ENV, str(path))
+    path.write_text(json.dumps({"profile": get_profile("h200x2-host").to_dict()}))
+    monkeypatch.setenv(env.PROFILE, str(path))
     calls = {"demand_of": 0, "get_profile": 0}
 
     def counted(name, fn):
@@ -242,8 +244,8 @@ def test_auto_decides_once_per_figures_and_reads_a_profile_file_once(tmp_path, m
             return fn(*a, **kw)
         return wrapped
 
-    monkeypatch.setattr(model, "demand_of", counted("demand_of", model.demand_of))
-    monkeypatch.setattr(simulate, "get_profile", counted("get_profile", simulate.get_profile))
+    monkeypatch.setattr(auto, "demand_of", counted("demand_of", auto.demand_of))
+    monkeypatch.setattr(auto, "get_profile", counted("get_profile", auto.get_profile))
     q = torch.zeros(1, 48, 4, 16, dtype=torch.bfloat16)
     cfg, transport = SparspConfig(block_size=16), SimpleNamespace(name="nccl")
     auto.forget()
@@ -360,7 +362,7 @@ def test_auto_profile_is_one_object_per_group_size_so_its_caches_hit(monkeypatch
 
     from sparsp import SparspConfig
     from sparsp.plan import Shapes
-    from sparsp.simulate.profiles import Profile
+    from sparsp.cost.profiles import Profile
     from sparsp.strategies import auto
 
     alive = []  # every widened profile stays alive: no address is reused

@@ -28,27 +28,27 @@ PLACEMENT = {"ring": "contiguous", "ring-sparse": "contiguous", "ring-relay": "p
 # --------------------------------------------------------------------------- _configs
 
 
-def _args(strategies, fabric="nvlink", *, no_copy_engine=False, ablation=False, env_variant=()) -> Namespace:
+def _args(strategies, fabric="nvlink", *, no_copy_engine=False, ablation=False) -> Namespace:
     return Namespace(strategy=list(strategies), fabric=fabric, no_copy_engine=no_copy_engine,
-                     ablation=ablation, env_variant=list(env_variant))
+                     ablation=ablation)
 
 
 @pytest.mark.parametrize("fabric, copy_engine", [("nvlink", "ipc"), ("host", "host")])
 def test_configs_one_row_per_strategy_and_a_copy_engine_row_for_sparsp(fabric, copy_engine):
     names = ["ring", "ring-sparse", "ring-relay", "ulysses", "sparsp"]
     rows = attention._configs(_args(names, fabric), world=2, heads=4)
-    want = [(s, PLACEMENT[s], "nccl", None, None) for s in names]
-    want.append(("sparsp", "periodic", copy_engine, None, None))  # right after sparsp's nccl row
+    want = [(s, PLACEMENT[s], "nccl", None) for s in names]
+    want.append(("sparsp", "periodic", copy_engine, None))  # right after sparsp's nccl row
     assert rows == want
     # the order of --strategy is the order of the rows
     rows = attention._configs(_args(["sparsp", "ring"], fabric), world=2, heads=4)
-    assert rows == [("sparsp", "periodic", "nccl", None, None), ("sparsp", "periodic", copy_engine, None, None),
-                    ("ring", "contiguous", "nccl", None, None)]
+    assert rows == [("sparsp", "periodic", "nccl", None), ("sparsp", "periodic", copy_engine, None),
+                    ("ring", "contiguous", "nccl", None)]
 
 
 def test_configs_without_the_copy_engine_row():
     rows = attention._configs(_args(["ring", "sparsp"], no_copy_engine=True), world=2, heads=4)
-    assert rows == [("ring", "contiguous", "nccl", None, None), ("sparsp", "periodic", "nccl", None, None)]
+    assert rows == [("ring", "contiguous", "nccl", None), ("sparsp", "periodic", "nccl", None)]
 
 
 @pytest.mark.parametrize("world, heads, ulysses", [(2, 4, True), (2, 3, False), (4, 6, False), (3, 6, True)])
@@ -61,9 +61,8 @@ def test_configs_drop_ulysses_when_heads_do_not_divide(world, heads, ulysses):
 def test_configs_ablation_rows_switch_on_one_thing_at_a_time(fabric, copy_engine):
     args = _args(["ring"], fabric, no_copy_engine=True, ablation=True)
     rows = attention._configs(args, world=2, heads=3)  # heads filter the strategies, not the ablation
-    assert rows[0] == ("ring", "contiguous", "nccl", None, None)
+    assert rows[0] == ("ring", "contiguous", "nccl", None)
     ablation = rows[1:]
-    assert all(r[4] is None for r in ablation)
     assert [r[:3] for r in ablation] == [
         ("ring-sparse", "contiguous", "nccl"),  # baseline
         ("ring-sparse", "periodic", "nccl"),  # + periodic placement
@@ -86,45 +85,46 @@ def test_configs_ablation_rows_switch_on_one_thing_at_a_time(fabric, copy_engine
     assert len(set(labels)) == len(labels)
 
 
-@pytest.mark.parametrize("no_copy_engine", [False, True])
-def test_configs_env_variants_repeat_the_sparsp_rows(no_copy_engine):
-    off, merge = {"SPARSP_FA4_PREPARED": "0"}, {"SPARSP_TRITON_MERGE": "0", "X": ""}
-    args = _args(["ring", "sparsp"], "host", no_copy_engine=no_copy_engine, env_variant=[off, merge])
-    rows = attention._configs(args, world=2, heads=4)
-    transports = ["nccl"] + ([] if no_copy_engine else ["host"])
-    assert rows == ([("ring", "contiguous", "nccl", None, None)]
-                    + [("sparsp", "periodic", t, None, None) for t in transports]
-                    + [("sparsp", "periodic", t, None, env) for env in (off, merge) for t in transports])
-
-
-def test_env_variant_parsing_and_scoping(monkeypatch):
-    assert common.parse_env("A=0") == {"A": "0"}
-    assert common.parse_env("A=0, B_2=x=y") == {"A": "0", "B_2": "x=y"}
-    for bad in ("A", "=0", "1A=0", "A=0,,B=1", ""):
-        with pytest.raises(ValueError, match="NAME=VALUE"):
-            common.parse_env(bad)
-    monkeypatch.setenv("SPARSP_T1", "keep")
-    monkeypatch.delenv("SPARSP_T2", raising=False)
-    import os
-    seen = []
-    fn = common.with_env(lambda: seen.append((os.environ.get("SPARSP_T1"), os.environ.get("SPARSP_T2"))),
-                         {"SPARSP_T1": "0", "SPARSP_T2": "1"})
-    fn()
-    assert seen == [("0", "1")]
-    assert os.environ["SPARSP_T1"] == "keep" and "SPARSP_T2" not in os.environ  # restored
-    with pytest.raises(RuntimeError), common.env_set({"SPARSP_T1": "0"}):
-        raise RuntimeError("restored on errors too")
-    assert os.environ["SPARSP_T1"] == "keep"
-    f = lambda: 1  # noqa: E731
-    assert common.with_env(f, None) is f and common.with_env(f, {}) is f
-    # the command line says what is wrong
+def test_config_option_typed_from_the_field(capsys):
+    """``--config KEY=VALUE`` (repeatable): typed from the ``SparspConfig`` field, checked by
+    ``SparspConfig`` itself; an unknown key or a bad value is a one-line error; the fields the
+    benchmark sets itself are refused by name."""
     import argparse
+
+    assert common.config_arg("drain_chunks=1") == ("drain_chunks", 1)
+    assert common.config_arg("drain-chunks=auto") == ("drain_chunks", None)
+    assert common.config_arg("local_first=on") == ("local_first", True)
+    assert common.config_arg("local_first=none") == ("local_first", None)
+    assert common.config_arg("cuda_graphs=off") == ("cuda_graphs", False)
+    assert common.config_arg("cdf_threshold=0.5,0.75") == ("cdf_threshold", (0.5, 0.75))
+    assert common.config_arg("sim_threshold=0.3") == ("sim_threshold", 0.3)
+    assert common.config_arg("local_transport=host") == ("local_transport", "host")
+    assert common.config_arg("timeout_s=30") == ("timeout_s", 30)
+    for bad, message in (("prefetch", "expected KEY=VALUE"),
+                         ("nope=1", "unknown SparspConfig field 'nope'"),
+                         ("prefetch=0", "prefetch='0': prefetch must be an int >= 1"),
+                         ("chunks=many", "chunks='many': expected int | None"),
+                         ("cuda_graphs=maybe", "cuda_graphs='maybe': expected bool"),
+                         ("local_transport=peers", "local_transport must be None or one of")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            common.config_arg(bad)
     p = argparse.ArgumentParser()
     attention.add_arguments(p)
-    assert p.parse_args(["--env-variant", "A=0", "--env-variant", "B=1,C=2"]).env_variant == [
-        {"A": "0"}, {"B": "1", "C": "2"}]
+    args = p.parse_args(["--config", "drain_chunks=1", "--config", "local_first=off",
+                         "--config", "drain_chunks=4"])
+    assert common.config_overrides(args.config, reserved=attention.RESERVED) == {
+        "drain_chunks": 4, "local_first": False}  # the last of a key wins
+    assert p.parse_args([]).config == []
+    with pytest.raises(SystemExit, match="set by --cdf"):
+        common.config_overrides([("cdf_threshold", 0.5)], reserved=attention.RESERVED)
     with pytest.raises(SystemExit):
-        p.parse_args(["--env-variant", "A"])
+        p.parse_args(["--config", "nope=1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("unknown SparspConfig field 'nope'; fields: " + ", ".join(
+        f.name for f in __import__("dataclasses").fields(__import__("sparsp").SparspConfig))), err
+    for gone in ("--env-variant", "--chunks", "--drain-chunks", "--no-cuda-graphs", "--local-first"):
+        with pytest.raises(SystemExit):
+            p.parse_args([gone, "1"])
 
 
 def test_input_sets_cycle_the_timed_calls():

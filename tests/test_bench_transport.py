@@ -110,13 +110,12 @@ def test_under_load_orders_the_attention_and_the_first_exchange(monkeypatch, ord
     assert row["load_order"] == order and row["under_load"] and row["exchanges_per_attention"] == 5
 
 
-def test_h2d_streams_option_parses_and_is_bounded():
+def test_removed_transport_options_are_gone():
+    """The host transport's extra H2D streams and ramped first chunk went with their code."""
     from sparsp.cli import build_parser
 
     parser = build_parser()
-    args = parser.parse_args(["bench", "transport", "--fabric", "host", "--h2d-streams", "2"])
-    assert args.h2d_streams == 2
-    assert parser.parse_args(["bench", "transport"]).h2d_streams is None  # SPARSP_H2D_STREAMS, else 1
-    for bad in ("0", "5", "two"):
+    assert parser.parse_args(["bench", "transport"]).chunk_bytes == 16 << 20
+    for gone in (["--h2d-streams", "2"], ["--first-chunk-bytes", "64KiB"]):
         with pytest.raises(SystemExit):
-            parser.parse_args(["bench", "transport", "--h2d-streams", bad])
+            parser.parse_args(["bench", "transport", *gone])

@@ -70,15 +70,15 @@ def _fuse_summaries():
     """The metadata step as on CUDA (one summing launch into the kept send row, the all-gather
     into rows kept per geometry, which a captured stage reads in place), with the summaries made
     by torch ops (``opcount``'s stand-in)."""
-    from sparsp import plan
+    from sparsp import plan, summaries
     from sparsp.simulate.opcount import _summaries_like_cuda
 
     plan.fused_sums = lambda *xs: True
-    plan.summaries_into = _summaries_like_cuda
+    summaries.summaries_into = _summaries_like_cuda
 
 
 def _worker(rank, world, lens, strategies, capture_works, fused=False):
-    from sparsp import SparspConfig, plan, sp_attention
+    from sparsp import SparspConfig, sp_attention, summaries
     from sparsp.strategies import captured, close_transports
 
     _emulate(capture_works)
@@ -98,8 +98,8 @@ def _worker(rank, world, lens, strategies, capture_works, fused=False):
             want = sp_attention(*x, strategy=strategy, config=eager)
             assert torch.equal(got, want), f"{strategy} {extra} call {step}"
             if fused:  # the gathered rows are one buffer per geometry, call after call
-                kept = kept if step else len(plan._GATHERED)
-                assert len(plan._GATHERED) == kept, f"{strategy} call {step}: {len(plan._GATHERED)} buffers"
+                kept = kept if step else len(summaries._GATHERED)
+                assert len(summaries._GATHERED) == kept, f"{strategy} call {step}: {len(summaries._GATHERED)} buffers"
         done.append(strategy)
     stages = [s for s in captured._STAGES.values() if isinstance(s, captured._Stage)]
     replays = sorted(s.graph.replays for s in stages)
@@ -109,7 +109,7 @@ def _worker(rank, world, lens, strategies, capture_works, fused=False):
 
 @pytest.mark.parametrize("lens, fused", [([64, 64], False), ([70, 45], False), ([70, 45], True)])
 def test_replayed_stage_gives_the_eager_output(lens, fused):
-    # fused: the stage reads the gathered rows in place (plan._gathered_rows), not a copy
+    # fused: the stage reads the gathered rows in place (summaries.gathered_rows), not a copy
     strategies = [("sparsp", {}), ("sparsp", {"drain_chunks": 2}), ("ring-relay", {}),
                   ("ring-sparse", {}), ("ulysses", {}), ("auto", {})]
     results = run_distributed(_worker, 2, lens, strategies, True, fused, timeout=240)

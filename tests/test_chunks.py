@@ -17,8 +17,9 @@ import torch
 
 from dist_utils import random_slice_case, reference, run_distributed, slice_blocks
 from sparsp import SparspConfig
-from sparsp.strategies import chunks
-from sparsp.strategies.chunks import Fabric, Piece
+from sparsp import env
+from sparsp.cost import chunks
+from sparsp.cost.chunks import Fabric, Piece
 
 # -- the scheduler ---------------------------------------------------------------------------
 
@@ -199,8 +200,8 @@ def test_drain_rule_reads_the_known_figures_of_an_earlier_call():
 
 
 def test_fabric_runs_at_the_calls_kernel_rate(monkeypatch):
-    monkeypatch.delenv(chunks.PROFILE_ENV, raising=False)
-    from sparsp.simulate.profiles import get_profile
+    monkeypatch.delenv(env.PROFILE, raising=False)
+    from sparsp.cost.profiles import get_profile
 
     fig = get_profile("h200x2-host").kernel(128)
     assert chunks.fabric("cuda", "host", 128, "fa4").flops_per_s == pytest.approx(fig.fa4_tflops * 1e12)
@@ -225,7 +226,7 @@ def test_units_pay_their_host_cost_before_the_sync():
 
 
 def test_fabric_from_the_measured_profiles(monkeypatch):
-    monkeypatch.delenv(chunks.PROFILE_ENV, raising=False)
+    monkeypatch.delenv(env.PROFILE, raising=False)
     host, ipc = chunks.fabric("cuda", "host", 128), chunks.fabric("cuda", "ipc", 128)
     assert host.bytes_per_s == pytest.approx(33.5e9)  # DESIGN: the 2-rank exchange ceiling
     assert ipc.bytes_per_s == pytest.approx(367e9)
@@ -238,7 +239,7 @@ def test_fabric_from_the_measured_profiles(monkeypatch):
     assert host.flops_per_s == pytest.approx(409e12) and host.message_s == pytest.approx(0.27e-3)
     assert chunks.fabric("cpu", "nccl", 128) == chunks.CPU_FABRIC
     # an 8-GPU PCIe 4 box without peer access: slower link, slower kernel
-    monkeypatch.setenv(chunks.PROFILE_ENV, "pcie4-8gpu-nop2p")
+    monkeypatch.setenv(env.PROFILE, "pcie4-8gpu-nop2p")
     pcie = chunks.fabric("cuda", "host", 128)
     assert pcie.bytes_per_s < host.bytes_per_s and pcie.flops_per_s < host.flops_per_s
 

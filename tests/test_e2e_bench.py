@@ -1,8 +1,13 @@
-"""CPU smoke run of ``sparsp bench e2e`` (2 gloo processes, tiny model): its plumbing — result
-file name and kind, one row per strategy with the issue's fields, a failing baseline recorded
-as an error row, the PNG."""
+"""CPU smoke run of ``sparsp bench e2e`` (2 gloo processes, tiny model) as the docs write it
+(``--tiny --device cpu``, no block size or output directory given): its plumbing — result file
+name and kind, one row per strategy with the issue's fields, every parallel row run (the
+tiny model's own block size gives each rank blocks), a failing baseline recorded as an error
+row, fabric ``gloo``, the result outside the tracked ``bench/results``, the PNG."""
 
+import argparse
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -15,34 +20,129 @@ FIELDS = {"model", "ranks", "fabric", "strategy", "transport", "cdf", "density",
 STRATEGIES = ["1gpu-dense", "1gpu-sparse", "diffusers-ring", "ring-sparse", "ulysses", "sparsp"]
 
 
-def _bench_worker(rank, world, out, weights):
+def _bench_worker(rank, world, cwd, model, weights):
     from sparsp.cli import main
 
-    return main(["bench", "e2e", "--model", "hunyuan-video", "--tiny", "--device", "cpu", "--dtype", "fp32",
-                 "--steps", "2", "--warmup", "1", "--block-size", "8", "--weights", weights,
-                 "--strategy", *STRATEGIES, "--out", str(out)])
+    os.chdir(cwd)  # the default --out is relative: results/bench here
+    return main(["bench", "e2e", *model, "--tiny", "--device", "cpu", "--dtype", "fp32",
+                 "--steps", "2", "--warmup", "1", "--weights", weights, "--strategy", *STRATEGIES])
 
 
-@pytest.mark.parametrize("weights", ["random", "synthetic-structure"])
-def test_bench_e2e_cpu_smoke(tmp_path, weights):
-    assert run_distributed(_bench_worker, 2, tmp_path, weights, timeout=240) == [0, 0]
-    (path,) = tmp_path.glob("e2e-hunyuan-video-cpu-*.json")
+@pytest.mark.parametrize("model, weights", [(None, "random"), ("hunyuan-video", "synthetic-structure")])
+def test_bench_e2e_cpu_smoke(tmp_path, model, weights):
+    argv = ["--model", model] if model else []  # None: the default model (Wan)
+    assert run_distributed(_bench_worker, 2, tmp_path, argv, weights, timeout=240) == [0, 0]
+    name = model or "wan2.1-14b"
+    (path,) = tmp_path.glob("**/*.json")
+    assert path.parent == tmp_path / "results" / "bench" and path.name.startswith(f"e2e-{name}-cpu-")
     doc = json.loads(path.read_text())
     assert doc["kind"] == "e2e" and doc["machine"] == "cpu"
     rows = {r["strategy"]: r for r in doc["rows"]}
     assert list(rows) == STRATEGIES
     for name, r in rows.items():
         assert FIELDS <= set(r), (name, FIELDS - set(r))
-        assert r["weights"] == weights and r["fabric"] == "nvlink" and r["steps"] == 2
+        assert r["weights"] == weights and r["fabric"] == "gloo" and r["steps"] == 2
     # Diffusers' own context parallelism needs an accelerator: on CPU the row records why.
     assert rows["diffusers-ring"]["step_ms"] is None and rows["diffusers-ring"]["error"]
+    layers = 2  # every tiny model has two blocks (HunyuanVideo: one dual, one single)
     for name in ("1gpu-dense", "1gpu-sparse", "ring-sparse", "ulysses", "sparsp"):
         r = rows[name]
-        assert r["step_ms"] > 0 and r["attention_ms"] > 0 and r["layers"] == 2, (name, r)
-        assert r["per_layer_ms"] == pytest.approx(r["step_ms"] / 2)
+        assert "error" not in r, (name, r.get("error"))
+        assert r["step_ms"] > 0 and r["attention_ms"] > 0 and r["layers"] == layers, (name, r)
+        assert r["per_layer_ms"] == pytest.approx(r["step_ms"] / layers)
         assert r["ranks"] == (1 if name.startswith("1gpu") else 2)
     densities = {rows[n]["density"] for n in ("1gpu-sparse", "ring-sparse", "ulysses", "sparsp")}
     assert len(densities) == 1 and 0 < densities.pop() < 1  # the masks every sparse row shares
     assert rows["1gpu-dense"]["density"] is None
+    # the dense baseline at its best: every backend tried, the fastest that ran chosen, the
+    # ones that cannot run on a CPU (cuDNN, flash-attn) recorded with why
+    dense = rows["1gpu-dense"]
+    tried = {t["backend"]: t for t in dense["backends_tried"]}
+    ran = {b: t["step_ms"] for b, t in tried.items() if "error" not in t}
+    assert "native" in ran and dense["attention_backend"] == min(ran, key=ran.get), tried
+    assert "error" in tried["_native_cudnn"] and "error" in tried["flash"], tried
+    assert all(t["attention_tflops"] > 0 and t["attention_ms"] > 0 for t in tried.values() if "error" not in t)
+    assert dense["attention_tflops"] > 0
     assert (rows["sparsp"].get("qk") == "synthetic") == (weights == "synthetic-structure")
     assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def _settled(*argv):
+    from sparsp.bench.args import add_e2e
+    from sparsp.bench.e2e import settle_arguments
+
+    p = argparse.ArgumentParser()
+    add_e2e(p)
+    args = p.parse_args(list(argv))
+    settle_arguments(args)
+    return args
+
+
+def test_tiny_defaults_give_way_to_given_values():
+    """``--tiny``: block size 8 and ``results/bench`` unless given; a full-size run keeps 128
+    and ``bench/results``; a CPU run's fabric is ``gloo``."""
+    tiny = _settled("--tiny", "--device", "cpu")
+    assert (tiny.block_size, tiny.out, tiny.fabric) == (8, Path("results/bench"), "gloo")
+    given = _settled("--tiny", "--device", "cpu", "--block-size", "16", "--out", "x")
+    assert (given.block_size, given.out) == (16, Path("x"))
+    full = _settled("--device", "cpu")
+    assert (full.block_size, full.out, full.fabric) == (128, Path("bench/results"), "gloo")
+    assert "ring-sparse" in full.strategy and "1gpu-dense" in full.strategy
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--fabric", "nvlink"], "--fabric nvlink names a path between GPUs; a CPU run goes through gloo"),
+    (["--strategy", "sparsp", "nope"], "--strategy: unknown name 'nope'; registered: 1gpu-dense, "),
+    (["--device", "tpu"], "--device must be auto, cuda or cpu, got 'tpu'"),
+])
+def test_bad_arguments_one_line_exit_2(capsys, argv, match):
+    from sparsp.strategies import strategy_names
+
+    with pytest.raises(SystemExit) as e:
+        _settled("--tiny", "--device", "cpu", *argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("sparsp bench e2e: error: "), err
+    assert match in err, err
+    if "nope" in argv:
+        assert all(n in err for n in strategy_names()), err
+
+
+def test_pick_fastest_records_failures_and_takes_the_fastest():
+    from sparsp.bench.backends import BackendFailed, pick_fastest
+
+    def measure(name):
+        if name == "broken":
+            raise ValueError("needs a GPU\nsecond line")
+        if name == "refused":
+            raise BackendFailed("RuntimeError: refused on rank 1")
+        return {"step_ms": {"slow": 3.0, "fast": 1.0, "mid": 2.0}[name]}
+
+    best, tried = pick_fastest(["slow", "broken", "fast", "refused", "mid"], measure)
+    assert best == "fast"
+    assert tried == [{"backend": "slow", "step_ms": 3.0}, {"backend": "broken", "error": "ValueError: needs a GPU second line"},
+                     {"backend": "fast", "step_ms": 1.0},
+                     {"backend": "refused", "error": "RuntimeError: refused on rank 1"},
+                     {"backend": "mid", "step_ms": 2.0}]
+    with pytest.raises(RuntimeError, match="no dense attention backend ran: broken: ValueError: needs a GPU"):
+        pick_fastest(["broken"], measure)
+
+
+@pytest.mark.parametrize("valid_text", [None, 5])
+def test_dense_hunyuan_gets_no_text_mask_when_every_token_is_valid(valid_text):
+    """An all-valid text mask keeps cuDNN and flash from applying: the dense row's blocks get
+    None in its place; a mask that masks something stays."""
+    import torch
+
+    from sparsp.bench.e2e import _drop_all_valid_text_masks
+    from sparsp.integrations.models import TINY, build_transformer, dummy_inputs
+
+    model = build_transformer("hunyuan-video", config=TINY["hunyuan-video"], dtype=torch.float32, device="cpu")
+    inputs = dummy_inputs(model, (3, 8, 8), text_tokens=8, seed=1, valid_text=valid_text)
+    _drop_all_valid_text_masks(model, inputs, "hunyuan-video", dense=True)
+    seen = []
+    for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+        block.register_forward_pre_hook(lambda m, args: seen.append(args[3]))
+    with torch.no_grad():
+        model(**inputs)
+    assert len(seen) == 2
+    assert all((mask is None) == (valid_text is None) for mask in seen), seen

@@ -1,4 +1,4 @@
-"""Fault injection (issue 5, item 2): a rank that raises, dies or stalls in the middle of an
+"""Fault injection: a rank that raises, dies or stalls in the middle of an
 ``sp_attention`` call, on CPU with 3 processes, for the ``host`` (shared memory) and ``nccl``
 (gloo) transports.
 

@@ -203,7 +203,7 @@ def test_single_process_sparse_reproduces_the_group_masks():
     """emulate_ranks=G computes exactly the masks of G ranks: the split-form mask, per-slice
     blocks; with G=1 and the contiguous placement that is ``block_mask`` of the whole sequence."""
     from sparsp import SparspConfig
-    from sparsp.integrations.simulate import simulated_sp_attention, split_block_mask
+    from sparsp.integrations.reference import reference_sp_attention, split_block_mask
     from sparsp.masks import block_mask
 
     g = torch.Generator().manual_seed(3)
@@ -216,7 +216,7 @@ def test_single_process_sparse_reproduces_the_group_masks():
     whole = block_mask(q, k, cdf_threshold=0.8, block_q=8, block_k=8)
     assert torch.equal(split_block_mask(q, k, [S], cfg), whole)
     assert torch.equal(split_block_mask(q, k, [24, 29], cfg), whole)  # slices of whole blocks
-    out, mask = simulated_sp_attention(q, k, v, lens=[24, 29], config=cfg, return_mask=True)
+    out, mask = reference_sp_attention(q, k, v, lens=[24, 29], config=cfg, return_mask=True)
     tok = torch.arange(S) // 8
     allowed = mask[:, :, tok][:, :, :, tok]
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / D ** 0.5

@@ -607,7 +607,6 @@ def fake_fa4(monkeypatch):
         return fake
 
     monkeypatch.setattr(fa4, "unsupported_reason", lambda q, block_size: None)
-    monkeypatch.delenv("SPARSP_FA4_PREPARED", raising=False)
     install.first = install()
     return install
 
@@ -657,23 +656,19 @@ def test_fa4_prepared_launch_declines_when_fa4_copies_an_input(fake_fa4):
     assert fake.api_calls == 3 and list(fa4._PREPARED.values()) == [None]
 
 
-def test_fa4_prepared_launch_switch_and_new_signatures(fake_fa4, monkeypatch):
+def test_fa4_prepared_launch_per_signature(fake_fa4):
     fake = fake_fa4.first
     args, _ = _fa4_case(40, 40, 48)
     fa4.block_sparse_attention(*args)
     fa4.block_sparse_attention(*args)
     assert fake.api_calls == 1
-    monkeypatch.setenv("SPARSP_FA4_PREPARED", "0")
-    fa4.block_sparse_attention(*args)
-    assert fake.api_calls == 2
-    monkeypatch.delenv("SPARSP_FA4_PREPARED")
     q, kv, num, idx = args
     fa4.block_sparse_attention(q, kv, num, idx, scale=0.5)  # another scale: another signature
-    assert fake.api_calls == 3 and len(fa4._PREPARED) == 2
+    assert fake.api_calls == 2 and len(fa4._PREPARED) == 2
 
 
 def _check_wrapper(kernel, B, H, Sq, S, bs, layout_kind, shuffle=False):
-    q, k, v, mask, selected = shard_case(13, B, H, Sq, S, 8, bs)
+    q, k, v, mask, selected = shard_case(13, B, H, Sq, S, 16, bs)  # flex takes head dims from 16
     ref_out, ref_lse = local_reference(q, k, v, mask, bs)
     n = math.ceil(S / bs)
     if layout_kind == "local":
@@ -685,7 +680,7 @@ def _check_wrapper(kernel, B, H, Sq, S, bs, layout_kind, shuffle=False):
     if shuffle:  # any order is allowed: the wrapper must restore what its kernel needs
         num, idx = _permute_used(num, idx, torch.Generator().manual_seed(3))
     out, lse = kernel(q, kv, num, idx)
-    assert out.shape == (B, H, Sq, 8) and lse.shape == (B, H, Sq)
+    assert out.shape == (B, H, Sq, 16) and lse.shape == (B, H, Sq)
     assert_matches(out.float(), lse, ref_out, ref_lse, tol=1e-5)
 
 
@@ -704,11 +699,12 @@ def test_flex_does_not_recompile_on_new_indices(monkeypatch):
     monkeypatch.setattr(flex, "_BACKEND", "eager")
     monkeypatch.setattr(flex, "_COMPILED", {})
     for layout_kind in ("local", "packed"):
-        q, k, v, mask, selected = shard_case(9, 1, 2, 40, 53, 8, 8, p_keep=1.0)
+        q, k, v, mask, selected = shard_case(9, 1, 2, 40, 53, 16, 8, p_keep=1.0)
         kv = LocalKV(k, v, 8) if layout_kind == "local" else packed_buffer(k, v, selected, 8)[0]
         ids = kv.block_ids() if layout_kind == "local" else packed_buffer(k, v, selected, 8)[1]
         flex.block_sparse_attention(q, kv, *kernel_indices(mask, ids, 7))
         entries = flex.compiled_entries()
+        assert entries >= 1  # compiled, not run by the torch kernel
         mask2 = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.3
         with torch._dynamo.config.patch(error_on_recompile=True):
             flex.block_sparse_attention(q, kv, *kernel_indices(mask2, ids, 7))
@@ -723,7 +719,7 @@ def test_flex_many_geometries_never_hit_the_recompile_limit(monkeypatch):
     monkeypatch.setattr(flex, "_COMPILED", {})
     with torch._dynamo.config.patch(recompile_limit=1):
         for i in range(10):
-            q, k, v, mask, _ = shard_case(i, 1, 2, 16 + 8 * i, 24 + 8 * i, 8, 8)
+            q, k, v, mask, _ = shard_case(i, 1, 2, 16 + 8 * i, 24 + 8 * i, 16, 8)
             kv = LocalKV(k, v, 8)
             flex.block_sparse_attention(q, kv, *kernel_indices(mask, kv.block_ids(), kv.num_blocks))
     assert flex.compiled_entries() == 10
@@ -756,3 +752,38 @@ def test_bench_kernel_plumbing_on_cpu(tmp_path):
     assert all(r["vs_best_dense"] is not None for r in rows)
     assert max(r["vs_best_dense"] for r in dense) == pytest.approx(1.0)
     assert files[0].with_suffix(".png").exists()
+
+
+@pytest.mark.skipif(not flex.FLEX_AVAILABLE, reason="flex_attention not in this torch")
+def test_flex_outside_its_limits_runs_the_torch_kernel(monkeypatch):
+    """A head dim under 16, or a block size flex's compile refuses (remembered after the first
+    refusal), runs the torch kernel with one warning; any other error propagates."""
+    from sparsp.kernels import torch_ref
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("Q and KV block size must be divisible by BLOCK_M and BLOCK_N. We got 8")
+
+    monkeypatch.setattr(flex, "_flex_call", refuse)
+    monkeypatch.setattr(flex, "_WARNED", set())
+    for D, refused in ((8, False), (16, True)):
+        q, k, v, mask, _ = shard_case(5, 1, 2, 24, 24, D, 8)
+        kv = LocalKV(k, v, 8)
+        num, idx = kernel_indices(mask, kv.block_ids(), kv.num_blocks)
+        want = torch_ref.block_sparse_attention(q, kv, num, idx)
+        with pytest.warns(RuntimeWarning, match="running the torch kernel instead"):
+            got = flex.block_sparse_attention(q, kv, num, idx)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert len(calls) == int(refused)  # a head dim under 16 never reaches flex
+    flex.block_sparse_attention(q, kv, num, idx)  # the refusal is remembered: no second try
+    assert len(calls) == 1
+    assert "flex's tile" in flex.unsupported_reason(q, 8)
+    monkeypatch.setattr(flex, "_flex_call", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    q, k, v, mask, _ = shard_case(5, 1, 2, 32, 32, 16, 16)
+    kv = LocalKV(k, v, 16)
+    num, idx = kernel_indices(mask, kv.block_ids(), kv.num_blocks)
+    with pytest.raises(RuntimeError, match="other"):
+        flex.block_sparse_attention(q, kv, num, idx)
+    flex._REFUSED.clear()

@@ -150,21 +150,22 @@ def test_statistics():
 
 
 def test_send_rows_are_kept_per_geometry_and_bounded():
-    """``plan._send_row``: one row per (geometry's header, capacity), the header then zeros,
+    """``summaries.send_row``: one row per (geometry's header, capacity), the header then zeros,
     the same tensor on every call (the summaries are written into it in place), and at most
-    ``MAX_SEND_ROWS`` kept, the least recently used dropped first."""
-    from sparsp import plan
+    ``MAX_SEND_ROWS`` kept, the least recently used dropped first; ``caches.forget_all`` drops
+    them."""
+    from sparsp import caches, summaries
 
-    plan.forget_shapes()
-    headers = [torch.tensor([float(i), 1.0, 2.0]) for i in range(plan.MAX_SEND_ROWS + 4)]
-    first = plan._send_row(headers[0], 5)
+    caches.forget_all()
+    headers = [torch.tensor([float(i), 1.0, 2.0]) for i in range(summaries.MAX_SEND_ROWS + 4)]
+    first = summaries.send_row(headers[0], 5)
     assert torch.equal(first, torch.tensor([0.0, 1.0, 2.0, 0, 0, 0, 0, 0]))
-    assert plan._send_row(headers[0], 5) is first and plan._send_row(headers[0], 6) is not first
+    assert summaries.send_row(headers[0], 5) is first and summaries.send_row(headers[0], 6) is not first
     for h in headers[1:]:
-        plan._send_row(h, 5)
-        plan._send_row(headers[0], 5)  # kept in use: never the least recently used
-    assert len(plan._SEND_ROWS) == plan.MAX_SEND_ROWS
-    assert plan._send_row(headers[0], 5) is first
-    assert plan._send_row(headers[1], 5) is not None and len(plan._SEND_ROWS) == plan.MAX_SEND_ROWS
-    plan.forget_shapes()
-    assert not plan._SEND_ROWS
+        summaries.send_row(h, 5)
+        summaries.send_row(headers[0], 5)  # kept in use: never the least recently used
+    assert len(summaries._SEND_ROWS) == summaries.MAX_SEND_ROWS
+    assert summaries.send_row(headers[0], 5) is first
+    assert summaries.send_row(headers[1], 5) is not None and len(summaries._SEND_ROWS) == summaries.MAX_SEND_ROWS
+    caches.forget_all()
+    assert not summaries._SEND_ROWS

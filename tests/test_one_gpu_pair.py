@@ -61,76 +61,60 @@ def test_four_ranks_every_round_chunked_on_one_shared_gpu():
             assert err <= 1e-3, f"rank {rank} (local_first, drain_chunks, call) {key}: error {err}"
 
 
-@pytest.mark.parametrize("stream_waits", ["1", "0"])
-def test_fetch_pieces_over_two_h2d_streams_on_one_shared_gpu(monkeypatch, stream_waits):
-    # SPARSP_H2D_STREAMS=2: a fetch's pieces alternate between two host-to-device streams, each
-    # behind its own flag wait (on the GPU, or a host thread's with SPARSP_STREAM_WAITS=0);
-    # 256 KiB pieces make every payload many of them, with a ramp
-    monkeypatch.setenv("SPARSP_H2D_STREAMS", "2")
-    monkeypatch.setenv("SPARSP_STREAM_WAITS", stream_waits)
-    monkeypatch.setenv("SPARSP_CHUNK_BYTES", "256KiB")
-    monkeypatch.setenv("SPARSP_FIRST_CHUNK_BYTES", "64KiB")
-    H = 6
-    for rank, errors in enumerate(run_distributed(_pair_worker, 2, [640, 600], H, "torch", timeout=400)):
-        for key, err in errors.items():
-            assert err <= 1e-3, f"rank {rank} (local_first, drain_chunks, call) {key}: error {err}"
-
-
 def _off_grid(x: torch.Tensor) -> torch.Tensor:
     flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:]
     return flat.view(x.shape).copy_(x)
 
 
 def _summing_graph_worker(rank, world, lens, H):
-    import os
+    import dataclasses
 
-    from sparsp import SparspConfig, plan, sp_attention
+    from sparsp import SparspConfig, sp_attention, summaries
     from sparsp.strategies import close_transports
 
     torch.cuda.set_device(0)
     bs, D = 128, 64
     a = sum(lens[:rank])
     sl = slice(a, a + lens[rank])
-    cfg = SparspConfig(block_size=bs, transport="host", kernel="torch", cdf_threshold=0.8)
+    graphed = SparspConfig(block_size=bs, transport="host", kernel="torch", cdf_threshold=0.8)
+    # without CUDA graphs the summing kernel is launched every call (and the plan stage eager)
+    configs = {"launched": dataclasses.replace(graphed, cuda_graphs=False), "graphed": graphed}
     outs, graphs = {}, {}
     try:
-        for switch in ("0", "1"):  # the kernel launched every call, then the replayed graph
-            os.environ["SPARSP_SUMS_GRAPH"] = switch
+        for name, cfg in configs.items():
             for call in range(5):
                 g = torch.Generator().manual_seed(100 + call)  # new values, new allocations each call
                 qkv = torch.randn(1, sum(lens), 3, H, D, generator=g).to(torch.bfloat16)[:, sl]
                 q, k, v = (qkv[:, :, i].contiguous().cuda() for i in range(3))
                 if call == 3:  # contiguous tensors 2 bytes off the 16-byte grid: the launch again
                     q, k, v = (_off_grid(x) for x in (q, k, v))
-                outs[(switch, call)] = sp_attention(q, k, v, strategy="sparsp", config=cfg).cpu()
-            graphs[switch] = sum(isinstance(s, plan._SumsGraph) for s in plan._SUM_GRAPHS.values())
-            plan.forget_shapes()
+                outs[(name, call)] = sp_attention(q, k, v, strategy="sparsp", config=cfg).cpu()
+            graphs[name] = sum(isinstance(s, summaries._SumsGraph) for s in summaries._SUM_GRAPHS.values())
     finally:
-        os.environ.pop("SPARSP_SUMS_GRAPH", None)
         close_transports()
-    same = {call: torch.equal(outs[("0", call)], outs[("1", call)]) for call in range(5)}
+    same = {call: torch.equal(outs[("launched", call)], outs[("graphed", call)]) for call in range(5)}
     return same, graphs
 
 
 def test_summing_graph_replays_new_inputs_as_the_launch_does():
-    # the metadata's summing kernel replayed from a CUDA graph (plan._graphed_summaries) reads
-    # each call's q, k, v through the offsets the host writes: outputs equal the launched
-    # kernel's bit for bit, call by call (CDF masks from the summaries, no test mask)
+    # the metadata's summing kernel replayed from a CUDA graph (summaries.kept_row) reads each
+    # call's q, k, v through the offsets the host writes: outputs equal the launched kernel's
+    # bit for bit, call by call (CDF masks from the summaries, no test mask)
     for rank, (same, graphs) in enumerate(run_distributed(_summing_graph_worker, 2, [640, 600], 4, timeout=300)):
         assert all(same.values()), f"rank {rank}: calls whose outputs differ: {same}"
-        assert graphs == {"0": 0, "1": 1}, f"rank {rank}: summing graphs captured {graphs}"
+        assert graphs == {"launched": 0, "graphed": 1}, f"rank {rank}: summing graphs captured {graphs}"
 
 
 def _eviction_worker(rank, world):
     import dataclasses
 
-    from sparsp import SparspConfig, plan, sp_attention
+    from sparsp import SparspConfig, sp_attention, summaries
     from sparsp.strategies import captured, close_transports
 
     torch.cuda.set_device(0)
     # two of each kept thing: every new geometry drops a summing graph, a plan stage, a send row
     # and its gathered rows, whose pinned table and host-read copies were used inside a capture
-    plan.MAX_SEND_ROWS = plan.MAX_SUM_GRAPHS = captured.MAX_STAGES = 2
+    summaries.MAX_SEND_ROWS = summaries.MAX_SUM_GRAPHS = captured.MAX_STAGES = 2
     cfg = SparspConfig(block_size=128, transport="host", kernel="torch", cdf_threshold=0.8)
     eager = dataclasses.replace(cfg, cuda_graphs=False)
     differ = []
@@ -148,7 +132,7 @@ def _eviction_worker(rank, world):
                 pins = [torch.empty(1 << 16, pin_memory=True) for _ in range(8)]
                 del pins
                 torch.cuda.synchronize()
-        graphs = sum(isinstance(s, plan._SumsGraph) for s in plan._SUM_GRAPHS.values())
+        graphs = sum(isinstance(s, summaries._SumsGraph) for s in summaries._SUM_GRAPHS.values())
     finally:
         close_transports()
     torch.cuda.synchronize()

@@ -1,6 +1,6 @@
-"""Per-peer transports (issue 12): two hosts emulated in one machine (``SPARSP_HOST_ID``), the
-pairs on one host forced onto ``host`` (``SPARSP_LOCAL_TRANSPORT``: its own rule declines CPU
-tensors), the pairs between hosts on ``nccl`` (gloo) — in the same call.
+"""Per-peer transports: two hosts emulated in one machine (``SPARSP_HOST_ID``), the pairs on one
+host forced onto ``host`` (``SparspConfig.local_transport``: its own rule declines CPU tensors),
+the pairs between hosts on ``nccl`` (gloo) — in the same call.
 
 Checked per strategy at G = 4 and 6: the output against a float64 single-process reference,
 the bytes each rank received against the byte rule (``comm_bytes``), the transport of every
@@ -19,7 +19,6 @@ from dist_utils import placed_run, run_distributed
 def _emulate_hosts(rank: int, world: int, hosts: int = 2) -> int:
     host = rank * hosts // world  # ranks 0..G/2-1 on host0, the rest on host1
     os.environ["SPARSP_HOST_ID"] = f"host{host}"
-    os.environ["SPARSP_LOCAL_TRANSPORT"] = "host"
     return host
 
 
@@ -31,7 +30,7 @@ def _mixed_worker(rank, world, cdf):
     host = _emulate_hosts(rank, world)
     geom = VideoGeometry(frames=4, height=4, width=12, text_tokens=10, block_size=16, heads=12, head_dim=8)
     H = geom.heads
-    t = get_transport("auto", None, torch.device("cpu"), 60.0)
+    t = get_transport("auto", None, torch.device("cpu"), 60.0, "host")
     assert isinstance(t, PeerTransport), t.describe()
     # the transport of every pair: host inside a host, nccl (gloo) between hosts
     for p in range(world):
@@ -59,7 +58,8 @@ def _mixed_worker(rank, world, cdf):
             assert sum(tr.bytes_sent.values()) == sum(sum(sub.bytes_sent.values()) for _, _, sub in tr.sub_transports())
             moved[(kind, strategy)] = by_kind
 
-        runs = placed_run(rank, world, geom, kind, cdf, 5, transport="auto", after=after)
+        runs = placed_run(rank, world, geom, kind, cdf, 5, transport="auto", local_transport="host",
+                          after=after)
         for strategy, (err, received, predicted) in runs.items():
             assert err <= 1e-5, f"{strategy} ({kind}): error {err}"
             assert received == predicted, (strategy, kind, received, predicted)
@@ -92,7 +92,7 @@ def _timeout_worker(rank, world):
     from sparsp.transport import make_transport
 
     _emulate_hosts(rank, world)
-    t = make_transport("auto", None, device="cpu", timeout_s=1.0)
+    t = make_transport("auto", None, device="cpu", timeout_s=1.0, local="host")
     assert t.name == "peers"
     t.reserve(4096)
     t.fence()
@@ -116,13 +116,31 @@ def test_silent_peer_times_out_naming_it():
     assert "sub-group of ranks [0, 1]" in text and "not published within" in text, text
 
 
-def test_bad_local_transport_is_a_clear_error(monkeypatch):
+def test_bad_local_transport_is_a_clear_error():
+    from sparsp import SparspConfig
     from sparsp.transport.base import Topology
-    from sparsp.transport.peers import pair_plan
+    from sparsp.transport.select import choose
 
-    monkeypatch.setenv("SPARSP_LOCAL_TRANSPORT", "tcp")
-    with pytest.raises(ValueError, match="SPARSP_LOCAL_TRANSPORT='tcp' is not a transport"):
-        pair_plan(Topology("cpu", 2, True, True, False))
+    with pytest.raises(ValueError, match="local_transport='tcp' is not a transport"):
+        choose(Topology("cpu", 2, True, True, False), local="tcp")
+    with pytest.raises(ValueError, match="local_transport must be None or one of host, ipc, nccl; got 'peers'"):
+        SparspConfig(local_transport="peers")
+
+
+def test_local_transport_makes_peers_of_one_host_pairs():
+    """``local`` on one host: every pair takes it, so ``auto`` builds ``peers`` with that plan
+    when the rules would pick another transport for the group (CPU: gloo); with no ``local`` the
+    rules' choice stands."""
+    from sparsp.transport.base import Topology
+    from sparsp.transport.select import choose
+
+    topo = Topology("cpu", 3, True, True, False)
+    assert choose(topo) == ("nccl", choose(topo)[1], None)
+    name, reason, plan = choose(topo, local="host")
+    assert name == "peers" and reason.startswith("local_transport=host: "), reason
+    assert plan == ((None, "host", "host"), ("host", None, "host"), ("host", "host", None))
+    assert choose(topo, local="nccl")[::2] == ("nccl", None)  # what the rules pick anyway
+    assert choose(Topology("cpu", 1, True, True, False), local="host")[::2] == ("nccl", None)
 
 
 def test_pair_rules_on_gpu_topologies():

@@ -1,4 +1,4 @@
-"""Property tests of the whole CPU path (issue 5, item 1).
+"""Property tests of the whole CPU path.
 
 Random geometries (frames, height, width, text tokens; block sizes that do and do not divide
 the sequence or a frame), G = 2, 3, 4 ranks, contiguous or periodic placement, and random or

@@ -1,4 +1,4 @@
-"""Every strategy at G = 8 (gloo, CPU) against a single-process float64 reference (issue 12, part 2).
+"""Every strategy at G = 8 (gloo, CPU) against a single-process float64 reference.
 
 G = 2, 3 and 4 are covered in ``test_strategies.py``; this file adds eight ranks, where the
 relay ring's hops carry blocks for up to six downstream consumers and ``sparsp`` runs seven

@@ -1,5 +1,5 @@
 """``sparsp simulate``: the timeline on hand-computable cases, contention, calibration,
-validation, the CLI end to end and its errors (issue 12, part 3)."""
+validation, the CLI end to end and its errors."""
 
 import json
 import os
@@ -12,11 +12,11 @@ import torch
 from sparsp.cli import main
 from sparsp.geometry import VideoGeometry
 from sparsp.placement import make_placement
-from sparsp.simulate import PROFILES, KernelFigure, Profile, TransportFigure, Work, get_profile, timeline
+from sparsp.cost import PROFILES, KernelFigure, Profile, TransportFigure, Work, get_profile, pair_flops, timeline
+from sparsp.cost.timeline import bottleneck, capacities, exchange_gbps, fair_rates, route
 from sparsp.simulate.calibrate import calibrate, fit_transport
 from sparsp.simulate.job import geometry, MaskCache, simulate_one, validate
-from sparsp.simulate.model import build_work, pair_flops
-from sparsp.simulate.timeline import bottleneck, capacities, exchange_gbps, fair_rates, route
+from sparsp.simulate.model import build_work  # by strategy name: the registry's facts
 from sparsp.strategies.registry import strategy_names, strategy_spec
 
 TFLOPS = 100.0  # kernel rate of the hand-made profiles: 1e11 FLOPs per ms
@@ -195,9 +195,13 @@ def test_work_knows_its_order():
     """``local_first`` True applies to the strategies registered ``local_first``; ``ulysses``
     runs in order; the counts follow the order. Automatic (None, the config's default) without
     a profile: in order (no figures to decide from); ``Work.local_first`` is always a bool."""
-    from sparsp.simulate.model import EARLY_OPS, LOCAL_FIRST, issue_ops, run_ops
+    from sparsp import SparspConfig
+    from sparsp.cost.model import CHECK_FINITE, LOCAL_FIRST, SIMILARITY
+    from sparsp.cost.ops import EARLY_OPS, issue_ops, run_ops
 
-    assert LOCAL_FIRST is None  # SparspConfig's default: automatic
+    default = SparspConfig()  # the cost model's assumptions are the config's defaults
+    assert LOCAL_FIRST is default.local_first is None  # automatic
+    assert SIMILARITY == (default.sim_threshold is not None) and CHECK_FINITE == default.check_finite
     pl = make_placement("periodic", GEOM, 2)
     masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(3)) < 0.4
     for s in strategy_names():
@@ -223,8 +227,9 @@ def test_automatic_local_first_follows_the_code_rule():
     move over ``chunks.profile_fabric``'s pair bandwidth in no more time than the local kept
     pairs take at its kernel rate. LTX-Video, G = 2: on the host-staged 2×H200 fabric the round
     is transfer-bound (in order), over NVLink's ``ipc`` it lands early (local first)."""
-    from sparsp.simulate.model import Blocks, local_first_pays, measure, resolve_local_first
-    from sparsp.strategies import chunks
+    from sparsp.cost import chunks
+    from sparsp.cost.figures import Blocks, measure
+    from sparsp.simulate.model import local_first_pays, resolve_local_first
 
     geom = geometry("ltx-video")
     masks = MaskCache().get(geom, 0.9)
@@ -537,7 +542,7 @@ def test_cli_no_local_first_simulates_in_order(tmp_path):
     (["--cdf", "1.5"], "--cdf values must lie in [0, 1], got 1.5"),
     (["--transport", "tcp"], "profile pcie4-8gpu-nop2p has no transport 'tcp'"),
     (["--prefetch", "0"], "--prefetch must be an int >= 1, got 0"),
-    (["--calibrate", "/nonexistent/transport.json"], "/nonexistent/transport.json: not a readable result file"),
+    (["--calibrate", "/nonexistent/transport.json"], "--calibrate /nonexistent/transport.json: no such file"),
     (["--fabric", "h200x2-nvlink", "--ranks", "4"], "exceeds the 2 GPUs of profile h200x2-nvlink"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
@@ -559,7 +564,7 @@ def test_cli_argparse_errors_and_files(capsys, tmp_path):
     bad.write_text("{\"kind\": \"attention\"")
     assert main(["simulate", "--model", "ltx-video", "--ranks", "2", "--validate", str(bad),
                  "--out", str(tmp_path / "o")]) == 2
-    assert "not a readable result file" in capsys.readouterr().err
+    assert f"--validate {bad}: not a sparsp bench result (JSON): invalid or truncated JSON" in capsys.readouterr().err
 
 
 # --- profiles -------------------------------------------------------------------------------------
@@ -586,11 +591,11 @@ def test_profiles_validate_their_fields():
         KernelFigure(head_dim=0, sparse_tflops=1.0, dense_tflops=1.0)
 
 
-# --- issue 12: fixed costs, validation filters and discovery, measured demand --------------------
+# --- fixed costs, validation filters and discovery, measured demand ---------------------------------
 
 
 def test_fixed_cost_charges_mask_ops_and_merge_traffic():
-    from sparsp.simulate.model import MASK_OPS, mask_ops
+    from sparsp.cost.ops import MASK_OPS, mask_ops
 
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
     # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
@@ -609,8 +614,8 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
 
 
 def test_work_merge_traffic_follows_the_kernel_calls():
-    from sparsp.simulate.model import (FINAL_BYTES, FINAL_SECOND_BYTES, MERGE_BYTES, MERGE_FIRST_BYTES,
-                                       MERGE_SECOND_BYTES)
+    from sparsp.cost.model import (FINAL_BYTES, FINAL_SECOND_BYTES, MERGE_BYTES, MERGE_FIRST_BYTES,
+                                   MERGE_SECOND_BYTES)
 
     # the first partial is kept (no copy); each later one is folded into the fp32 accumulator
     # before the next kernel (from two kernel outputs, then from the accumulator); the last one
@@ -705,12 +710,12 @@ def test_mask_phase_collective_is_device_time_beside_the_host_ops():
 def test_gather_bytes_are_the_rows_the_code_sends():
     """``model.gather_bytes``: G−1 rows of what a rank sends in the metadata all-gather — the
     cached header and the summaries (q's and k's block sums and v's partial sums for the check,
-    as the CUDA kernel writes them, ``masks.summaries_into``; a dense call its q, k, v sums) —
+    as the CUDA kernel writes them, ``summaries.summaries_into``; a dense call its q, k, v sums) —
     padded to the largest rank's, in float32."""
     from sparsp import SparspConfig
-    from sparsp.masks import check_parts, summaries_into
-    from sparsp.plan import _header, _summaries
-    from sparsp.simulate.model import Blocks, gather_bytes, measure
+    from sparsp.plan import _header
+    from sparsp.summaries import check_parts, summaries_into, torch_summaries
+    from sparsp.cost import Blocks, gather_bytes, measure
 
     G = 3
     pl = make_placement("contiguous", GEOM, G)
@@ -720,7 +725,7 @@ def test_gather_bytes_are_the_rows_the_code_sends():
     S = max(pl.tokens_per_rank)  # the largest rank's summaries set the padded row
     q = k = v = torch.randn(1, S, GEOM.heads, GEOM.head_dim)
     n, F = -(-S // GEOM.block_size), GEOM.heads * GEOM.head_dim
-    data, _ = _summaries(q, k, v, None, cfg, False)
+    data = torch_summaries(q, k, v, cfg.block_size, sparse=False, check=cfg.check_finite)
     row = _header(q, cfg, "ring", data.numel()).numel() + data.numel()
     assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=False) == ((G - 1) * 4 * row,) * G
     fused = torch.empty(2 * n * F + check_parts(1, n, F))
@@ -728,12 +733,13 @@ def test_gather_bytes_are_the_rows_the_code_sends():
         summaries_into(fused, GEOM.block_size, q, k, v)
     assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=True) == ((G - 1) * 4 * (11 + fused.numel()),) * G
     # the torch form (CPU) sends the same block sums and one value for the check
-    assert _summaries(q, k, v, None, cfg, True)[0].numel() == 2 * n * F + 1
+    assert torch_summaries(q, k, v, cfg.block_size, sparse=True, check=cfg.check_finite).numel() == 2 * n * F + 1
 
 
 def test_sparsp_drain_units_charge_mask_ops():
-    from sparsp.simulate.model import (FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, Blocks,
-                                       drain_units, finish_ops, mask_ops, measure)
+    from sparsp.cost.figures import Blocks, measure
+    from sparsp.cost.model import drain_units
+    from sparsp.cost.ops import FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, finish_ops, mask_ops
 
     geom = geometry("ltx-video")
     masks = MaskCache().get(geom, 0.9)
@@ -745,7 +751,7 @@ def test_sparsp_drain_units_charge_mask_ops():
     d = measure(masks, Blocks.of(pl))
     assert drain_units(d, PROFILES["h200x2-host"], "host", head_dim=geom.head_dim, dtype_bytes=2) == ((1, 1),) * 2
     # with host ops free (op_ms 0) the same pairs are cut: both drain payloads of every rank in 4
-    # head groups (strategies/chunks.py); with the stage a CUDA graph, no op more before the
+    # head groups (cost/chunks.py); with the stage a CUDA graph, no op more before the
     # read, and 3 × 2.5 per payload in the read's finish (each unit's layout sliced)
     host = replace(PROFILES["h200x2-host"], op_ms=0.0)
     assert drain_units(d, host, "host", head_dim=geom.head_dim, dtype_bytes=2) == ((4, 4), (4, 4))
@@ -768,7 +774,7 @@ def test_host_ops_follow_the_code():
     and ``LOCAL_FIRST_RUN_OPS`` are the op counts of the current code (``opcount``, G = 2, in
     order and local first; the group of one too): a change to what the host issues before the
     read, after it, or to the order, makes this fail until they are recounted."""
-    from sparsp.simulate import model
+    from sparsp.cost import ops as model
     from sparsp.simulate.opcount import count, early_ops, eager_ops, finish_ops, graphed_ops, issue_ops, run_ops
 
     cases = [(s, lf) for s in ("ring", "ring-sparse", "sparsp", "ring-relay") for lf in (False, True)]
@@ -848,7 +854,7 @@ def _shape_kernel_file(tmp_path):
 
 
 def test_kernel_rate_takes_the_rows_of_the_matching_shape(tmp_path):
-    from sparsp.simulate import KernelPoint
+    from sparsp.cost import KernelPoint
 
     prof, report = calibrate(PROFILES["h200x2-nvlink"], [_shape_kernel_file(tmp_path)])
     # the per-head-dim fallback: the median of every sparse fa4 row in the strategies' layouts
@@ -884,7 +890,7 @@ def test_kernel_rate_takes_the_rows_of_the_matching_shape(tmp_path):
 def test_steps_run_at_their_layout_and_the_ranks_density():
     """A rank's step 0 (its own shard) runs at the ``local`` rate, received payloads at the
     ``packed`` rate, both at the rank's density over the whole sequence; ulysses packs all."""
-    from sparsp.simulate import KernelPoint
+    from sparsp.cost import KernelPoint
 
     pl = make_placement("contiguous", GEOM, 2)
     masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(0)) < 0.5
@@ -917,9 +923,10 @@ def test_ulysses_counts_its_copies(whole):
     stacked copies, G² kernel calls and their eager merges (``ULYSSES_*``)."""
     from dataclasses import replace as swap
 
-    from sparsp.simulate.model import (ULYSSES_FIRST_BYTES, ULYSSES_INPUT_BYTES, ULYSSES_MERGE_BYTES,
-                                       ULYSSES_PIECE_BYTES, ULYSSES_RESULT_BYTES, ULYSSES_WHOLE_COPY_BYTES,
-                                       Blocks, measure, work)
+    from sparsp.cost.figures import Blocks, measure
+    from sparsp.cost.model import (ULYSSES_FIRST_BYTES, ULYSSES_INPUT_BYTES, ULYSSES_MERGE_BYTES,
+                                   ULYSSES_PIECE_BYTES, ULYSSES_RESULT_BYTES, ULYSSES_WHOLE_COPY_BYTES)
+    from sparsp.simulate.model import work
 
     assert (ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES, ULYSSES_WHOLE_COPY_BYTES) == (40, 12, 4)
     G = 2
@@ -963,7 +970,7 @@ def test_discovery_prefers_the_kernel_file_covering_more_head_dims(tmp_path):
 def test_demand_figures_equal_a_brute_force_count(kind, ranks):
     """``demand_figures`` (what ``strategy="auto"`` reads) against loops over every block pair,
     in the call's placed order with a short tail block."""
-    from sparsp.simulate.model import Blocks, demand_figures
+    from sparsp.cost import Blocks, demand_figures
 
     g = torch.Generator().manual_seed(ranks)
     seq = tuple(16 * 3 + (5 if r == ranks - 1 else 0) for r in range(ranks))  # last rank: a short block
@@ -987,3 +994,47 @@ def test_demand_figures_equal_a_brute_force_count(kind, ranks):
                     direct[r][owner[j]] += L[j]
     want = [x for row in pairs for x in row] + [x for row in direct for x in row] + head
     assert got == want
+
+
+def test_cost_package_sits_below_the_strategies():
+    """``sparsp.cost`` imports no strategy, simulate, plan, transport, kernel, integration, bench or
+    CLI module (function-level imports included): a strategy reaches it only as its registered
+    facts."""
+    import ast
+    import pathlib
+
+    import sparsp.cost
+
+    above = ("strategies", "simulate", "plan", "transport", "kernels", "integrations", "bench", "cli")
+    for path in pathlib.Path(sparsp.cost.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names] if node.level else [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.replace("sparsp.", "", 1).split(".")
+                assert parts[0] not in above, f"{path.name} imports {name}"
+
+
+def test_cost_model_takes_a_strategys_facts():
+    """``cost.work`` of a registered spec equals the name-taking ``simulate.model.work``; any object
+    with the four facts is simulated by its byte rule, registered or not."""
+    from types import SimpleNamespace
+
+    from sparsp import cost
+    from sparsp.cost.figures import Blocks, measure
+    from sparsp.simulate import model
+
+    geom = geometry("ltx-video")
+    pl = make_placement("periodic", geom, 2)
+    d = measure(MaskCache().get(geom, 0.9), Blocks.of(pl))
+    spec = strategy_spec("sparsp")
+    assert cost.work(spec, d, head_dim=geom.head_dim) == model.work("sparsp", d, head_dim=geom.head_dim)
+    facts = SimpleNamespace(name="unregistered-direct", sparse=True, byte_rule="direct", local_first=False)
+    w = cost.work(facts, d, head_dim=geom.head_dim)
+    assert w.schedule == "direct" and w.recv == model.work("sparsp", d, head_dim=geom.head_dim).recv
+    with pytest.raises(ValueError, match="unknown strategy"):
+        model.work("no-such-strategy", d, head_dim=geom.head_dim)

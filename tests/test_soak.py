@@ -1,4 +1,4 @@
-"""Soak (issue 5, item 3): many consecutive ``sp_attention`` calls on CPU, 2 ranks, strategy
+"""Soak: many consecutive ``sp_attention`` calls on CPU, 2 ranks, strategy
 ``sparsp``, over the ``host`` (shared memory) and ``nccl`` (gloo) transports.
 
 Every call has new inputs and a new mask: a fresh seed, a CDF threshold that cycles, a
@@ -14,7 +14,8 @@ the largest geometry) each rank must stay flat until the last call:
 - every ``check_every``-th call equals the float64 single-process reference within 1e-5.
 
 ``test_soak_short`` runs in CI (``SHORT_CALLS`` calls). ``test_soak_long`` is marked ``slow``
-and runs only when ``SPARSP_SOAK_CALLS`` is set: ``make soak`` runs it with 5,000 calls.
+and runs only with ``--soak-calls N`` (``tests/conftest.py``): ``make soak`` runs it with
+``pytest --soak-calls 5000 -m slow``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ RSS_BOUND_MIB = 64.0
 B, H, D, BS = 1, 2, 16, 16
 GEOMETRIES = ([64, 48], [48, 61], [80, 80], [33, 64], [96, 40])  # tokens per rank, in turn
 CDFS = (0.6, 0.75, 0.9, 0.97)
-ENV_CALLS = os.environ.get("SPARSP_SOAK_CALLS")
 
 
 def _rss_kib() -> int:
@@ -166,7 +166,9 @@ def test_soak_short(transport, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ENV_CALLS is None, reason="runs with SPARSP_SOAK_CALLS set (make soak)")
 @pytest.mark.parametrize("transport", ["host", "nccl"])
-def test_soak_long(transport, tmp_path, monkeypatch):
-    _soak(transport, int(ENV_CALLS or 0), tmp_path, monkeypatch)
+def test_soak_long(transport, tmp_path, monkeypatch, request):
+    calls = request.config.getoption("--soak-calls")
+    if calls is None:
+        pytest.skip("runs with --soak-calls N (make soak)")
+    _soak(transport, calls, tmp_path, monkeypatch)

@@ -1,18 +1,14 @@
-"""``scripts/trace_timeline.py``: a profiled call's trace as host ranges and per-stream GPU work."""
+"""``sparsp.bench.timeline``: a profiled call's trace as host ranges and per-stream GPU work."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "trace_timeline", Path(__file__).resolve().parents[1] / "scripts" / "trace_timeline.py")
-tt = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(tt)
+from sparsp.bench import timeline as tt
 
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:

@@ -1,6 +1,6 @@
 """The ``host`` transport's slot protocol on CPU: shared memory, several processes over gloo.
 
-What must hold (DESIGN "Decoupled transfer runtime", issue 4): payloads arrive intact for any
+What must hold (DESIGN "Decoupled transfer runtime"): payloads arrive intact for any
 size up to the slot; producers run ahead by at most ``window`` slots and then wait for the
 consumer's release; slots are reused across many attention calls; a flag left from an earlier
 call is never taken for a fresh one; every wait ends in a ``TimeoutError`` that names the peer,
@@ -242,84 +242,6 @@ def _lagging_resets(rank: int, world: int, calls: int, tag: str) -> dict:
     return {"sent": sent, "received": received}
 
 
-def test_h2d_streams_option_is_checked(monkeypatch):
-    for bad in (0, 5, 1.5, "2"):
-        with pytest.raises(ValueError, match="h2d_streams"):
-            HostTransport(None, h2d_streams=bad)
-    monkeypatch.setenv("SPARSP_H2D_STREAMS", "two")
-    with pytest.raises(ValueError, match="SPARSP_H2D_STREAMS='two'"):
-        HostTransport(None)
-    monkeypatch.setenv("SPARSP_H2D_STREAMS", "9")
-    with pytest.raises(ValueError, match="h2d_streams=9"):
-        HostTransport(None)
-
-
-def test_numa_pages_of_a_segment_and_the_transport_placement_line():
-    """``shm.numa_pages`` counts a mapping's pages per NUMA node (where the kernel says);
-    ``HostTransport.placement`` puts every rank's segment and the GPU's node in one line."""
-    tag = _tag("numa")
-    seg = ShmSegment.create(tag, 0, 64 << 10)
-    try:
-        seg.tensor.fill_(1)  # every page touched: mapped in this process
-        pages = shm.numa_pages(seg.ptr)
-        if os.path.exists("/proc/self/numa_maps"):
-            assert pages and sum(pages.values()) >= (64 << 10) // 4096, pages
-        else:
-            assert pages == {}
-        assert shm.numa_pages(seg.ptr + 4096) == {}  # not where a mapping starts
-    finally:
-        seg.close()
-        seg.unlink()
-    for mode in ("off", "reader"):  # on a CPU run no GPU node is known: "reader" places nothing
-        line = run_distributed(_placement, 2, _tag("numa2"), mode)[0]
-        applied = mode if shm.can_place() else "off"  # the line names the placement in effect
-        assert line.startswith(f"slot pages ({applied}) per NUMA node: rank 0 ") and "; rank 1 " in line, line
-        assert line.endswith("GPU on node ?"), line
-
-
-def _placement(rank: int, world: int, tag: str, mode: str) -> str:
-    t = HostTransport(None, timeout_s=30, slot_bytes=4096, tag=tag, numa=mode)
-    try:
-        t.fence()
-        _exchange(t, rank, world, 256, torch.float32, 1)
-        return t.placement()
-    finally:
-        t.close()
-
-
-def test_slot_ranges_put_each_window_on_its_writer_or_reader_node(monkeypatch):
-    from sparsp.transport.host import slot_ranges
-
-    nodes = [0, 1, 1, None]  # rank 3's GPU node unknown
-    off, w, sb = 8192, 3, 4096
-    assert slot_ranges("off", 1, nodes, w, sb, off) == ()
-    # rank 1's windows for consumers 0, 2, 3 follow one another from ``off``
-    assert slot_ranges("writer", 1, nodes, w, sb, off) == (
-        (off, w * sb, 1), (off + w * sb, w * sb, 1), (off + 2 * w * sb, w * sb, 1))
-    assert slot_ranges("reader", 1, nodes, w, sb, off) == ((off, w * sb, 0), (off + w * sb, w * sb, 1))
-    assert slot_ranges("writer", 3, nodes, w, sb, off) == ()  # its own node unknown
-    with pytest.raises(ValueError, match="choose one of off, writer, reader"):
-        slot_ranges("local", 0, nodes, w, sb, off)
-    with pytest.raises(ValueError, match="SPARSP_HOST_NUMA"):
-        HostTransport(None, numa="near")
-    monkeypatch.setenv("SPARSP_HOST_NUMA", "everywhere")
-    with pytest.raises(ValueError, match="'everywhere'"):
-        HostTransport(None)
-
-
-def test_a_segment_range_allocated_on_a_chosen_node():
-    if not shm.can_place():
-        pytest.skip("no set_mempolicy here")
-    seg = ShmSegment.create(_tag("place"), 0, 256 << 10, placement=((4096, 128 << 10, 0),))
-    try:
-        seg.tensor.fill_(1)
-        pages = shm.numa_pages(seg.ptr)
-        assert pages.get(0, 0) >= (256 << 10) // 4096, pages  # node 0: the one every machine has
-    finally:
-        seg.close()
-        seg.unlink()
-
-
 def test_soak_random_sizes_window_and_many_fences():
     tag = _tag("soak")
     stats = run_distributed(_soak, 4, 3, 200, tag, timeout=150)
@@ -500,16 +422,9 @@ def _restart(rank: int, world: int, tag: str) -> int:
     with pytest.raises(RuntimeError, match="closed"):
         t.fence()
 
-    # auto on CPU is torch.distributed (gloo); SPARSP_TRANSPORT replaces auto
+    # auto on CPU is torch.distributed (gloo); an explicit name ignores ``local``
     assert isinstance(make_transport("auto", None), P2PTransport)
-    os.environ["SPARSP_TRANSPORT"] = "host"
-    try:
-        t = make_transport("auto", None, tag=tag + ".env")
-        assert isinstance(t, HostTransport)
-        t.close()
-        assert isinstance(make_transport("nccl", None), P2PTransport)  # explicit wins
-    finally:
-        del os.environ["SPARSP_TRANSPORT"]
+    assert isinstance(make_transport("nccl", None, local="host"), P2PTransport)
 
     # settings that differ between ranks are caught at export, on every rank
     with pytest.raises(ValueError, match="differ between ranks"):
@@ -529,54 +444,27 @@ def test_crash_leftover_is_reclaimed_at_next_start():
     assert _leftovers(tag) == []
 
 
-def _chunk_env(rank: int, world: int, tag: str, values: list) -> tuple:
-    """Each rank builds a transport with its own ``SPARSP_CHUNK_BYTES`` (None: unset)."""
-    if values[rank] is None:
-        os.environ.pop("SPARSP_CHUNK_BYTES", None)
-    else:
-        os.environ["SPARSP_CHUNK_BYTES"] = values[rank]
+def _chunk_arg(rank: int, world: int, tag: str, values: list) -> tuple:
+    """Each rank builds a transport with its own ``chunk_bytes`` (None: the default)."""
+    options = {} if values[rank] is None else {"chunk_bytes": values[rank]}
     try:
-        t = HostTransport(None, timeout_s=20, slot_bytes=8192, tag=tag)
+        t = HostTransport(None, timeout_s=20, slot_bytes=8192, tag=tag, **options)
     except ValueError as e:
         return None, str(e)
     try:
-        return t.chunk_bytes, None
+        return t.chunk_bytes, [hi - lo for _, lo, hi in t._chunks(150 << 10)]
     finally:
         t.close()
 
 
-def test_chunk_bytes_from_the_environment():
-    # unset: the default; "64KiB": taken; ranks that disagree refuse the transport, naming it
-    got = run_distributed(_chunk_env, 2, _tag("chunkdefault"), [None, None], timeout=90)
-    assert got == [(16 << 20, None)] * 2
-    got = run_distributed(_chunk_env, 2, _tag("chunkenv"), ["64KiB", "65536"], timeout=90)
-    assert got == [(64 << 10, None)] * 2
-    got = run_distributed(_chunk_env, 2, _tag("chunkdiffer"), ["64KiB", "128KiB"], timeout=90)
+def test_chunk_bytes_default_argument_and_agreement():
+    # the default (16 MiB); a given size, whose chunks cut every payload; ranks that disagree
+    # refuse the transport, naming it
+    got = run_distributed(_chunk_arg, 2, _tag("chunkdefault"), [None, None], timeout=90)
+    assert got == [(16 << 20, [150 << 10])] * 2
+    got = run_distributed(_chunk_arg, 2, _tag("chunkarg"), [64 << 10, 64 << 10], timeout=90)
+    assert got == [(64 << 10, [64 << 10, 64 << 10, 22 << 10])] * 2
+    got = run_distributed(_chunk_arg, 2, _tag("chunkdiffer"), [64 << 10, 128 << 10], timeout=90)
     assert all(size is None and "chunk_bytes" in err for size, err in got), got
-    got = run_distributed(_chunk_env, 2, _tag("chunkbad"), ["lots", "lots"], timeout=90)
-    assert all(size is None and "not a size: 'lots'" in err for size, err in got), got
-
-
-def _first_chunk(rank: int, world: int, tag: str) -> list:
-    os.environ["SPARSP_FIRST_CHUNK_BYTES"] = "16KiB"
-    t = HostTransport(None, timeout_s=20, slot_bytes=1 << 20, chunk_bytes=64 << 10, tag=tag)
-    try:
-        sizes = [hi - lo for _, lo, hi in t._chunks(300 << 10)]
-        t.fence()
-        for p in range(world):  # a payload of several ramped chunks arrives intact
-            if p != rank:
-                _send(t, p, (300 << 10) // 4, torch.float32, rank, p)
-        got = [_recv(t, p, (300 << 10) // 4, torch.float32, p, rank) for p in range(world) if p != rank]
-        t.fence()
-        return [sizes, got]
-    finally:
-        t.close()
-
-
-def test_a_ramped_first_chunk_doubles_up_to_the_chunk_size():
-    # 300 KiB in chunks of 64 KiB from a 16 KiB first one: 16, 32, 64, 64, 64, 60 (KiB)
-    for sizes, got in run_distributed(_first_chunk, 2, _tag("ramp"), timeout=90):
-        assert sizes == [16 << 10, 32 << 10, 64 << 10, 64 << 10, 64 << 10, 60 << 10], sizes
-        assert got == [300 << 10]
-    with pytest.raises(ValueError, match="first_chunk_bytes"):
-        HostTransport(None, first_chunk_bytes=1 << 30)  # larger than the chunk: refused first
+    with pytest.raises(ValueError, match="chunk_bytes=1024 must be >= 4096"):
+        HostTransport(None, chunk_bytes=1024)

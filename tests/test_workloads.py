@@ -66,7 +66,7 @@ def test_shapes_and_dtypes():
     assert set(out) == {0.5, 1.0}
     for m in out.values():
         assert m.shape == (3, SMALL.heads, SMALL.num_blocks, SMALL.num_blocks) and m.dtype == torch.bool
-    assert out[1.0].all()  # cdf 1 with similarity off is dense (DESIGN.md, "Mask semantics")
+    assert out[1.0].all()  # cdf 1 with similarity off is dense (docs/design.md, "Mask semantics")
 
 
 def test_head_counts_follow_the_mix():
@@ -303,3 +303,20 @@ def test_save_trace_validates(tmp_path):
         save_trace(tmp_path / "t.pt", _small_masks().float(), SMALL, cdf_threshold=0.9, source="s")
     with pytest.raises(ValueError, match="cdf_threshold"):
         save_trace(tmp_path / "t.pt", _small_masks(), SMALL, cdf_threshold=2.0, source="s")
+
+
+def test_head_params_set_kinds_and_alignment_and_are_checked():
+    from sparsp.workloads import HeadParams
+
+    kinds = ("dense",) * 4 + ("diagonal",) * 4
+    q, _ = token_qk(SMALL, seed=2, mix=NOISE_FREE, heads=HeadParams(kinds, (1.0,) * 8))
+    q2, _ = token_qk(SMALL, seed=2, mix=NOISE_FREE, heads=HeadParams(kinds, (2.0,) * 8))
+    assert torch.allclose(2 * q, q2, atol=1e-5)  # noise-free q is a·R(p)c: linear in a
+    # a dense head has no RoPE: every token's q is the same vector
+    assert torch.allclose(q[0, :, 0], q[0, :1, 0].expand_as(q[0, :, 0]))
+    with pytest.raises(ValueError, match="unknown head kind 'spiral'"):
+        HeadParams(("spiral",), (1.0,))
+    with pytest.raises(ValueError, match="2 kinds but 1 alignments"):
+        HeadParams(("dense", "column"), (1.0,))
+    with pytest.raises(ValueError, match="HeadParams for 2 heads, the geometry has 8"):
+        pooled_qk(SMALL, seed=0, heads=HeadParams(("dense", "column"), (1.0, 1.0)))

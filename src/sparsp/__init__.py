@@ -4,9 +4,12 @@ Public API: ``SparspConfig``, ``sp_attention`` (functional, local shards (B, S_l
 and the building blocks in ``geometry``, ``placement``, ``masks``, ``demand``.
 """
 
+from . import env
 from .config import SparspConfig
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+env.warn_unknown()  # a stale or misspelt SPARSP_* variable: one warning, at import
 
 
 def __getattr__(name):

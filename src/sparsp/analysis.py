@@ -1,9 +1,15 @@
 """``sparsp analyze``: what would sparsity save on my model and GPU count? (CPU only)
 
 For each CDF threshold and placement, the exact bytes every strategy moves per attention call
-(summed over the analysed layers), the reduction against the dense ring, the mask density, and
-the paper's Figure 4 / Figure 5 analogues. Masks come from the synthetic generator
-(``sparsp.workloads``) or from a recorded trace (``--trace``).
+(summed over the analysed layers), the reduction against the dense ring, the mask density, how
+evenly each strategy spreads the kept attention work over the ranks, and three plots: bytes
+versus G, the sharing curve (how many local query blocks read each remote K block) and the
+relay ring's bytes over direct routing. Masks come from the synthetic generator
+(``sparsp.workloads``), from the generator calibrated to a per-head density profile
+(``--density-profile``, ``sparsp.calibration``: then also bytes and per-rank imbalance for
+every layer, and a plot of both across layers) or from a recorded trace (``--trace``). A
+head-sharded strategy (``ulysses``) is skipped, with a note, where the heads do not divide by
+G, as it cannot run there.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from . import demand, masks as masks_mod, placement as placement_mod
 from .geometry import VideoGeometry, preset
 from .strategies import comm_bytes, strategy_names
+from .strategies.registry import strategies_where, strategy_spec
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 SWEEP_RANKS = (2, 4, 8, 16)
@@ -26,7 +33,8 @@ SWEEP_RANKS = (2, 4, 8, 16)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AnalyzeConfig:
     model: str = "hunyuan-video"
-    """Preset name (``sparsp.geometry.PRESETS``); ignored when a trace is given."""
+    """Preset name (``sparsp.geometry.PRESETS``); not read when a trace is given (the command
+    line refuses ``--model`` with ``--trace``)."""
     ranks: int = 8
     """Sequence-parallel degree G."""
     cdf: tuple[float, ...] = (0.85, 0.9, 0.95)
@@ -35,17 +43,35 @@ class AnalyzeConfig:
     strategies: tuple[str, ...] = ()
     """Strategies to account (empty: every registered one)."""
     trace: Path | None = None
-    layers: int = 1
-    """How many synthetic layers (different seeds and head mixes) to sum over."""
+    layers: int | None = 1
+    """How many synthetic layers (different seeds and head mixes) to sum over; with a trace,
+    its first ``layers`` (None: all; more than the trace holds is an error)."""
     dtype: str = "bf16"
     seed: int = 0
     out: Path | None = None
     plots: bool = True
+    density_profile: Path | None = None
+    """A per-(step, layer, head) density profile (``sparsp.density``) whose layers and heads match
+    the preset: the synthetic heads are calibrated to it (``sparsp.calibration``)."""
+    step: int | None = None
+    """The profile's step (1-based) to calibrate to; None: the mean over steps."""
+    calibration: Path | None = None
+    """Fitted parameters to reuse (``sparsp.calibration`` JSON); None: fit them now and write
+    them to ``out``/calibration.json."""
+    calibration_rows: int = 128
+    """Sampled query rows per head when fitting."""
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
             raise ValueError(f"--ranks must be >= 2, got {self.ranks}")
-        if self.layers < 1:
+        if self.density_profile is not None and self.trace is not None:
+            raise ValueError("--density-profile cannot apply with --trace: a trace holds real masks already")
+        for name, value in (("--step", self.step), ("--calibration", self.calibration)):
+            if value is not None and self.density_profile is None:
+                raise ValueError(f"{name} needs --density-profile")
+        if self.layers is None and self.trace is None and self.density_profile is None:
+            raise ValueError("layers=None (all of them) needs a trace or a density profile")
+        if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers must be >= 1, got {self.layers}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
@@ -63,24 +89,148 @@ class AnalyzeConfig:
             object.__setattr__(self, "strategies", known)
 
 
-def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple[VideoGeometry, dict[float, torch.Tensor], str]:
-    """Masks per CDF threshold, bool [layers, heads, nB, nB], and where they came from."""
+def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
+    """Masks per CDF threshold, bool [layers, heads, nB, nB], where they came from, and with a
+    density profile a fourth item: the calibration's summary."""
     from . import workloads
 
     if cfg.trace is not None:
         from .traces import load_trace
 
         trace = load_trace(cfg.trace)
-        return trace.geometry, {float(trace.cdf_threshold): trace.masks[: cfg.layers]}, f"trace:{trace.source}"
+        have = trace.masks.shape[0]
+        if cfg.layers is not None and cfg.layers > have:
+            raise ValueError(f"--layers {cfg.layers}: the trace {cfg.trace} holds {have} layer(s)")
+        return (trace.geometry, {float(trace.cdf_threshold): trace.masks[: cfg.layers or have]},
+                f"trace:{trace.source}")
     geom = preset(cfg.model)
+    if cfg.density_profile is not None:
+        return _calibrated_masks(cfg, geom, progress)
     masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=cfg.layers, seed=cfg.seed)
     return geom, {float(c): m for c, m in masks.items()}, "synthetic"
 
 
-def _bytes_over_layers(m: torch.Tensor, pl, strategy: str, head_dim: int, dtype_bytes: int) -> dict:
+def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
+    """Masks of the generator calibrated to ``cfg.density_profile`` (fitted now, or read from
+    ``cfg.calibration``), where they came from, and the calibration's summary."""
+    from . import calibration as cal_mod, workloads
+    from .density import read_profile
+
+    profile = read_profile(cfg.density_profile, expected=geom)
+    if cfg.step is not None:
+        profile.step(cfg.step)  # a step outside the profile: its one-line error, before any work
+    n = geom.layers if cfg.layers is None else cfg.layers
+    if n > geom.layers:
+        raise ValueError(f"--layers {n}: {geom.name} has {geom.layers} layers")
+    if cfg.calibration is not None:
+        cal = cal_mod.read_calibration(cfg.calibration, geometry=geom, source=profile.source, step=cfg.step)
+        if len(cal.layers) < n:
+            raise ValueError(f"{cfg.calibration}: fitted {len(cal.layers)} layer(s), {n} asked for")
+        written = None
+    else:
+        task = progress.add_task("calibrating layers", total=n) if progress else None
+        cal = cal_mod.calibrate(geom, profile, step=cfg.step, layers=n, seed=cfg.seed, rows=cfg.calibration_rows,
+                                on_layer=lambda _: _advance(progress, task))
+        # Written at once, so a later failure does not lose the fit: calibrate once, load many.
+        written = cal.write(cfg.out / "calibration.json") if cfg.out is not None else None
+    task = progress.add_task("calibrated masks", total=n) if progress else None
+    masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=n, seed=cal.seed, mix=cal.mix,
+                                      heads=cal.head_params()[:n], on_layer=lambda _: _advance(progress, task))
+    fits = cal.summary_rows()[:n]
+    heads = [h for ly in cal.layers[:n] for h in ly.heads]
+    info = {
+        "profile": str(cfg.density_profile), "source": profile.source, "step": cfg.step,
+        "mass": profile.mass, "seed": cal.seed, "rows": cal.rows,
+        "file": str(written or cfg.calibration) if (written or cfg.calibration) else None,
+        "fitted_now": cfg.calibration is None,
+        "within": sum(h.within for h in heads) / len(heads),
+        "unreachable": sum(not h.reachable for h in heads), "per_layer": fits,
+    }
+    where = "mean over steps" if cfg.step is None else f"step {cfg.step}"
+    return geom, {float(c): m for c, m in masks.items()}, f"calibrated:{profile.source} ({where})", info
+
+
+def runnable(strategies, heads: int, ranks: int) -> tuple[tuple[str, ...], list[dict]]:
+    """The strategies that can run with ``heads`` at G = ``ranks``, and a skip record for each
+    other one (a head-sharded strategy needs heads % G == 0; ``sparsp simulate`` skips it alike)."""
+    keep, skipped = [], []
+    for s in strategies:
+        if strategy_spec(s).heads_divisible and heads % ranks:
+            skipped.append({"strategy": s, "ranks": ranks,
+                            "reason": f"needs heads divisible by G: {heads} heads, G={ranks}"})
+        else:
+            keep.append(s)
+    return tuple(keep), skipped
+
+
+def compute_balance(m: torch.Tensor, pl, strategy: str) -> float:
+    """Attention work of the busiest rank over the mean (1.0: balanced), from ``m`` (bool
+    [layers, heads, nB, nB]). Work is the token pairs a rank's kernel computes: every pair of a
+    dense strategy, the kept pairs of a sparse one; a sequence-sharded strategy computes its
+    own query blocks for every head, a head-sharded one (``ulysses``) every query block of its
+    H/G heads, so the heads' different densities decide its balance."""
+    spec = strategy_spec(strategy)
+    lengths = pl.geometry.block_lengths().double()
+    pairs = lengths[:, None] * lengths[None, :]
+    kept = m.double() if spec.sparse else torch.ones_like(m, dtype=torch.float64)
+    work = (kept * pairs).sum(dim=(0, 3))  # [heads, nQ]
+    G = pl.ranks
+    if spec.heads_divisible:
+        per_rank = work.sum(dim=1).reshape(G, -1).sum(dim=1)
+    else:
+        per_rank = torch.zeros(G, dtype=torch.float64).index_add_(0, pl.owner.long(), work.sum(dim=0))
+    mean = per_rank.mean().item()
+    return round(per_rank.max().item() / mean, 4) if mean > 0 else 1.0
+
+
+def notes(doc: dict) -> list[str]:
+    """Lines printed under ``analyze``'s table: strategies skipped, and what bytes alone do not say."""
+    lines = [f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}" for s in doc.get("skipped", [])]
+    head_sharded = set(strategies_where(heads_divisible=True))
+    shown = {r["strategy"] for r in doc["results"]}
+    for s in sorted(head_sharded & shown):
+        lines.append(
+            f"{s}: its bytes are Q, K, V and the output once per call whatever the mask (so it can move "
+            f"the fewest at larger G), but sparsity never shrinks them, its all-to-all cannot overlap "
+            f"the kernel, each rank computes whole heads (compute max/mean: the heads' densities differ), "
+            f"and it runs only where G divides the heads; the sequence-sharded strategies overlap their "
+            f"transfers with the kernel and shrink with the mask. `sparsp simulate` predicts the time.")
+    return lines
+
+
+def calibration_lines(doc: dict) -> list[str]:
+    """Lines printed under ``analyze``'s table for calibrated masks: how well the heads fit, and
+    per placement the model's per-rank imbalance."""
+    cal = doc.get("calibration")
+    if not cal:
+        return []
+    how = "fitted now" if cal["fitted_now"] else "read"
+    where = f", {cal['file']}" if cal["file"] else ""
+    lines = [(f"calibration ({how}{where}): {100 * cal['within']:.0f}% of heads within tolerance of the "
+              f"profile's token density (verified on other rows and noise), {cal['unreachable']} head(s) "
+              f"out of the knob's reach")]
+    worst = min(cal["per_layer"], key=lambda r: r["within"])
+    lines.append(f"  fewest within: layer {worst['layer']} ({100 * worst['within']:.0f}%); its worst head "
+                 f"{worst['worst_head']} ({worst['worst_kind']}) target {worst['worst_target']:.4f}, "
+                 f"measured {worst['worst_density']:.4f}")
+    groups: dict[tuple, list[dict]] = {}
+    for r in doc.get("imbalance", []):
+        groups.setdefault((r["cdf"], r["placement"]), []).append(r)
+    for (cdf, pname), rows in groups.items():
+        recv = ", ".join(f"{r['strategy']} {r['recv_max_over_mean']:.2f}x" for r in rows)
+        lines.append(f"cdf {cdf:.2f}, {pname}: busiest rank / mean over the model: kept blocks "
+                     f"{rows[0]['kept_max_over_mean']:.2f}x; received bytes {recv}")
+    return lines
+
+
+def _bytes_over_layers(m: torch.Tensor, pl, strategy: str, head_dim: int, dtype_bytes: int,
+                       each: list | None = None) -> dict:
+    """Bytes summed over the layers of ``m``; each layer's own figures go to ``each`` if given."""
     total = None
     for layer in m:
         b = comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        if each is not None:
+            each.append(b)
         total = b if total is None else {
             "total": total["total"] + b["total"],
             "per_rank": [x + y for x, y in zip(total["per_rank"], b["per_rank"])],
@@ -91,13 +241,22 @@ def _bytes_over_layers(m: torch.Tensor, pl, strategy: str, head_dim: int, dtype_
 def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
     """Run the analysis and return the ``analysis.json`` document."""
     t0 = time.perf_counter()
-    geom, masks_by_cdf, source = load_masks(cfg)
+    geom, masks_by_cdf, source, *calibrated = load_masks(cfg, progress)
     dtype_bytes = DTYPE_BYTES[cfg.dtype]
     hd = geom.head_dim
-    placements = {k: placement_mod.make_placement(k, geom, cfg.ranks) for k in cfg.placements}
-    steps = len(masks_by_cdf) * (len(placements) * len(cfg.strategies) + 1)
+    try:
+        placements = {k: placement_mod.make_placement(k, geom, cfg.ranks) for k in cfg.placements}
+    except ValueError as e:
+        if cfg.trace is None or cfg.ranks <= geom.num_blocks:
+            raise
+        raise ValueError(f"{e}: the trace {cfg.trace} has {geom.num_tokens} tokens in {geom.block_size}-token "
+                         f"blocks; record it with a smaller --block-size (sparsp trace --block-size N) "
+                         f"or use fewer --ranks") from None
+    strategies, skipped = runnable(cfg.strategies, geom.heads, cfg.ranks)
+    steps = len(masks_by_cdf) * (len(placements) * len(strategies) + 1)
     task = progress.add_task("bytes per strategy", total=steps) if progress else None
     results, stats = [], []
+    by_layer: dict[tuple, list] = {}  # (cdf, placement, strategy) -> bytes of each layer
     for cdf, m in masks_by_cdf.items():
         dens = masks_mod.density(m)
         stats.append({
@@ -107,31 +266,73 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
         })
         _advance(progress, task)
         for pname, pl in placements.items():
-            for strategy in cfg.strategies:
-                b = _bytes_over_layers(m, pl, strategy, hd, dtype_bytes)
+            for strategy in strategies:
+                each = by_layer.setdefault((cdf, pname, strategy), []) if calibrated else None
+                b = _bytes_over_layers(m, pl, strategy, hd, dtype_bytes, each)
                 results.append({
                     "cdf": cdf, "placement": pname, "strategy": strategy,
                     "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
                     "bytes_per_rank": b["per_rank"], "density": dens,
+                    "compute_max_over_mean": compute_balance(m, pl, strategy),
                 })
                 _advance(progress, task)
+    # ``reduction_vs_ring``: against the dense baseline (registered ``baseline``), if analysed
+    baseline = next((s for s in strategies_where(baseline=True) if s in strategies), None)
     for r in results:
         ring = next(x for x in results if x["cdf"] == r["cdf"] and x["placement"] == r["placement"]
-                    and x["strategy"] == "ring") if "ring" in cfg.strategies else None
+                    and x["strategy"] == baseline) if baseline else None
         r["reduction_vs_ring"] = 1.0 - r["bytes_total"] / ring["bytes_total"] if ring else None
     doc = {
         "model": geom.name, "ranks": cfg.ranks, "dtype": cfg.dtype, "head_dim": hd, "heads": geom.heads,
         "tokens": geom.num_tokens, "blocks": geom.num_blocks, "block_size": geom.block_size,
         "layers": int(next(iter(masks_by_cdf.values())).shape[0]), "masks": source,
-        "results": results, "mask_stats": stats,
+        "results": results, "mask_stats": stats, "skipped": skipped,
     }
+    if calibrated:
+        doc["calibration"] = calibrated[0]
+        doc["per_layer"], doc["imbalance"] = _per_layer(masks_by_cdf, placements, strategies, by_layer)
     doc["sweep"] = _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress)
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     return doc
 
 
+def _max_over_mean(x: torch.Tensor) -> float:
+    mean = x.double().mean().item()
+    return round(x.double().max().item() / mean, 4) if mean > 0 else 1.0
+
+
+def _per_layer(masks_by_cdf, placements, strategies, by_layer) -> tuple[list, list]:
+    """Per layer, cdf, placement and strategy: the bytes (``by_layer``, already counted) and the
+    per-rank imbalance (max/mean) of the kept blocks (of the query blocks a rank owns, over
+    heads) and of the received bytes; and the same imbalances of the whole model (kept blocks
+    and bytes summed over the layers)."""
+    rows, model = [], []
+    for cdf, m in masks_by_cdf.items():
+        kept_q = m.sum(dim=(1, 3)).double()  # [layers, nQ]: kept blocks per query block, over heads
+        for pname, pl in placements.items():
+            kept = torch.zeros(m.shape[0], pl.ranks, dtype=torch.float64).index_add_(1, pl.owner.long(), kept_q)
+            for strategy in strategies:
+                per_rank = torch.tensor([b["per_rank"] for b in by_layer[(cdf, pname, strategy)]],
+                                        dtype=torch.float64)  # [layers, G]
+                for layer, b in enumerate(by_layer[(cdf, pname, strategy)]):
+                    rows.append({
+                        "layer": layer, "cdf": cdf, "placement": pname, "strategy": strategy,
+                        "density": masks_mod.density(m[layer:layer + 1]),
+                        "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
+                        "kept_max_over_mean": _max_over_mean(kept[layer]),
+                        "recv_max_over_mean": _max_over_mean(per_rank[layer]),
+                    })
+                model.append({"cdf": cdf, "placement": pname, "strategy": strategy,
+                              "kept_max_over_mean": _max_over_mean(kept.sum(0)),
+                              "recv_max_over_mean": _max_over_mean(per_rank.sum(0)),
+                              "bytes_total": int(per_rank.sum().item())})
+    rows.sort(key=lambda r: (r["layer"], r["cdf"]))
+    return rows, model
+
+
 def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
-    """Volume versus G (first layer), Figure 4 curves at G = ranks, Figure 5 amplification."""
+    """Bytes versus G (first layer), the sharing curves at G = ranks, and the relay ring's bytes
+    over direct routing versus G (the paper's Figures 4 and 5)."""
     cdf = sorted(masks_by_cdf)[len(masks_by_cdf) // 2]
     m = masks_by_cdf[cdf][0]
     ranks_list = [G for G in SWEEP_RANKS if G <= geom.num_blocks]
@@ -140,7 +341,7 @@ def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
     for G in ranks_list:
         for pname in cfg.placements:
             pl = placement_mod.make_placement(pname, geom, G)
-            for strategy in cfg.strategies:
+            for strategy in runnable(cfg.strategies, geom.heads, G)[0]:
                 b = comm_bytes(m, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes)
                 volume.append({"ranks": G, "placement": pname, "strategy": strategy, "bytes_total": b["total"]})
             _advance(progress, task)
@@ -148,6 +349,9 @@ def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
     for pname in cfg.placements:
         xs, ys = demand.sharing_curve(m, placement_mod.make_placement(pname, geom, cfg.ranks))
         sharing[pname] = {"x": xs.tolist(), "y": ys.tolist()}
+    # Figure 5: the first analysed strategy with relay routing over the first with direct
+    relay = next((s for s in strategies_where(byte_rule="relay") if s in cfg.strategies), None)
+    direct = next((s for s in strategies_where(byte_rule="direct") if s in cfg.strategies), None)
     amp = {}
     for pname in cfg.placements:
         rows = {v["ranks"]: {} for v in volume}
@@ -155,10 +359,11 @@ def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
             if v["placement"] == pname:
                 rows[v["ranks"]][v["strategy"]] = v["bytes_total"]
         amp[pname] = [
-            {"ranks": G, "relay_over_direct": r["ring-relay"] / r["sparsp"] if r.get("sparsp") else None}
-            for G, r in rows.items() if "ring-relay" in r and "sparsp" in r
+            {"ranks": G, "relay_over_direct": r[relay] / r[direct] if r.get(direct) else None}
+            for G, r in rows.items() if relay in r and direct in r
         ]
-    return {"cdf": cdf, "volume": volume, "sharing": sharing, "amplification": amp}
+    return {"cdf": cdf, "volume": volume, "sharing": sharing, "amplification": amp,
+            "relay": relay, "direct": direct}
 
 
 def _advance(progress, task) -> None:
@@ -173,48 +378,131 @@ def write_outputs(doc: dict, out: Path) -> list[Path]:
     return [path] + plot(doc, out)
 
 
+def _source(doc: dict) -> str:
+    """The masks' origin for a plot title: ``synthetic`` or the trace's source, shortened."""
+    masks = doc["masks"]
+    if masks.startswith("trace:"):
+        src = masks[len("trace:"):]
+        return "trace: " + (src if len(src) <= 40 else src[:39] + "…")
+    return masks
+
+
 def plot(doc: dict, out: Path) -> list[Path]:
+    """The PNGs; a plot that has nothing to show is not written, and ``doc["plots_skipped"]``
+    says why."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sweep, paths = doc["sweep"], []
-    title = f"{doc['model']} ({doc['masks']} masks, cdf {sweep['cdf']})"
+    doc["plots_skipped"] = []
+    placed = list(sweep["sharing"])
+    about = (f"{doc['model']}, {_source(doc)} masks, cdf {sweep['cdf']}, {doc['dtype']}, first layer"
+             + (f", {placed[0]} placement" if len(placed) == 1 else ""))
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for pname in {v["placement"] for v in sweep["volume"]}:
+    def title(what: str) -> str:
+        return "\n".join(textwrap.wrap(what, 60) + textwrap.wrap(about, 60))
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    top = max((v["bytes_total"] for v in sweep["volume"]), default=1)
+    unit, scale = next(((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if top >= 2**e), ("B", 1))
+    drawn: dict[tuple, list[str]] = {}
+    placements = list(dict.fromkeys(v["placement"] for v in sweep["volume"]))
+    for pname in placements:
         for strategy in dict.fromkeys(v["strategy"] for v in sweep["volume"]):
-            pts = [(v["ranks"], v["bytes_total"] / 2**30) for v in sweep["volume"]
-                   if v["placement"] == pname and v["strategy"] == strategy]
-            if strategy == "ring-sparse" or (strategy in ("ring", "ulysses") and pname != "contiguous"):
-                continue  # identical to ring / independent of placement
-            ax.plot(*zip(*pts), marker="o", label=f"{strategy} ({pname})",
-                    linestyle="-" if pname == "periodic" else "--")
-    ax.set(xlabel="ranks G", ylabel="GiB received per attention call (all ranks)", title=title, xscale="log")
+            pts = tuple((v["ranks"], v["bytes_total"] / scale) for v in sweep["volume"]
+                        if v["placement"] == pname and v["strategy"] == strategy)
+            if pts:
+                drawn.setdefault(pts, []).append(f"{strategy} ({pname})" if len(placements) > 1 else strategy)
+    for i, (pts, labels) in enumerate(drawn.items()):
+        # curves with the same bytes (the same byte rule, or bytes that do not depend on the
+        # placement) are one line whose label names them all, so none is lost from the legend
+        label = "\n".join(textwrap.wrap(" = ".join(labels), 48))
+        ax.plot(*zip(*pts), marker="o", label=label, linestyle="-" if i % 2 == 0 else "--")
+    ax.set(xlabel="ranks G", ylabel=f"{unit} of K/V received per attention call, all ranks",
+           title=title("K/V bytes each strategy moves versus the number of ranks"), xscale="log")
     ax.set_xticks(sorted({v["ranks"] for v in sweep["volume"]}), labels=None)
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
     paths.append(_save(fig, out / "volume_vs_ranks.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for pname, c in sweep["sharing"].items():
-        ax.plot([100 * x for x in c["x"]], [100 * y for y in c["y"]], marker=".", label=pname)
-    ax.set(xlabel="x: % of local Q blocks that read the K block", ylabel="% of remote K blocks received",
-           title=f"Figure 4 analogue, G={doc['ranks']}\n{title}")
+    fig, ax = plt.subplots(figsize=(7, 5))
+    curves: dict[tuple, list[str]] = {}
+    for pname, c in sweep["sharing"].items():  # identical curves: one line naming both placements
+        curves.setdefault((tuple(c["x"]), tuple(c["y"])), []).append(pname)
+    for (xs, ys), names in curves.items():
+        ax.plot([100 * x for x in xs], [100 * y for y in ys], marker=".", label=f"{' = '.join(names)} placement")
+    ax.set(xlabel="x: % of the receiving rank's Q blocks that read the K block",
+           ylabel="% of received remote K blocks read by at least x",
+           title=title(f"How widely each received K block is read at G={doc['ranks']} "
+                       "(higher: less of each transfer wasted)"))
     ax.legend()
     paths.append(_save(fig, out / "sharing_curve.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    if doc.get("per_layer"):
+        paths.append(_plot_layers(doc, out))
+
+    relay, direct = sweep.get("relay"), sweep.get("direct")
+    if not any(sweep["amplification"].values()):
+        doc["plots_skipped"].append(
+            "relay_amplification.png: it compares a relay-routed strategy (ring-relay) with a direct-routed "
+            "one (sparsp); give both to --strategy to draw it")
+        return paths
+    fig, ax = plt.subplots(figsize=(7, 5))
     for pname, rows in sweep["amplification"].items():
-        ax.plot([r["ranks"] for r in rows], [r["relay_over_direct"] for r in rows], marker="o", label=pname)
+        ax.plot([r["ranks"] for r in rows], [r["relay_over_direct"] for r in rows], marker="o",
+                label=f"{pname} placement")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="ranks G", ylabel="relay-ring bytes / direct (demand) bytes",
-           title=f"Figure 5 analogue\n{title}")
+    ax.set(xlabel="ranks G", ylabel=f"{relay} bytes / {direct} bytes",
+           title=title(f"Bytes a relay ring ({relay}) moves over direct routing ({direct}): "
+                       "what forwarding through ranks adds"))
     ax.legend()
     paths.append(_save(fig, out / "relay_amplification.png"))
     return paths
+
+
+def _plot_layers(doc: dict, out: Path) -> Path:
+    """Bytes per layer of every strategy, and the per-rank imbalance of kept blocks and of
+    received bytes, across layers, at the sweep's cdf."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    cdf = doc["sweep"]["cdf"]
+    about = f"{doc['model']}, {_source(doc)} masks, {doc['dtype']}, G={doc['ranks']}"
+    rows = [r for r in doc["per_layer"] if r["cdf"] == cdf]
+    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    top = max((r["bytes_total"] for r in rows), default=1)
+    unit, scale = next(((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if top >= 2**e), ("B", 1))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    styles = ["-", "--", ":", "-."]
+    for i, pname in enumerate(placements):
+        for strategy in strategies:
+            pts = [(r["layer"], r["bytes_total"] / scale) for r in rows
+                   if r["placement"] == pname and r["strategy"] == strategy]
+            ax1.plot(*zip(*pts), marker=".", linestyle=styles[i % 4], label=f"{strategy} ({pname})")
+        first = [r for r in rows if r["placement"] == pname and r["strategy"] == strategies[0]]
+        ax2.plot([r["layer"] for r in first], [r["kept_max_over_mean"] for r in first], marker=".",
+                 linestyle=styles[i % 4], label=f"kept blocks ({pname})")
+        for strategy in strategies:
+            pts = [(r["layer"], r["recv_max_over_mean"]) for r in rows
+                   if r["placement"] == pname and r["strategy"] == strategy]
+            ax2.plot(*zip(*pts), marker="x", linestyle=styles[i % 4], label=f"received bytes, {strategy} ({pname})")
+    ax1.set(ylabel=f"{unit} of K/V received per call, all ranks",
+            title="\n".join(textwrap.wrap(f"Bytes and per-rank imbalance per layer, cdf {cdf}", 60)
+                             + textwrap.wrap(about, 60)))
+    ax1.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: the lines stay visible
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set(xlabel="layer", ylabel="busiest rank / mean rank")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return _save(fig, out / "layers.png")
 
 
 def _save(fig, path: Path) -> Path:

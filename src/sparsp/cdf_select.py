@@ -4,8 +4,8 @@
 softmax mass is ≤ the head's ``cdf`` (at least one; every block when ``cdf`` ≥ 1). Written
 with torch ops that is a softmax, a stable sort of every row, a prefix sum and a scatter:
 at HunyuanVideo's 24 × 992 × 992 scores on an H200 the sort alone takes 0.80 ms of the
-selection's 1.47 ms, and every rank runs it on every call before any byte moves
-(``scripts/probe_mask_select.py``). This kernel holds one row in registers and finds the
+selection's 1.47 ms, and every rank runs it on every call before any byte moves.
+This kernel holds one row in registers and finds the
 kept set without sorting it:
 
 - ``p = softmax(row)`` (a row of −inf — no similar key block — is all zero);
@@ -27,8 +27,8 @@ distributed plan needs (DESIGN "Mask semantics").
 CUDA tensors run the compiled kernel; CPU tensors run it in Triton's interpreter when
 ``TRITON_INTERPRET=1`` was set before Triton was imported (the CPU suite checks the kernel's
 logic against the sort that way). ``masks.select_blocks`` calls it on CUDA
-where Triton is importable and a row fits (``MAX_COLS`` blocks); elsewhere the torch ops run.
-``SPARSP_FUSED_SELECT=0`` turns it off.
+where Triton is importable and a row fits (``MAX_COLS`` blocks); elsewhere the torch ops run
+(and with ``SPARSP_TRITON=0``, ``_triton.runs``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ MAX_COLS = 16384
 
 def available(scores: torch.Tensor) -> bool:
     """Whether ``select_blocks`` runs this kernel on ``scores``: CUDA, Triton importable, rows
-    of at most ``MAX_COLS`` blocks, not switched off by ``SPARSP_FUSED_SELECT=0``."""
-    return runs(scores, "SPARSP_FUSED_SELECT") and 0 < scores.shape[-1] <= MAX_COLS
+    of at most ``MAX_COLS`` blocks, Triton kernels not switched off (``_triton.runs``)."""
+    return runs(scores) and 0 < scores.shape[-1] <= MAX_COLS
 
 
 if triton is not None:

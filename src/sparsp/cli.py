@@ -1,4 +1,11 @@
-"""The ``sparsp`` command line: ``analyze`` (CPU), ``bench attention|transport`` (GPUs)."""
+"""The ``sparsp`` command line: ``analyze`` and ``simulate`` (CPU), ``trace`` (a Diffusers model),
+``bench attention|e2e|kernel|transport`` (GPUs).
+
+Each verb's parser gets its arguments only when that verb is chosen (``_LazyParser``), and its
+choices come from plain-data modules (``sparsp.geometry``, ``sparsp.names``); strategy names
+are checked against the registry when the verb runs. So ``sparsp --help`` and the CPU verbs'
+``--help`` answer without importing torch, Diffusers or matplotlib.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,49 @@ import sys
 from pathlib import Path
 
 from .geometry import PRESETS
-from .strategies import strategy_names
+from .inputs import HelpFormatter
+from .names import PLACEMENTS
+
+
+class _LazyParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose arguments ``populate(self)`` adds on first use (parsing or
+    help): building the whole command tree then imports no verb's module."""
+
+    def __init__(self, *args, populate=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _fill(self) -> None:
+        populate, self._populate = self._populate, None
+        if populate is not None:
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._fill()
+        return super().parse_known_args(args, namespace)
+
+    if hasattr(argparse.ArgumentParser, "_parse_known_args2"):  # newer Pythons may enter here instead
+
+        def _parse_known_args2(self, *args, **kwargs):
+            self._fill()
+            return super()._parse_known_args2(*args, **kwargs)
+
+    def format_help(self) -> str:
+        self._fill()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._fill()
+        return super().format_usage()
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except ``None`` (the help text says what ``None`` means there)."""
+
+    def _get_help_string(self, action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -18,34 +67,91 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+ANALYZE_DEFAULTS = {"model": "hunyuan-video", "cdf": (0.85, 0.9, 0.95), "layers": 1, "seed": 0}
+"""What ``analyze`` uses for the synthetic masks when an option is not given."""
+
+
 def _add_analyze(sub) -> None:
-    p = sub.add_parser(
+    sub.add_parser(
         "analyze",
         help="bytes each SP strategy moves on a model (CPU, no GPU needed)",
         description=(
             "Compute, for a model preset and G ranks, the exact K/V bytes every sequence-parallel "
             "strategy receives per attention call under contiguous and periodic placement, from "
-            "synthetic video attention masks (or a recorded trace). Prints a table and writes "
-            "DIR/analysis.json and PNG plots (volume vs G, Figure 4 and 5 analogues)."
+            "synthetic video attention masks or a recorded trace (sparsp trace). Prints a table and "
+            "writes DIR/analysis.json and PNG plots: bytes versus G, how widely each remote K block "
+            "is read (the sharing curve), and the relay ring's bytes over direct routing. With "
+            "--trace, the masks, model and threshold come from the trace: --model, --cdf and --seed "
+            "are refused, and --layers may only pick the trace's first N layers. With --density-profile, "
+            "the synthetic heads are first calibrated to a real model's per-head densities (docs/workloads.md), "
+            "and bytes and per-rank imbalance are reported for every layer (layers.png)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
+        populate=_analyze_arguments,
     )
-    p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
+
+
+def _analyze_arguments(p) -> None:
+    d = ANALYZE_DEFAULTS
+    p.add_argument("--model", default=None, choices=PRESETS,
+                   help=f"model preset of the synthetic masks (default: {d['model']}; not with --trace)")
     p.add_argument("--ranks", type=int, default=8, help="sequence-parallel degree G")
-    p.add_argument("--cdf", type=float, nargs="+", default=[0.85, 0.9, 0.95], help="CDF thresholds")
-    p.add_argument("--placement", nargs="+", default=["contiguous", "periodic"],
-                   choices=["contiguous", "periodic"], help="placements to compare")
-    names = strategy_names()
-    p.add_argument("--strategy", nargs="+", default=list(names), choices=names,
-                   help="strategies to account")
+    p.add_argument("--cdf", type=float, nargs="+", default=None,
+                   help=f"CDF thresholds of the synthetic masks (default: {' '.join(map(str, d['cdf']))}; "
+                        "not with --trace, whose masks were made at one threshold)")
+    p.add_argument("--placement", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS,
+                   help="placements to compare")
+    p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
+                   help="strategies to account (default: every registered one: README, \"Strategies\"; "
+                        "an unknown name is refused with the registered ones)")
     p.add_argument("--trace", type=Path, default=None,
-                   help="a sparsp trace (.pt) with real masks to analyse instead of synthetic ones")
-    p.add_argument("--layers", type=int, default=1, help="layers to generate (or read from the trace) and sum")
+                   help="a sparsp trace (.pt, written by `sparsp trace`) with real masks to analyse "
+                        "instead of synthetic ones")
+    p.add_argument("--density-profile", type=Path, default=None, metavar="FILE",
+                   help="a per-(step, layer, head) density profile (.csv as published, or sparsp's .json) "
+                        "whose layers and heads match --model: the synthetic heads are calibrated to it, and "
+                        "bytes and per-rank imbalance are reported for every layer (not with --trace)")
+    p.add_argument("--step", type=int, default=None,
+                   help="the profile's step to calibrate to (1-based; default: the mean over steps)")
+    p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                   help="reuse fitted parameters (JSON) instead of fitting; default: fit them and write "
+                        "DIR/calibration.json")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"synthetic layers to generate and sum (default: {d['layers']}), or with --trace "
+                        "the trace's first N layers (default: all of them), or with --density-profile the "
+                        "model's first N layers (default: all of them)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="K/V element type")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"seed of the synthetic workload (default: {d['seed']}; not with --trace)")
     p.add_argument("--out", type=Path, default=Path("results/analyze"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=_run_analyze)
+
+
+def _analyze_config(args):
+    """The ``AnalyzeConfig`` of the arguments; ``ValueError`` for an option that cannot apply."""
+    from .analysis import AnalyzeConfig
+
+    if args.out.exists() and not args.out.is_dir():  # found now, not after the analysis
+        raise ValueError(f"--out {args.out} is a file; give a directory")
+    d = ANALYZE_DEFAULTS
+    profile = getattr(args, "density_profile", None)
+    if args.trace is not None and profile is not None:
+        raise ValueError("--density-profile cannot apply with --trace: the trace holds real masks already; "
+                         "drop one of them")
+    if args.trace is not None:
+        given = [f"--{k}" for k in ("model", "cdf", "seed") if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} cannot apply with --trace: the trace fixes the model, "
+                             f"its masks' threshold and the masks themselves; drop "
+                             f"{'it' if len(given) == 1 else 'them'} (or drop --trace for synthetic masks)")
+    return AnalyzeConfig(
+        model=args.model or d["model"], ranks=args.ranks, cdf=tuple(args.cdf or d["cdf"]),
+        placements=tuple(args.placement), strategies=tuple(args.strategy or ()), trace=args.trace,
+        layers=args.layers if args.layers is not None else (None if args.trace or profile else d["layers"]),
+        dtype=args.dtype, seed=d["seed"] if args.seed is None else args.seed, out=args.out,
+        density_profile=profile, step=getattr(args, "step", None), calibration=getattr(args, "calibration", None),
+    )
 
 
 def _run_analyze(args) -> int:
@@ -53,17 +159,13 @@ def _run_analyze(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .analysis import AnalyzeConfig, analyze, write_outputs
+    from .analysis import analyze, calibration_lines, notes, write_outputs
 
     console = Console()
+    if console.width < 100:  # eight columns: do not truncate them in a pipe
+        console = Console(width=100)
     try:
-        if args.out.exists() and not args.out.is_dir():  # found now, not after the analysis
-            raise ValueError(f"--out {args.out} is a file; give a directory")
-        cfg = AnalyzeConfig(
-            model=args.model, ranks=args.ranks, cdf=tuple(args.cdf), placements=tuple(args.placement),
-            strategies=tuple(args.strategy), trace=args.trace, layers=args.layers, dtype=args.dtype,
-            seed=args.seed, out=args.out,
-        )
+        cfg = _analyze_config(args)
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
             doc = analyze(cfg, progress)
@@ -71,29 +173,43 @@ def _run_analyze(args) -> int:
         return _usage_error(e)
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"G={doc['ranks']}, {doc['dtype']}, {doc['layers']} layer(s), {doc['masks']} masks")
-    for col in ("cdf", "density", "placement", "strategy", "max/rank", "total", "vs ring"):
+    for col in ("cdf", "density", "placement", "strategy", "max/rank", "total", "vs ring", "compute max/mean"):
         table.add_column(col, justify="right" if col not in ("placement", "strategy") else "left")
     for r in doc["results"]:
         red = r["reduction_vs_ring"]
         table.add_row(f"{r['cdf']:.2f}", f"{100 * r['density']:.1f}%", r["placement"], r["strategy"],
                       _fmt_bytes(r["bytes_max_rank"]), _fmt_bytes(r["bytes_total"]),
-                      "" if red is None else ("0.0%" if red == 0 else f"{-100 * red:+.1f}%"))
+                      "" if red is None else ("0.0%" if red == 0 else f"{-100 * red:+.1f}%"),
+                      f"{r['compute_max_over_mean']:.2f}x")
     console.print(table)
+    console.print("compute max/mean: attention work (token pairs computed) of the busiest rank over the "
+                  "mean; 1.00x is balanced", markup=False, highlight=False)
     for s in doc["mask_stats"]:
         shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["patterns"].items())
         console.print(f"cdf {s['cdf']:.2f}: density {100 * s['density']:.1f}%; patterns: {shares}")
+    for line in notes(doc):
+        console.print(line, markup=False, highlight=False)
+    for line in calibration_lines(doc):
+        console.print(line, markup=False, highlight=False)
     try:
         paths = _write_json_only(doc, args.out) if args.no_plots else write_outputs(doc, args.out)
     except OSError as e:  # --out names a file, or a directory we may not write
         return _usage_error(f"cannot write to --out {args.out}: {e}")
     console.print("wrote " + ", ".join(str(p) for p in paths))
+    for skipped in doc.get("plots_skipped", []):
+        console.print(f"not drawn: {skipped}", markup=False, highlight=False)
     console.print(f"done in {doc['seconds']:.1f} s")
     return 0
 
 
-def _usage_error(error) -> int:
+def one_line(error) -> str:
+    """``error`` as one line (an exception's text may hold newlines)."""
+    return " ".join(str(error).split())
+
+
+def _usage_error(error, verb: str = "analyze") -> int:
     """Report a bad argument the way argparse does: one line on stderr, exit status 2."""
-    print(f"sparsp analyze: error: {error}", file=sys.stderr)
+    print(f"sparsp {verb}: error: {one_line(error)}", file=sys.stderr)
     return 2
 
 
@@ -107,38 +223,36 @@ def _write_json_only(doc, out: Path):
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="GPU benchmarks (run under torchrun)",
-                       description="GPU benchmarks; results go to bench/results/ as JSON + PNG.")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="{attention,kernel,transport,e2e}")
-    from .bench import attention as bench_attention
+    sub.add_parser("bench", help="GPU benchmarks (run under torchrun)",
+                   description="GPU benchmarks; results go to bench/results/ as JSON + PNG.",
+                   populate=_bench_arguments)
 
-    a = bsub.add_parser("attention", help="one attention layer per strategy",
-                        description=bench_attention.__doc__,
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench_attention.add_arguments(a)
-    a.set_defaults(func=bench_attention.main)
-    from .bench import e2e as bench_e2e
 
-    e = bsub.add_parser("e2e", help="denoising steps of a Diffusers transformer per strategy",
-                        description=bench_e2e.__doc__, formatter_class=bench_e2e.HelpFormatter)
-    bench_e2e.add_arguments(e)
-    e.set_defaults(func=bench_e2e.main)
-    from .bench import kernel as bench_kernel
+def _bench_arguments(p) -> None:
+    from .bench.args import VERBS  # light: each verb's module (torch) loads when the verb runs
 
-    kr = bsub.add_parser("kernel", help="block-sparse kernels vs dense kernels on one GPU",
-                         description=bench_kernel.__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_kernel.add_arguments(kr)
-    kr.set_defaults(func=bench_kernel.main)
-    try:
-        from .bench import transport as bench_transport
-    except ImportError:  # pragma: no cover - optional while the transport bench is absent
-        return
-    t = bsub.add_parser("transport", help="bandwidth per transport, alone and under attention load",
-                        description=bench_transport.__doc__,
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench_transport.add_arguments(t)
-    t.set_defaults(func=lambda args: _run_result(bench_transport.run, args))
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(VERBS) + "}")
+    for verb, (help_line, formatter, add) in VERBS.items():
+        bsub.add_parser(verb, help=help_line,
+                        populate=lambda q, v=verb, f=formatter, a=add: _bench_verb(q, v, f, a))
+
+
+def _bench_verb(p, verb: str, formatter, add) -> None:
+    from .bench.args import description
+
+    p.description = description(verb)
+    p.formatter_class = formatter
+    add(p)
+    p.set_defaults(func=lambda args: _run_bench(verb, args))
+
+
+def _run_bench(verb: str, args) -> int:
+    import importlib
+
+    mod = importlib.import_module(f".bench.{verb}", __package__)
+    if verb == "transport":
+        return _run_result(mod.run, args)
+    return mod.main(args)
 
 
 def _run_result(fn, args) -> int:
@@ -147,32 +261,31 @@ def _run_result(fn, args) -> int:
 
 
 def _add_simulate(sub) -> None:
-    """``sparsp simulate`` (CPU cost model; arguments and job in ``sparsp.simulate``)."""
-    from .simulate import cli as simulate_cli
+    """``sparsp simulate`` (CPU cost model; arguments and job in ``sparsp.simulate.cli``)."""
+    from .simulate import cli as simulate_cli  # light: the job's modules load in its main
 
-    p = sub.add_parser("simulate", help="predict each strategy's timing on a fabric profile (CPU)",
-                       description=simulate_cli.DESCRIPTION,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    simulate_cli.add_arguments(p)
-    p.set_defaults(func=simulate_cli.main)
+    sub.add_parser("simulate", help="predict each strategy's timing on a fabric profile (CPU)",
+                   description=simulate_cli.DESCRIPTION, formatter_class=_DefaultsFormatter,
+                   populate=lambda p: (simulate_cli.add_arguments(p), p.set_defaults(func=simulate_cli.main)))
 
 
 def _add_trace(sub) -> None:
     """``sparsp trace`` (record a transformer's block masks; job in ``sparsp.integrations.trace``)."""
-    from .integrations import trace
+    from .integrations import trace  # light: torch and Diffusers load in its main
 
-    p = sub.add_parser("trace", help="record a Diffusers transformer's block masks for analyze --trace",
-                       description=trace.__doc__, formatter_class=trace.HelpFormatter)
-    trace.add_arguments(p)
-    p.set_defaults(func=trace.main)
+    sub.add_parser("trace", help="record a Diffusers transformer's block masks for analyze --trace",
+                   description=trace.__doc__, formatter_class=HelpFormatter,
+                   populate=lambda p: (trace.add_arguments(p), p.set_defaults(func=trace.main)))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command tree; each verb's arguments are added when the verb is parsed."""
     parser = argparse.ArgumentParser(
         prog="sparsp",
         description="Sparsity-aware sequence-parallel attention for video diffusion transformers.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,bench,simulate,trace}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,bench,simulate,trace}",
+                                parser_class=_LazyParser)
     _add_analyze(sub)
     _add_bench(sub)
     _add_trace(sub)

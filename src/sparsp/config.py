@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-import torch
+from typing import TYPE_CHECKING
+
+from .units import parse_size  # noqa: F401  (re-exported: its home before units.py)
+
+if TYPE_CHECKING:  # annotations only: importing the config (the command line's --help) needs no torch
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,11 +42,11 @@ class SparspConfig:
     chunks: int | None = None
     """Steady-state chunks (paper §7.1): the remote payloads of rounds 1..G−2 travel as this
     many messages, one per head group, each computed as soon as it landed. None: automatic
-    (``strategies/chunks.py``: unchunked); 1: off. Clamped to the number of heads."""
+    (``cost/chunks.py``: unchunked); 1: off. Clamped to the number of heads."""
     drain_chunks: int | None = None
     """Drain chunks: the same for the last remote payload (round G−1, whose transfer no later
     compute hides; with G = 2 the only one). None: automatic (chunked only where the pair is
-    transfer-bound and the payload large enough, ``strategies/chunks.py``); 1: off. Clamped
+    transfer-bound and the payload large enough, ``cost/chunks.py``); 1: off. Clamped
     to the number of heads. Both counts apply to the ``sparsp`` strategy only and must be the
     same on every rank (sender and consumer derive each message from them)."""
     cuda_graphs: bool = True
@@ -66,6 +71,14 @@ class SparspConfig:
     whose copy kernels would queue behind the local kernel for the GPU's SMs. True: always;
     False: never (the local kernel runs where the strategy's run reaches it, after the first
     round's pack)."""
+    local_transport: str | None = None
+    """The transport of every pair of ranks on one host, in place of the one its ``auto`` rule
+    picks (a registered transport other than ``peers``); pairs on different hosts keep
+    theirs. Applies where ``transport`` is ``auto`` or ``peers``: where the pairs then want
+    different transports, or the on-host pairs want another than the rules pick for the whole
+    group, one ``peers`` transport serves each pair through its own (``transport/peers.py``).
+    None: every pair by its rule. For tests (``host`` on CPU, whose rule declines CPU tensors)
+    and for measuring one on-host path beside another on the same machine."""
 
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
@@ -96,6 +109,11 @@ class SparspConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.local_first is not None and not isinstance(self.local_first, bool):
             raise ValueError(f"local_first must be None (automatic), True or False, got {self.local_first!r}")
+        if self.local_transport is not None:
+            local = [n for n in transport_names() if n != "peers"]
+            if self.local_transport not in local:
+                raise ValueError(f"local_transport must be None or one of {', '.join(local)}; "
+                                 f"got {self.local_transport!r}")
 
     def cdf_tensor(self, heads: int) -> torch.Tensor | float:
         return _per_head(self.cdf_threshold, heads, "cdf_threshold")
@@ -108,17 +126,6 @@ class SparspConfig:
         """True when the mask is all ones whatever the inputs (cdf 1, similarity off)."""
         values = self.cdf_threshold if isinstance(self.cdf_threshold, tuple) else (self.cdf_threshold,)
         return self.sim_threshold is None and all(v >= 1.0 for v in values)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``4MiB``, ``64k``, ``1g`` or a plain integer (binary units, case-insensitive);
-    ``ValueError`` for anything else."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (e.g. 4MiB, 64KiB, 1048576)") from None
 
 
 def _is_int(value) -> bool:
@@ -141,5 +148,7 @@ def _per_head(value, heads: int, name: str):
     if isinstance(value, tuple):
         if len(value) != heads:
             raise ValueError(f"{name} has {len(value)} per-head values but the inputs have {heads} heads")
+        import torch  # here: importing the config (the command line's --help) needs no torch
+
         return torch.tensor(value, dtype=torch.float64)
     return float(value)

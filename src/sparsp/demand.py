@@ -250,14 +250,14 @@ if triton is not None:
 
 
 def rank_figures_ok(masks: torch.Tensor) -> bool:
-    """Whether ``rank_figures`` runs on ``masks``: CUDA, Triton importable, not switched off
-    by ``SPARSP_TRITON_FIGURES=0``."""
-    return runs(masks, "SPARSP_TRITON_FIGURES")
+    """Whether ``rank_figures`` runs on ``masks``: CUDA, Triton importable, Triton kernels not
+    switched off (``_triton.runs``)."""
+    return runs(masks)
 
 
 def rank_figures(masks: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor, heads: int,
                  rows: tuple[slice, ...] | None = None) -> torch.Tensor:
-    """``simulate.model.demand_figures`` (without ``relay``) of masks bool [BH, N, N], BH =
+    """``cost.figures.demand_figures`` (without ``relay``) of masks bool [BH, N, N], BH =
     batch·``heads`` batch-major, whose query rows are cut into G contiguous ranges ``bounds``
     (int32 [G, 2]: start, end; ``rows``, the same as slices on the host, bound the loop) and
     blocks of ``lengths`` tokens (int [N]): float64 [2G² + heads] — kept (query token, key token)

@@ -5,7 +5,7 @@ by text tokens that take part in the same joint attention (HunyuanVideo). The at
 tiles that sequence into *blocks* of ``block_size`` consecutive tokens; the last block may be
 short. Everything downstream (placement, masks, demand) speaks in those blocks.
 
-Token counts follow the VAE/patch formula (DESIGN.md, "Models and geometry"):
+Token counts follow the VAE/patch formula (docs/design.md, "Models and geometry"):
 
     tokens = (F'/p_t) · (H/c_s/p) · (W/c_s/p),   F' = (F − 1)/c_t + 1
 """
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the presets load without it
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,15 +103,21 @@ class VideoGeometry:
 
     def block_lengths(self) -> torch.Tensor:
         """LongTensor [num_blocks]: the real token count of every block."""
+        import torch  # here, not at import: the command line's --help reads PRESETS without torch
+
         lengths = torch.full((self.num_blocks,), self.block_size, dtype=torch.long)
         lengths[-1] = self.tail_tokens
         return lengths
 
     def block_starts(self) -> torch.Tensor:
+        import torch
+
         return torch.arange(self.num_blocks, dtype=torch.long) * self.block_size
 
     def token_coords(self) -> torch.Tensor:
         """LongTensor [video_tokens, 3]: the (t, h, w) of every video token, in order."""
+        import torch
+
         idx = torch.arange(self.video_tokens)
         t = idx // self.frame_tokens
         rem = idx % self.frame_tokens
@@ -127,7 +135,7 @@ class VideoGeometry:
         )
 
 
-# Diffusers 0.42.1 facts (DESIGN.md). RoPE: HunyuanVideo rope_axes_dim (16, 56, 56), θ=256;
+# Diffusers 0.42.1 facts (docs/design.md). RoPE: HunyuanVideo rope_axes_dim (16, 56, 56), θ=256;
 # Wan splits 128 into t/h/w = 44/42/42, θ=1e4; LTX scales positions by base frames/height/
 # width (20, 2048, 2048 in pixels → divide latent positions accordingly), θ=1e4.
 MODELS: dict[str, ModelSpec] = {

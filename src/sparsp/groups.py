@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
-from ._lru import lru_get
+from .caches import lru_get, per_geometry
 
 __all__ = ["HostRead", "all_gather_flat", "gather_objects", "global_rank", "marker", "resolve_device",
            "start_host_read", "stream_ordered", "to_host", "wait"]
@@ -33,10 +31,8 @@ def marker(name: str):
     """A named range of the call for profilers (``bench attention --profile``, ``nsys`` with
     ``emit_nvtx``): ``torch.profiler.record_function(name)`` while a profiler records, else a
     no-op. Entering and leaving a ``record_function`` costs the host ≈ 12 µs on an H200 host
-    even with no profiler running, and a call has six (docs/performance.md).
-    ``SPARSP_RANGES=1`` enters them always (how the saving was timed: ``bench attention
-    --env-variant SPARSP_RANGES=1``)."""
-    if torch._C._autograd._profiler_enabled() or os.environ.get("SPARSP_RANGES") == "1":
+    even with no profiler running, and a call has six (docs/performance.md)."""
+    if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return _NO_MARKER
 
@@ -80,7 +76,7 @@ def start_host_read(t: torch.Tensor, *, reuse: bool = False) -> "HostRead":
     return HostRead(t, reuse=reuse)
 
 
-_READ_BUFFERS: OrderedDict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = OrderedDict()
+_READ_BUFFERS = per_geometry("groups: host-read buffers")  # key -> (pinned buffer, event)
 MAX_READ_BUFFERS = 64
 
 

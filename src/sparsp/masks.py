@@ -1,6 +1,6 @@
 """Block masks in SpargeAttn's CDF mode, in one piece and split for sequence parallelism.
 
-Semantics (DESIGN.md, "Mask semantics"), per (batch, head):
+Semantics (docs/design.md, "Mask semantics"), per (batch, head):
 
 1. keys are smoothed: k̃ = k − mean(k over the whole sequence);
 2. each Q block and K block is pooled by the mean of its tokens (a short tail block is divided
@@ -11,9 +11,13 @@ Semantics (DESIGN.md, "Mask semantics"), per (batch, head):
    ≤ ``cdf_threshold`` are kept (the block that crosses the threshold is not; at least one is);
 4. non-similar K blocks become full columns, non-similar Q blocks full rows.
 
+Pooling (step 2) is ``sparsp.summaries``': what a rank summarises of its slice and sends.
+This module selects blocks from pooled summaries (``select_blocks``) and measures masks
+(``density``, ``pattern_shares``).
+
 The split form serves sequence parallelism (paper §4.2): every rank pools its own slice
-(``summarize``: pooled queries, pooled keys and the slice's key sum), the summaries are
-all-gathered (``sparsp.plan``), and ``select_blocks`` runs on their concatenation. Pooling
+(``summaries.summarize``: pooled queries, pooled keys and the slice's key sum), the summaries
+are all-gathered (``sparsp.plan``), and ``select_blocks`` runs on their concatenation. Pooling
 commutes with centring (mean(k − c) = mean(k) − c), so with similarity off the keys are
 pooled raw and centred after the gather (``PooledBlocks.centered``) and one collective
 suffices; with similarity on, the key mean is all-reduced first. ``split_mask`` computes the
@@ -23,288 +27,16 @@ distributed one because both run the same arithmetic on the same pooled tensors.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from . import cdf_select
-from ._triton import runs, tl, triton
+from .caches import per_geometry
+from .summaries import PooledBlocks, block_sums, check_block, key_sum, pool_blocks
+# the summaries' other names, importable from here as they were before they had a module
+from .summaries import (SUM_FEATURES, SumsTable, block_lengths, cached_zeros, check_parts,  # noqa: F401
+                        fused_sums, summaries_into, summarize)
 
 Threshold = float | torch.Tensor
-
-
-@dataclass(frozen=True)
-class PooledBlocks:
-    """Block summaries. ``mean``: [B, H, n, D] float32; ``sim``: [B, H, n] float32;
-    ``lengths``: LongTensor [n] real tokens per block."""
-
-    mean: torch.Tensor
-    sim: torch.Tensor
-    lengths: torch.Tensor
-
-    @property
-    def num_blocks(self) -> int:
-        return self.mean.shape[2]
-
-    def centered(self, center: torch.Tensor) -> "PooledBlocks":
-        """Means minus ``center`` [B, H, D] (key smoothing after pooling; ``sim`` unchanged,
-        so only for summaries pooled without similarity)."""
-        return PooledBlocks(self.mean - center.float()[:, :, None, :], self.sim, self.lengths)
-
-    @staticmethod
-    def from_sums(sums: torch.Tensor, S: int, block_size: int) -> "PooledBlocks":
-        """Summaries of a slice of ``S`` tokens from its block sums (``block_sums``, float32
-        (B, n, H, D)): the means divided by each block's real length, similarity off (zero).
-        The same arithmetic as ``pool_blocks`` without similarity, so the same bits."""
-        lengths, denom = block_lengths(S, block_size, sums.device)
-        mean = sums.permute(0, 2, 1, 3) / denom
-        return PooledBlocks(mean, cached_zeros(mean.shape[:-1], mean.device), lengths)
-
-    @staticmethod
-    def cat(parts: list["PooledBlocks"]) -> "PooledBlocks":
-        """Concatenate summaries along the block dim (rank order = global order)."""
-        return PooledBlocks(
-            torch.cat([p.mean for p in parts], dim=2),
-            torch.cat([p.sim for p in parts], dim=2),
-            torch.cat([p.lengths for p in parts]),
-        )
-
-
-def key_sum(k: torch.Tensor) -> torch.Tensor:
-    """Sum of k over the sequence, float32 [B, H, D] (all-reduced across ranks in SP)."""
-    return k.sum(dim=1, dtype=torch.float32)
-
-
-def pool_blocks(x: torch.Tensor, block_size: int, center: torch.Tensor | None = None, *,
-                similarity: bool = True) -> PooledBlocks:
-    """Pool ``x`` (B, S, H, D) into blocks of ``block_size`` tokens; ``center`` (B, H, D) is
-    subtracted from every token first (key smoothing). ``similarity=False`` skips the block
-    self-similarity (a pass over normalised tokens) and leaves ``sim`` zero."""
-    if x.dim() != 4:
-        raise ValueError(f"expected (B, S, H, D), got shape {tuple(x.shape)}")
-    _check_block("block_size", block_size)
-    B, S, H, D = x.shape
-    if center is None and not similarity:  # the common case
-        return PooledBlocks.from_sums(block_sums(x, block_size), S, block_size)
-    n = math.ceil(S / block_size)
-    pad = n * block_size - S
-    lengths, denom = block_lengths(S, block_size, x.device)
-    xf = x.float().permute(0, 2, 1, 3)  # (B, H, S, D)
-    if center is not None:
-        xf = xf - center.float()[:, :, None, :]
-    if pad:
-        # Zero padding adds nothing to sums; dividing by the real length gives the mean.
-        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
-    blocks = xf.reshape(B, H, n, block_size, D)
-    mean = blocks.sum(dim=3) / denom
-    if similarity:
-        unit = torch.nn.functional.normalize(blocks, dim=-1)  # zero rows stay zero
-        sim = (unit.sum(dim=3) / denom).square().sum(dim=-1)
-    else:
-        sim = cached_zeros(mean.shape[:-1], mean.device)
-    return PooledBlocks(mean, sim, lengths)
-
-
-def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """float32 (B, n, H, D): the sum of each block's tokens of ``x`` (B, S, H, D), straight from
-    x's own layout and accumulated in float32, without a float32 copy of x (a full-size
-    tensor per call at video sizes); a short last block sums its real tokens. Token-major, as
-    x is: what a rank sends in the metadata all-gather (``sparsp.plan``), which divides by the
-    block lengths only after the gather (``PooledBlocks.from_sums``). On CUDA the summing
-    kernel of ``summaries_into`` makes them, so every caller (``pool_blocks``, ``split_mask``,
-    the plan) gets the same bits."""
-    B, S, H, D = x.shape
-    if fused_sums(x):
-        out = torch.empty(B, math.ceil(S / block_size), H, D, dtype=torch.float32, device=x.device)
-        summaries_into(out.view(-1), block_size, x)
-        return out
-    full = (S // block_size) * block_size
-    sums = x[:, :full].reshape(B, S // block_size, block_size, H, D).sum(2, dtype=torch.float32)
-    if full < S:
-        sums = torch.cat([sums, x[:, full:].sum(1, keepdim=True, dtype=torch.float32)], 1)
-    return sums
-
-
-SUM_FEATURES = 256
-"""Features (of a token's H·D) one program of the summing kernel sums; v's check writes one
-partial sum per (batch, block, feature chunk)."""
-
-
-def fused_sums(*xs: torch.Tensor | None) -> bool:
-    """Whether ``summaries_into``'s kernel sums these (B, S, H, D) tensors: Triton on CUDA, the
-    switch ``SPARSP_TRITON_SUMS`` on, and each token's H·D features contiguous (batch and
-    sequence strides are free: q, k, v cut from one fused projection qualify)."""
-    given = [x for x in xs if x is not None]
-    return runs(given[0], "SPARSP_TRITON_SUMS") and all(
-        x.device == given[0].device and x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in given)
-
-
-def check_parts(B: int, n: int, features: int) -> int:
-    """Values ``summaries_into`` writes for v's non-finite check (one per program)."""
-    return B * n * -(-features // SUM_FEATURES)
-
-
-if triton is not None:
-    @triton.jit
-    def _sums(a_ptr, b_ptr, c_ptr, out_ptr, tab_ptr, S, n, F, plane, a_b, a_s, b_b, b_s, c_b, c_s,
-              BS: tl.constexpr, TOK: tl.constexpr, FCH: tl.constexpr, HAS_B: tl.constexpr,
-              HAS_C: tl.constexpr, OFFSETS: tl.constexpr, ALIGN: tl.constexpr):
-        # one program (one warp): one block of one batch element, FCH features; a's and b's
-        # sums per feature, c's one partial sum. Each step loads a TOK-token tile of every
-        # tensor (all in flight at once); each thread holds every row of its columns, so the
-        # sum over the tile's rows stays in registers. A tensor's sum is the same sequence of
-        # adds whatever else is summed beside it, so a tensor summed alone (``block_sums``)
-        # gets the bits it gets in the metadata row.
-        # OFFSETS: a, b and c lie at the one pointer passed plus the element offsets in
-        # ``tab_ptr`` (int64 [3], whole multiples of ALIGN elements: 16 bytes), read on the
-        # device, so that a CUDA graph replays this launch for new tensors (``GraphedSums``)
-        if OFFSETS:
-            a_ptr += tl.multiple_of(tl.load(tab_ptr), ALIGN)
-            b_ptr += tl.multiple_of(tl.load(tab_ptr + 1), ALIGN)
-            c_ptr += tl.multiple_of(tl.load(tab_ptr + 2), ALIGN)
-        row = tl.program_id(0)
-        fc = tl.program_id(1)
-        bi = (row // n).to(tl.int64)
-        f = fc * FCH + tl.arange(0, FCH)
-        live_f = f < F
-        first = (row % n) * BS
-        acc_a = tl.zeros([FCH], dtype=tl.float32)
-        acc_b = tl.zeros([FCH], dtype=tl.float32)
-        acc_c = tl.zeros([FCH], dtype=tl.float32)
-        for t in range(0, BS, TOK):
-            within = t + tl.arange(0, TOK)
-            s = first + within
-            m = ((within < BS) & (s < S))[:, None] & live_f[None, :]
-            s = s.to(tl.int64)[:, None]
-            xa = tl.load(a_ptr + bi * a_b + s * a_s + f[None, :], mask=m, other=0.0)
-            if HAS_B:
-                xb = tl.load(b_ptr + bi * b_b + s * b_s + f[None, :], mask=m, other=0.0)
-                acc_b += tl.sum(xb.to(tl.float32), 0)
-            if HAS_C:
-                xc = tl.load(c_ptr + bi * c_b + s * c_s + f[None, :], mask=m, other=0.0)
-                acc_c += tl.sum(xc.to(tl.float32), 0)
-            acc_a += tl.sum(xa.to(tl.float32), 0)
-        at = row.to(tl.int64) * F + f
-        tl.store(out_ptr + at, acc_a, mask=live_f)
-        if HAS_B:
-            tl.store(out_ptr + plane + at, acc_b, mask=live_f)
-        if HAS_C:
-            tl.store(out_ptr + 2 * plane + row * tl.num_programs(1) + fc, tl.sum(acc_c, 0))
-
-
-def summaries_into(out: torch.Tensor, block_size: int, a: torch.Tensor, b: torch.Tensor | None = None,
-                   c: torch.Tensor | None = None, *, table: "SumsTable | None" = None) -> None:
-    """One kernel over (B, S, H, D) tensors of one shape: ``out`` (float32, flat) = a's block
-    sums (B, n, H, D), then b's, then ``check_parts`` partial sums of c (the metadata row's
-    summaries: q, k and v's non-finite check, ``sparsp.plan``). A short last block sums its
-    real tokens. CUDA (``fused_sums``); on CPU tensors in Triton's interpreter. ``table``: the
-    kernel reads a, b and c where ``table``'s device offsets say (``SumsTable``: a CUDA graph of
-    this launch sums new tensors of the same shape and strides); a, b, c give only their
-    shapes and strides then."""
-    B, S, H, D = a.shape
-    n, F = math.ceil(S / block_size), H * D
-    plane = B * n * F
-    need = plane * (1 + (b is not None)) + (check_parts(B, n, F) if c is not None else 0)
-    if out.numel() != need or out.dtype != torch.float32:
-        raise ValueError(f"summaries_into needs a float32 output of {need} values, got {out.numel()} "
-                         f"{out.dtype}")
-    if c is not None and b is None:
-        raise ValueError("summaries_into: c (the check's tensor) comes with b")
-    for x in (b, c):
-        if x is not None and x.shape != a.shape:
-            raise ValueError(f"summaries_into: shapes differ, {tuple(a.shape)} and {tuple(x.shape)}")
-    bb, cc = (b if b is not None else a), (c if c is not None else a)
-    tok = min(16, triton.next_power_of_2(block_size))
-    pa, pb, pc = (a, bb, cc) if table is None else (table.base,) * 3
-    _sums[(B * n, triton.cdiv(F, SUM_FEATURES))](
-        pa, pb, pc, out, out if table is None else table.device, S, n, F, plane, a.stride(0), a.stride(1),
-        bb.stride(0), bb.stride(1), cc.stride(0), cc.stride(1), BS=block_size, TOK=tok, FCH=SUM_FEATURES,
-        HAS_B=b is not None, HAS_C=c is not None, OFFSETS=table is not None,
-        ALIGN=max(1, SumsTable.ALIGN_BYTES // a.element_size()), num_warps=1)
-
-
-class SumsTable:
-    """Where ``summaries_into`` finds its inputs when a CUDA graph replays it: element offsets
-    of a, b and c from one fixed ``base`` allocation of their dtype, written on the host into
-    pinned memory (``set``) and copied to the device by the graph itself (``upload``, captured
-    as the graph's first node: a replay reads what the host wrote last). Offsets are whole
-    multiples of 16 bytes (``fits``), so the kernel's loads stay vectorised.
-
-    The host may rewrite the table only once the device has run the previous replay's copy:
-    the metadata step's caller reads the device back (the call's one host read) before its next
-    call, which orders them."""
-
-    ALIGN_BYTES = 16
-
-    def __init__(self, dtype: torch.dtype, device) -> None:
-        self.base = torch.empty(self.ALIGN_BYTES, dtype=dtype, device=device)
-        self.host = torch.zeros(3, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
-        self.device = torch.zeros(3, dtype=torch.int64, device=device)
-        self._values = self.host.numpy()
-        self._origin, self._size = self.base.data_ptr(), self.base.element_size()
-
-    def fits(self, *xs: torch.Tensor) -> bool:
-        """Whether every tensor is of the base's dtype and device and 16-byte aligned."""
-        return all(x.dtype == self.base.dtype and x.device == self.base.device for x in xs) and \
-            self.aligned(*xs)
-
-    @classmethod
-    def aligned(cls, *xs: torch.Tensor | None) -> bool:
-        """Whether every tensor given starts on the 16-byte grid the kernel's offsets assume."""
-        return all(x.data_ptr() % cls.ALIGN_BYTES == 0 for x in xs if x is not None)
-
-    def set(self, a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> None:
-        """Write the offsets of a, b, c (a stands in for a missing one) on the host."""
-        o, size = self._origin, self._size
-        pa = a.data_ptr()
-        self._values[0] = (pa - o) // size
-        self._values[1] = ((b.data_ptr() if b is not None else pa) - o) // size
-        self._values[2] = ((c.data_ptr() if c is not None else pa) - o) // size
-
-    def upload(self) -> None:
-        """Queue the table's copy to the device on the current stream (a graph node when captured)."""
-        self.device.copy_(self.host, non_blocking=True)
-
-
-_CACHE: dict[tuple, object] = {}
-
-
-def block_lengths(S: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real tokens per block of a slice of ``S`` tokens: long [n] and float32 [1, 1, n, 1]
-    (the pooling's divisor), on ``device``, made once per (S, block_size, device): a pageable
-    host-to-device copy syncs the stream, and the per-call ops count (read-only, shared)."""
-    key = ("lengths", S, block_size, str(device))
-    got = _CACHE.get(key)
-    if got is None:
-        n = math.ceil(S / block_size)
-        lengths = torch.full((n,), block_size, dtype=torch.long)
-        lengths[-1] = S - (n - 1) * block_size
-        got = (lengths.to(device), lengths.to(device, torch.float32)[None, None, :, None])
-        _CACHE[key] = got
-    return got
-
-
-def cached_zeros(shape, device) -> torch.Tensor:
-    """float32 zeros of ``shape`` on ``device``, made once per shape (read-only, shared): the
-    ``sim`` of summaries pooled without similarity, the padding of the metadata row."""
-    key = ("zeros", tuple(shape), str(device))
-    got = _CACHE.get(key)
-    if got is None:
-        got = _CACHE[key] = torch.zeros(shape, dtype=torch.float32, device=device)
-    return got
-
-
-def summarize(q: torch.Tensor, k: torch.Tensor, block_size: int, *, center: torch.Tensor | None = None,
-              similarity: bool = False) -> tuple[PooledBlocks, PooledBlocks, torch.Tensor]:
-    """One slice's share of the split form: pooled queries, pooled keys and the key sum.
-
-    Keys are pooled raw (``center=None``; centre them after the gather with
-    ``PooledBlocks.centered``) or, when the similarity needs smoothed keys, around ``center``.
-    """
-    pq = pool_blocks(q, block_size, similarity=similarity)
-    pk = pool_blocks(k, block_size, center=center, similarity=similarity)
-    return pq, pk, key_sum(k)
 
 
 def split_mask(q: torch.Tensor, k: torch.Tensor, seq_lens, block_size: int, *, cdf_threshold: Threshold,
@@ -326,7 +58,8 @@ def split_mask(q: torch.Tensor, k: torch.Tensor, seq_lens, block_size: int, *, c
     sim = sim_threshold is not None
     slices = list(zip(bounds, bounds[1:]))
     # each slice's key sum as the distributed call makes it: from the slice's block sums
-    # without similarity (``plan._summaries``), over its tokens with it (all-reduced first)
+    # without similarity (``summaries.torch_summaries``), over its tokens with it (all-reduced
+    # first)
     sums = torch.stack([block_sums(k[:, a:b], block_size).sum(1) if not sim else key_sum(k[:, a:b])
                         for a, b in slices])
     center = sums.sum(0) / bounds[-1]
@@ -338,12 +71,7 @@ def split_mask(q: torch.Tensor, k: torch.Tensor, seq_lens, block_size: int, *, c
     return select_blocks(pq, pk, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold)
 
 
-def _check_block(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int (tokens per block), got {value!r}")
-
-
-_THRESHOLDS: dict[tuple, torch.Tensor] = {}
+_THRESHOLDS = per_geometry("masks: per-head thresholds")
 
 
 def _per_head(value: Threshold, heads: int, name: str, device, dtype=torch.float64) -> torch.Tensor:
@@ -457,8 +185,8 @@ def block_mask(
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise ValueError(f"{name} has {bad} NaN/Inf values; block_mask needs finite inputs")
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    check_block("block_q", block_q)
+    check_block("block_k", block_k)
     center = key_sum(k) / k.shape[1]
     sim = sim_threshold is not None
     pq = pool_blocks(q, block_q, similarity=sim)
@@ -526,3 +254,8 @@ def _block_centres(geom) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s = torch.where(vid, idx % geom.frame_tokens, torch.zeros_like(idx))
     cnt = vid.sum(1).clamp(min=1)
     return t.sum(1) / cnt, s.sum(1) / cnt, vid.any(1)
+
+
+__all__ = ["PATTERNS", "PooledBlocks", "SUM_FEATURES", "SumsTable", "Threshold", "block_lengths", "block_mask",
+           "block_sums", "cached_zeros", "check_parts", "density", "fused_sums", "head_density", "key_sum",
+           "pattern_shares", "pool_blocks", "select_blocks", "split_mask", "summaries_into", "summarize"]

@@ -20,6 +20,7 @@ import torch
 from .kernels.buffer import canonical_block_ids
 
 from ._triton import runs, tl, triton
+from .caches import per_geometry
 
 __all__ = ["Layout", "Pending", "gather_rows", "halves", "layout", "pack", "prepare", "prepare_fused"]
 
@@ -71,7 +72,7 @@ class Layout:
         return (b * S + s) * heads + h
 
 
-_ARANGE: dict[tuple, torch.Tensor] = {}
+_ARANGE = per_geometry("packing: index ranges")  # key -> Tensor
 
 
 def _arange(n: int, device) -> torch.Tensor:
@@ -219,7 +220,7 @@ if triton is not None:
 
 
 def _layout_ok(selected: torch.Tensor) -> bool:
-    return (runs(selected, "SPARSP_TRITON_LAYOUT") and selected.dim() in (2, 3)
+    return (runs(selected) and selected.dim() in (2, 3)
             and 0 < selected.shape[-2] * selected.shape[-1] <= LAYOUT_MAX_BLOCKS)
 
 
@@ -305,7 +306,7 @@ if triton is not None:
 
 
 def _gather_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
-    return runs(k, "SPARSP_TRITON_PACK") and k.is_contiguous() and v.is_contiguous()
+    return runs(k) and k.is_contiguous() and v.is_contiguous()
 
 
 def gather_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -10,8 +10,8 @@ names the file in each ``ValueError``.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import pickle
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch
 
 from .geometry import MODELS, VideoGeometry
 
-__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Trace", "load_trace", "save_trace"]
+__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Trace", "load_trace", "read_torch_file", "save_trace"]
 
 TRACE_FORMAT = "sparsp-trace"
 TRACE_VERSION = 1
@@ -79,18 +79,45 @@ def save_trace(
     }, Path(path))
 
 
+def read_torch_file(path: str | Path, what: str, map_location="cpu"):
+    """``torch.load(path, weights_only=True)``, or one-line ``ValueError`` naming ``path`` and
+    saying what is wrong: a directory, an empty file, text or other bytes that are no
+    ``torch.save`` archive, a truncated archive, or one holding arbitrary Python objects.
+    A missing file raises ``FileNotFoundError``."""
+    from .inputs import describe_content
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "No such file", str(path))
+    if path.is_dir():
+        raise ValueError(f"{path}: not a readable {what}: it is a directory")
+    with path.open("rb") as f:
+        head = f.read(64)
+    if not head:
+        raise ValueError(f"{path}: not a readable {what}: the file is empty")
+    if not head.startswith(b"PK\x03\x04"):  # torch.save writes a zip archive
+        raise ValueError(f"{path}: not a readable {what}: it is {describe_content(head)}, not a torch.save archive")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused a global: not a file sparsp wrote
+        raise ValueError(f"{path}: not a readable {what}: it holds Python objects other than tensors "
+                         f"and plain containers") from None
+    except Exception as exc:  # noqa: BLE001  (torch raises RuntimeError, EOFError, KeyError, ...)
+        reason = " ".join(str(exc).split()).split(". ")[0][:160] or type(exc).__name__
+        raise ValueError(f"{path}: not a readable {what} (truncated or corrupt?): {reason}") from None
+
+
 def load_trace(path: str | Path, expected_geometry: VideoGeometry | None = None) -> Trace:
     """Read and validate a trace; ``ValueError`` naming ``path`` on any defect."""
     if expected_geometry is not None and not isinstance(expected_geometry, VideoGeometry):
         raise ValueError(f"expected_geometry must be a VideoGeometry or None, got {type(expected_geometry).__name__}")
     path = Path(path)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable trace file (truncated or corrupt?): {exc}") from exc
+    data = read_torch_file(path, "trace file")
     if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
+        if isinstance(data, dict) and "format" not in data:
+            keys = ", ".join(map(str, list(data)[:5])) + (", …" if len(data) > 5 else "")
+            raise ValueError(f"{path}: not a {TRACE_FORMAT} file: a torch file of a dict without a format "
+                             f"(keys: {keys or 'none'})")
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"{path}: not a {TRACE_FORMAT} file (format {found!r})")
     if data.get("version") != TRACE_VERSION:

@@ -1,8 +1,8 @@
 """Synthetic video attention from each model's own 3D RoPE, and mask traces.
 
 THESE MASKS ARE SYNTHETIC. No model weights can be downloaded, and a generator drawn to flatter
-periodic placement would prove nothing (DESIGN.md, "Synthetic workloads that a skeptic would
-accept"), so every head is one content vector c_h turned by the model's real RoPE:
+periodic placement would prove nothing (docs/design.md, "Synthetic
+workloads"), so every head is one content vector c_h turned by the model's real RoPE:
 
     q_n = R(p_n)(a_h c_h + σ ε_n),   k_m = R(p_m)(a_h c_h + σ ε'_m [+ g_h u_h if m is a sink])
 
@@ -18,8 +18,10 @@ as in Diffusers' processor, so they look like position (0, 0, 0) to a positional
 ``pooled_qk`` works at block level: the mean of R(p_n)x over a block is x turned by the block
 means of cos/sin (per frequency, shared by all heads), and the mean of ``len`` iid N(0, σ²)
 noises is N(0, σ²/len) — 126,720 tokens × 24 heads never exist at token level.
-Model, calibration and caveats: docs/workloads.md. Recorded masks (traces) are read and written
-by ``sparsp.traces``.
+Model, calibration and caveats: docs/workloads.md. ``HeadParams`` sets the heads' kinds and
+alignments from outside and ``score_terms`` gives token-level scores split by powers of a: both
+serve ``sparsp.calibration``, which fits the heads to a real model's per-head densities.
+Recorded masks (traces) are read and written by ``sparsp.traces``.
 """
 
 from __future__ import annotations
@@ -189,20 +191,48 @@ class _Heads:
     sinks: tuple[torch.Tensor, ...]  # per head: LongTensor of sink token indices
 
 
-def _generator(seed: int, layer: int, stream: int) -> torch.Generator:
+def _generator(seed: int, layer: int, stream: int | str) -> torch.Generator:
     # Reproducible streams per (seed, layer, purpose): layers differ in every draw. Hashed because
     # the CPU generator keeps only 32 bits of its seed.
     digest = hashlib.blake2b(f"sparsp-workloads/{seed}/{layer}/{stream}".encode(), digest_size=4).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
-def _draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int) -> _Heads:
+@dataclass(frozen=True, slots=True)
+class HeadParams:
+    """One layer's heads set from outside (a calibration, ``sparsp.calibration``) instead of
+    drawn: the kind and the alignment a of every head. The other draws (c, ρ, sinks, noise)
+    still come from the seed, so the same (seed, layer, HeadParams) always gives the same q/k."""
+
+    kinds: tuple[str, ...]
+    alignment: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kinds", tuple(self.kinds))
+        object.__setattr__(self, "alignment", tuple(float(a) for a in self.alignment))
+        if len(self.kinds) != len(self.alignment):
+            raise ValueError(f"HeadParams: {len(self.kinds)} kinds but {len(self.alignment)} alignments")
+        for k in self.kinds:
+            if k not in KINDS:
+                raise ValueError(f"HeadParams: unknown head kind {k!r}; choose from {KINDS}")
+        for a in self.alignment:
+            if not (math.isfinite(a) and a >= 0):
+                raise ValueError(f"HeadParams: alignment must be a finite float >= 0, got {a!r}")
+
+
+def _draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int, given: HeadParams | None = None) -> _Heads:
     H, D = geom.heads, geom.head_dim
+    if given is not None and len(given.kinds) != H:
+        raise ValueError(f"HeadParams for {len(given.kinds)} heads, the geometry has {H}")
     gen = _generator(seed, layer, 0)
     kinds = [k for k, n in mix.counts(H).items() for _ in range(n)]
     kinds = tuple(kinds[i] for i in torch.randperm(H, generator=gen).tolist())
+    if given is not None:  # after the draw it replaces, so every later draw keeps its place in the stream
+        kinds = given.kinds
     lo, hi = torch.tensor([mix.sink_alignment if k == "column" else mix.alignment for k in kinds]).double().T
     a = lo + (hi - lo) * torch.rand(H, generator=gen, dtype=torch.float64)
+    if given is not None:
+        a = torch.tensor(given.alignment, dtype=torch.float64)
     c = torch.randn(H, D, generator=gen, dtype=torch.float64)
     omega, axis = _frequencies(geom)
     top = torch.stack([omega[axis == ax].max() for ax in range(3)] + [torch.ones((), dtype=torch.float64)])[axis]
@@ -259,6 +289,7 @@ def token_qk(
     layer: int = 0,
     tokens: torch.Tensor | None = None,
     device: torch.device | str | None = None,
+    heads: HeadParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level q, k (B, S, H, D). The batch shares the heads' parameters; noise differs
     per batch element.
@@ -266,7 +297,8 @@ def token_qk(
     ``tokens`` (LongTensor of token ids in the model's order) generates only those tokens —
     one rank's slice of a placed full-size sequence, e.g. ``placement.perm[slice]`` — with
     the same heads; their noise is drawn afresh for the subset. On the CPU the size is capped
-    (use ``pooled_qk`` for analysis of full geometries); on a GPU it is not.
+    (use ``pooled_qk`` for analysis of full geometries); on a GPU it is not. ``heads`` sets the
+    kinds and alignments (a calibration) instead of drawing them.
     """
     mix = mix or DEFAULT_MIX
     if not isinstance(batch, int) or batch < 1:
@@ -279,7 +311,7 @@ def token_qk(
     if device.type == "cpu" and B * S * H * D > _TOKEN_LIMIT:
         raise ValueError(f"token_qk of {geom.describe()} × batch {B} is too large on the CPU; use pooled_qk")
     work = torch.float64 if dtype == torch.float64 else torch.float32  # same draws for fp32/bf16
-    heads = _draw_heads(geom, mix, seed, layer)
+    heads = _draw_heads(geom, mix, seed, layer, heads)
     if device.type == "cpu":
         gen = _generator(seed, layer, 1)
     else:
@@ -300,6 +332,55 @@ def token_qk(
     return _rotate(xq, cos, sin).to(dtype), _rotate(xk, cos, sin).to(dtype)
 
 
+def score_terms(
+    geom: VideoGeometry,
+    kinds: Sequence[str],
+    *,
+    seed: int,
+    layer: int,
+    rows: torch.Tensor,
+    heads: Sequence[int],
+    noise_seed: int,
+    mix: HeadMix | None = None,
+) -> torch.Tensor:
+    """Token-level attention scores of query ``rows`` against every key, split by the power of
+    the alignment: float32 [3, len(heads), len(rows), S] = (T2, T1, T0) with
+
+        q_n · k_m / √D = a² T2 + a σ T1 + σ² T0
+
+    for the heads of ``kinds`` (``token_qk`` with ``HeadParams(kinds, …)``: the same c, ρ and
+    sinks; a sink's extra component grows with a, so it sits in T2 and T1). Scores are quadratic
+    in a, so a calibration can try many a per head from one set of terms. The noise comes from
+    its own stream per (``noise_seed``, head), so two seeds give two independent samples."""
+    mix = mix or DEFAULT_MIX
+    H, D, S = geom.heads, geom.head_dim, geom.num_tokens
+    drawn = _draw_heads(geom, mix, seed, layer, HeadParams(tuple(kinds), (1.0,) * H))  # sink_dir per unit a
+    rows = rows.long()
+    ang = _angles(geom, torch.arange(S))
+    cos_k, sin_k = ang.cos().float(), ang.sin().float()
+    cos_q, sin_q = cos_k[rows], sin_k[rows]
+    out = torch.empty(3, len(heads), len(rows), S)
+    scale = 1.0 / math.sqrt(D)
+    for i, h in enumerate(heads):
+        gen = _generator(seed, layer, f"scores/{noise_seed}/{h}")
+        e_q = torch.randn(len(rows), D, generator=gen)
+        e_k = torch.randn(S, D, generator=gen)
+        c = drawn.c[h].float()
+        k_c = c.expand(S, D).clone()
+        idx = drawn.sinks[h]
+        if len(idx):
+            k_c[idx] += drawn.sink_dir[h].float()
+        if drawn.rotate[h]:
+            q_c, q_e = _rotate(c.expand(len(rows), D), cos_q, sin_q), _rotate(e_q, cos_q, sin_q)
+            k_c, e_k = _rotate(k_c, cos_k, sin_k), _rotate(e_k, cos_k, sin_k)
+        else:
+            q_c, q_e = c.expand(len(rows), D), e_q
+        out[0, i] = (q_c @ k_c.T) * scale
+        out[1, i] = (q_c @ e_k.T + q_e @ k_c.T) * scale
+        out[2, i] = (q_e @ e_k.T) * scale
+    return out
+
+
 def _pooled(geom: VideoGeometry, heads: _Heads, trig, mix: HeadMix, gen: torch.Generator):
     H, D, S = geom.heads, geom.head_dim, geom.num_tokens
     lengths = geom.block_lengths()
@@ -316,7 +397,7 @@ def _pooled(geom: VideoGeometry, heads: _Heads, trig, mix: HeadMix, gen: torch.G
     sd = mix.noise / lengths.double().sqrt()[None, :, None]  # mean of len iid N(0, σ²)
     q_mean = mean + sd * torch.randn(H, len(lengths), D, generator=gen, dtype=torch.float64)
     k_mean += sd * torch.randn(H, len(lengths), D, generator=gen, dtype=torch.float64)
-    # Key smoothing (DESIGN.md, "Mask semantics"): the exact sequence mean of k from block means.
+    # Key smoothing (docs/design.md, "Mask semantics"): the exact sequence mean of k from block means.
     k_mean -= (k_mean * lengths.double()[None, :, None]).sum(1, keepdim=True) / S
     # Similarity is off in the analysis (sim = 1: every block similar), so no sim is modelled.
     ones = torch.ones(1, H, len(lengths))
@@ -324,13 +405,14 @@ def _pooled(geom: VideoGeometry, heads: _Heads, trig, mix: HeadMix, gen: torch.G
 
 
 def pooled_qk(
-    geom: VideoGeometry, *, seed: int, mix: HeadMix | None = None, layer: int = 0
+    geom: VideoGeometry, *, seed: int, mix: HeadMix | None = None, layer: int = 0,
+    heads: HeadParams | None = None,
 ) -> tuple[PooledBlocks, PooledBlocks]:
     """Block summaries (batch 1) of the q and k that ``token_qk`` would give, generated at block
     level: keys smoothed by their exact sequence mean, ``sim`` = 1. Noise is drawn at block
     level, so it matches ``token_qk``'s in distribution only (equal when ``mix.noise`` = 0)."""
     mix = mix or DEFAULT_MIX
-    heads = _draw_heads(geom, mix, seed, layer)
+    heads = _draw_heads(geom, mix, seed, layer, heads)
     return _pooled(geom, heads, _block_trig(geom), mix, _generator(seed, layer, 2))
 
 
@@ -342,20 +424,25 @@ def synthetic_masks(
     seed: int = 0,
     mix: HeadMix | None = None,
     on_layer: Callable[[int], None] | None = None,
+    heads: Sequence[HeadParams] | None = None,
 ) -> dict[float, torch.Tensor]:
     """Synthetic block masks {cdf: bool [layers, H, nB, nB]} (original block order), similarity
-    off. ``on_layer(i)`` is called after each layer (progress bars)."""
+    off. ``on_layer(i)`` is called after each layer (progress bars). ``heads[i]`` sets layer
+    i's kinds and alignments (a calibration); it must cover every layer asked for."""
     mix = mix or DEFAULT_MIX
     cdfs = [float(x) for x in ([cdf_thresholds] if isinstance(cdf_thresholds, (int, float)) else cdf_thresholds)]
     if not cdfs or any(not 0.0 <= x <= 1.0 for x in cdfs):
         raise ValueError(f"cdf_thresholds must be values in [0, 1], got {cdf_thresholds!r}")
     if not isinstance(layers, int) or layers < 1:
         raise ValueError(f"layers must be a positive int, got {layers!r}")
+    if heads is not None and len(heads) < layers:
+        raise ValueError(f"{layers} layers asked for, but head parameters for only {len(heads)}")
     trig = _block_trig(geom)
     n = geom.num_blocks
     out = {x: torch.empty(layers, geom.heads, n, n, dtype=torch.bool) for x in cdfs}
     for layer in range(layers):
-        pq, pk = _pooled(geom, _draw_heads(geom, mix, seed, layer), trig, mix, _generator(seed, layer, 2))
+        given = None if heads is None else heads[layer]
+        pq, pk = _pooled(geom, _draw_heads(geom, mix, seed, layer, given), trig, mix, _generator(seed, layer, 2))
         # select_blocks sorts once per call; one call per threshold keeps its logic in one place.
         for x in cdfs:
             out[x][layer] = select_blocks(pq, pk, cdf_threshold=x)[0]

@@ -43,12 +43,11 @@ copy-engine transport (``ipc`` / ``host``), then, each added to that row, the ch
 (``SparspConfig.local_first``); all three are off in the other ablation rows, and each row
 names what it switches on in ``ablation``. ``cuda_graphs`` says whether a row replayed the
 stage, ``local_first`` whether its timed split call queued the local kernel first
-(``local_first_config``: the setting, ``--local-first``; automatic by default), and
-``drain_chunks`` in how many messages its last round's payload came (``sparsp``; else None).
-``--env-variant NAME=VALUE[,...]`` (repeatable) adds, for every ``sparsp`` row, a row whose
-calls run with those environment variables set (``env`` in the row), timed in the same rounds:
-e.g. ``SPARSP_FA4_PREPARED=0`` or ``SPARSP_TRITON_MERGE=0`` shows what one switch of
-docs/kernels.md changes, with the lease's drift shared by both rows.
+(``local_first_config``: the setting; automatic by default), and ``drain_chunks`` in how
+many messages its last round's payload came (``sparsp``; else None).
+``--config KEY=VALUE`` (repeatable) sets a ``SparspConfig`` field for every row, e.g.
+``--config drain_chunks=1 --config local_first=on`` (docs/configuration.md); the row's
+``config`` holds what was set. The ablation rows' own settings win over it.
 
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
@@ -63,83 +62,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import (env_set, init_distributed, median, parse_env, time_interleaved, time_ms, with_env,
-                     write_result)
+from .args import ATTENTION_RESERVED, FABRICS, add_attention, check_names  # noqa: F401
+from .common import (config_overrides, init_distributed, median, time_interleaved,
+                     time_ms, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 
-FABRICS = ("nvlink", "host")
 COPY_ENGINE = {"nvlink": "ipc", "host": "host"}  # sparsp's own transport on each fabric
 SPLIT = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms")
-
-
-def add_arguments(p) -> None:
-    from ..geometry import PRESETS
-    from ..kernels import kernel_names
-    from ..strategies import strategy_names
-
-    p.add_argument("--model", default="hunyuan-video", choices=PRESETS)
-    p.add_argument("--text", action="store_true", help="include the model's text tokens (default: video only)")
-    p.add_argument("--cdf", type=float, nargs="+", default=[0.9])
-    p.add_argument("--strategy", nargs="+", default=[*strategy_names(), "auto"], choices=[*strategy_names(), "auto"],
-                   help="strategies to run (auto: chosen per call by the cost model, strategies/auto.py)")
-    p.add_argument("--fabric", default="nvlink", choices=FABRICS,
-                   help="nvlink: peer copies allowed; host: NCCL_P2P_DISABLE=1, host-staged transports")
-    p.add_argument("--kernel", default="auto", choices=kernel_names(with_auto=True))
-    p.add_argument("--no-copy-engine", action="store_true",
-                   help="skip the extra sparsp row on the fabric's copy-engine transport (ipc / host)")
-    p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
-    p.add_argument("--chunks", type=int, default=None,
-                   help="SparspConfig.chunks of every row (default: automatic; 1 = off)")
-    p.add_argument("--drain-chunks", type=int, default=None,
-                   help="SparspConfig.drain_chunks of every row (default: automatic; 1 = off)")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run the plan stage eagerly (SparspConfig(cuda_graphs=False)) in every row")
-    p.add_argument("--local-first", choices=("auto", "on", "off"), default="auto",
-                   help="SparspConfig.local_first of every row: auto (None: where it pays), on "
-                        "(the local kernel before the host read), off (after the first pack)")
-    p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
-    p.add_argument("--env-variant", action="append", default=[], type=_env_arg,
-                   metavar="NAME=VALUE[,NAME=VALUE]",
-                   help="add, for every sparsp row, a row timed with these environment variables "
-                        "set for its calls (e.g. SPARSP_FA4_PREPARED=0); repeatable")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
-                        "transport-all-*.json on this fabric)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--sequential", action="store_true",
-                   help="time each row's iterations back to back (default: interleaved, one "
-                        "iteration of every row of a cdf in turn, each round starting one row "
-                        "later, so drift and what ran just before reach all rows alike)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-sets", type=_positive_int, default=1, metavar="N",
-                   help="cycle the timed calls of every row through N input sets (seeds seed … "
-                        "seed+N−1): the mask and its demand change from call to call as a "
-                        "denoising loop's do, which is what strategy=auto's caches meet (1: the same inputs every "
-                        "call; the split and bytes come from the first set)")
-    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                   help="write, per row and rank, torch.profiler tables of one call (ops by device "
-                        "and by host time) and a gzipped Chrome trace into DIR")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+RESERVED = ATTENTION_RESERVED
+add_arguments = add_attention  # the verb's arguments live in the torch-free ``args``
 
 
 def _env_text(row: dict, sep: str, end: str = "", first: str = "") -> str:
-    """A row's ``--env-variant`` settings as ``NAME=VALUE`` items ('' for a default row)."""
+    """A row's environment variables as ``NAME=VALUE`` items ('' for a default row; rows
+    written before 0.2.0 may carry an ``env``, which is how they are told apart)."""
     env = row.get("env") or {}
     return first + sep.join(f"{n}={v}" for n, v in env.items()) + end if env else ""
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
 
 
 def cycling(sets: list, fn):
@@ -151,15 +89,6 @@ def cycling(sets: list, fn):
         state["i"] = (i + 1) % len(sets)
         return fn(*sets[i])
     return call
-
-
-def _env_arg(text: str) -> dict[str, str]:
-    import argparse
-
-    try:
-        return parse_env(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_inputs(geom, placement, rank: int, device, dtype, seed: int):
@@ -179,33 +108,42 @@ def _max(x: float, device) -> float:
     return float(t.item())
 
 
-def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None, dict | None]]:
-    """(strategy, placement, transport, ablation, env) of every row."""
-    from ..strategies import strategy_spec
+def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None]]:
+    """(strategy, placement, transport, ablation) of every row."""
+    from ..strategies import strategy_names, strategy_spec
+    from ..strategies.auto import AUTO, PLANNED
 
     ce = COPY_ENGINE[args.fabric]
     rows = []
     for s in args.strategy:
-        if s == "auto":  # on sparsp's placement, over NCCL and the fabric's copy engine
-            rows += [("auto", "periodic", t, None, None) for t in ("nccl",) + (() if args.no_copy_engine else (ce,))]
+        if s == AUTO:  # on its planned strategy's placement, over NCCL and the fabric's copy engine
+            rows += [(AUTO, strategy_spec(PLANNED).placement, t, None)
+                     for t in ("nccl",) + (() if args.no_copy_engine else (ce,))]
             continue
         spec = strategy_spec(s)
         if spec.heads_divisible and heads % world:
             continue
-        transports = ("nccl",) + ((ce,) if s == "sparsp" and not args.no_copy_engine else ())
-        rows += [(s, spec.placement, t, None, None) for t in transports]
-        if s == "sparsp":
-            rows += [(s, spec.placement, t, None, env) for env in args.env_variant for t in transports]
-    if args.ablation:
-        rows += [("ring-sparse", "contiguous", "nccl", "baseline", None),
-                 ("ring-sparse", "periodic", "nccl", "+periodic placement", None),
-                 ("ring-relay", "periodic", "nccl", "+periodic, relay routing", None),
-                 ("sparsp", "periodic", "nccl", "+periodic, direct routing", None),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine transport", None),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, chunked drain", None),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs", None),
-                 ("sparsp", "periodic", ce, "+periodic, direct, copy-engine, CUDA graphs, local first", None)]
+        # a strategy registered ``copy_engine`` also runs over the fabric's copy-engine transport
+        transports = ("nccl",) + ((ce,) if spec.copy_engine and not args.no_copy_engine else ())
+        rows += [(s, spec.placement, t, None) for t in transports]
+    if args.ablation:  # each strategy's registered ``ablation`` rows, in registration order
+        rows += [(s, placement, ce if t == "copy-engine" else t, what)
+                 for s in strategy_names() for placement, t, what in strategy_spec(s).ablation]
     return rows
+
+
+def check_strategies(args) -> None:
+    """Fill the default ``--strategy`` (every registered one, then auto) and refuse an unknown
+    strategy or kernel name in one line, listing the registered ones."""
+    from ..kernels import kernel_names
+    from ..strategies import strategy_names
+    from ..strategies.auto import AUTO
+
+    known = (*strategy_names(), AUTO)
+    if args.strategy is None:
+        args.strategy = list(known)
+    check_names("attention", "--strategy", args.strategy, known)
+    check_names("attention", "--kernel", [args.kernel], kernel_names(with_auto=True))
 
 
 def ablation_config(ablation: str | None) -> dict:
@@ -228,10 +166,13 @@ def main(args) -> int:
     from ..geometry import preset
     from ..placement import make_placement
     from ..strategies import close_transports, get_transport
+    from ..strategies.auto import AUTO
     from ..strategies.base import PhaseTimer
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+    check_strategies(args)
+    overrides = config_overrides(args.config, reserved=RESERVED)
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed()
@@ -250,7 +191,7 @@ def main(args) -> int:
     one_gpu = dist.new_group([0]) if world > 1 else None
     for cdf in args.cdf:
         timed = []  # (row without its times, the call): timed together below
-        for strategy, kind, transport, ablation, env in _configs(args, world, geom.heads):
+        for strategy, kind, transport, ablation in _configs(args, world, geom.heads):
             if kind not in inputs:  # every placement's inputs stay: the rows are timed together
                 pl = make_placement(kind, geom, world)
                 inputs[kind] = (pl, [make_inputs(geom, pl, rank, device, dtype, args.seed + i)
@@ -260,20 +201,16 @@ def main(args) -> int:
             if dense is None:
                 dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
                                      v if world == 1 else torch.cat([v] * world, 1), args.kernel)
-            chunking = ({"chunks": args.chunks, "drain_chunks": args.drain_chunks,
-                         "cuda_graphs": not args.no_cuda_graphs,
-                         "local_first": {"auto": None, "on": True, "off": False}[args.local_first]}
-                        | ablation_config(ablation))
             cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport=transport,
-                               kernel=args.kernel, timeout_s=300.0, **chunking)
-            t = get_transport(transport, None, device, cfg.timeout_s)
+                               kernel=args.kernel, timeout_s=300.0,
+                               **(overrides | ablation_config(ablation)))
+            t = get_transport(transport, None, device, cfg.timeout_s, local=cfg.local_transport)
             attend = lambda q, k, v, strategy=strategy, cfg=cfg: sp_attention(  # noqa: E731
                 q, k, v, strategy=strategy, config=cfg)
-            call = with_env(cycling(sets, attend), env)  # the timed call: the next set each time
-            first = with_env(lambda: attend(q, k, v), env)  # the bytes and split: the first set
+            call = cycling(sets, attend)  # the timed call: the next set each time
+            first = lambda: attend(q, k, v)  # noqa: E731  (the bytes and split: the first set)
             for other in sets[1:]:  # every set's first call (eager plan stage, capture) before timing
-                with env_set(env):
-                    attend(*other)
+                attend(*other)
             first()
             t.fence()
             t.reset_counters()
@@ -283,12 +220,11 @@ def main(args) -> int:
             most = moved.clone()
             dist.all_reduce(moved)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            with env_set(env):
-                split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
+            split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
             stem = None if args.profile is None else args.profile / (
                 f"{geom.name}-{args.fabric}-{strategy}-{t.name}-{kind}-cdf{cdf}"
                 + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "")
-                + "".join(f"-{name}{value}" for name, value in (env or {}).items()) + f"-r{rank}")
+                + "".join(f"-{key}{value}" for key, value in overrides.items()) + f"-r{rank}")
             syncs, colls = count_syncs_and_collectives(call, stem)
             c_ms = _max(flops, device) / (dense[0] * 1e9)
             t_ms = int(most.item()) / (gbps * 1e6)
@@ -308,7 +244,7 @@ def main(args) -> int:
                    "bound_ms": round(max(c_ms, t_ms), 3), "efficiency": None, "ablation": ablation,
                    "cuda_graphs": cfg.cuda_graphs, "local_first_config": cfg.local_first,
                    "local_first": split["local_first"], "drain_chunks": split["drain_chunks"],
-                   "auto_choice": chosen if strategy == "auto" else None, "env": env,
+                   "auto_choice": chosen if strategy == AUTO else None, "config": overrides or None,
                    "input_sets": args.input_sets}
             timed.append((row, call))
         if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
@@ -381,9 +317,9 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     split["local_first"] = timer.local_first  # what this call did (the config may leave it open)
     split["drain_chunks"] = timer.drain_chunks  # sparsp: messages of the last round's payload
     transport.fence()
-    if strategy == "auto":
-        from ..strategies import auto
+    from ..strategies import auto
 
+    if strategy == auto.AUTO:
         strategy = auto.last_decision().strategy
     meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=strategy_spec(strategy).sparse)
     sh = meta.shapes
@@ -404,6 +340,7 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps) -> l
     from .. import SparspConfig, sp_attention
     from ..placement import make_placement
     from ..plan import gather_metadata
+    from ..strategies.registry import strategies_where
 
     if rank != 0:
         return [(None, lambda: None), (None, lambda: None)]
@@ -415,10 +352,12 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps) -> l
     dense_row = _one_row(geom, args, cdf, "1gpu-dense", name, flops / (dense[0] * 1e9), 1.0, gbps, dense)
     cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl",
                        kernel=args.kernel, timeout_s=300.0)
-    # sparsp on a group of one: the whole sequence, the strategies' kernel and mask, no packing
-    sparse = lambda: sp_attention(q, k, v, group=group, strategy="sparsp", config=cfg)  # noqa: E731
+    # the primary strategy on a group of one: the whole sequence, the strategies' kernel and
+    # mask, no packing
+    primary = strategies_where(primary=True)[0]
+    sparse = lambda: sp_attention(q, k, v, group=group, strategy=primary, config=cfg)  # noqa: E731
     sparse()
-    meta = gather_metadata(q, k, v, group, cfg, "sparsp", sparse=True)
+    meta = gather_metadata(q, k, v, group, cfg, primary, sparse=True)
     whole = meta.block_mask(cfg)
     sparse_row = _one_row(geom, args, cdf, "1gpu-sparse", args.kernel,
                           kept_flops(whole, meta.shapes) / (dense[0] * 1e9),

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
-import re
 import shlex
 import socket
 import statistics
@@ -15,6 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from .args import add_config_argument, config_arg  # noqa: F401  (the bench modules' and tests' names)
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -130,44 +130,11 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     return out
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def parse_env(text: str) -> dict[str, str]:
-    """``NAME=VALUE[,NAME=VALUE...]`` as a dict (a benchmark's ``--env-variant``)."""
-    env = {}
-    for item in text.split(","):
-        name, eq, value = item.strip().partition("=")
-        if not eq or not _ENV_NAME.fullmatch(name):
-            raise ValueError(f"expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
-        env[name] = value
-    return env
-
-
-@contextlib.contextmanager
-def env_set(env: dict[str, str] | None):
-    """The environment variables ``env`` set inside the block, restored after it."""
-    if not env:
-        yield
-        return
-    old = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def with_env(fn, env: dict[str, str] | None):
-    """``fn`` run with ``env`` set for each of its calls (``fn`` itself when there is none)."""
-    if not env:
-        return fn
-
-    def call(*args, **kwargs):
-        with env_set(env):
-            return fn(*args, **kwargs)
-    return call
+def config_overrides(items: list[tuple[str, object]], *, reserved: dict[str, str]) -> dict:
+    """The ``--config`` items as ``SparspConfig`` keyword arguments (the last of a key wins);
+    ``SystemExit`` naming the flag for a field the benchmark sets itself."""
+    out = dict(items)
+    for key in out:
+        if key in reserved:
+            raise SystemExit(f"--config {key}=...: set by {reserved[key]}")
+    return out

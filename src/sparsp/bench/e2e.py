@@ -8,11 +8,21 @@ seed everywhere; ``--layers`` truncates the block stack), then runs ``--steps`` 
 Euler steps (one transformer forward + the latent update each) from the same random latents and
 precomputed random text embeddings, for each strategy:
 
-* ``1gpu-dense``: the plain Diffusers model on rank 0 (cuDNN attention on GPU), the others idle;
+* ``1gpu-dense``: the plain Diffusers model on rank 0, the others idle;
 * ``1gpu-sparse``: rank 0 with sparsp's single-process sparse processor (``emulate_ranks=1``);
-* ``diffusers-ring`` / ``diffusers-ulysses``: Diffusers' own ``ContextParallelConfig``
-  (``_native_cudnn``); a failure is recorded in the row's ``error`` and the run goes on;
+* ``diffusers-ring`` / ``diffusers-ulysses``: Diffusers' own ``ContextParallelConfig``; a
+  failure is recorded in the row's ``error`` and the run goes on;
 * any sparsp strategy (``ring-sparse``, ``ulysses``, ``sparsp``, ...): ``sparsp.parallelize``.
+
+The dense rows (``1gpu-dense``, ``diffusers-*``) run on the fastest Diffusers attention
+backend installed for the model and its mask, chosen by measurement (``bench/backends.py``):
+the row's ``backends_tried`` holds every backend tried with its step time, attention time and
+dense attention TFLOP/s per GPU, or its error; ``attention_backend`` is the one chosen and
+``attention_tflops`` its rate in the timed steps. A text mask that marks every token valid is
+not passed (HunyuanVideo's dense rows: its blocks get no mask), so cuDNN and flash can apply.
+
+By default (``--strategy`` not given) the rows are ``1gpu-dense``, ``1gpu-sparse``, both
+``diffusers-*`` rows, ``ring-sparse``, ``ulysses`` and ``sparsp``.
 
 A step's time is the slowest rank's wall time (CUDA events), median over the steps after
 ``--warmup``; ``attention_ms`` sums the video self-attention modules' time in a step (mean
@@ -21,12 +31,16 @@ are nearly dense; ``--weights synthetic-structure`` feeds the synthetic video Q/
 ``sparsp.workloads.token_qk`` (the model's RoPE structure) into sparsp's attention instead,
 labelled as such (dense rows are timed unchanged: their time does not depend on q/k values).
 Results: ``bench/results/e2e-<model>-<machine>-<date>.json`` (kind ``e2e``) + a PNG of step
-time per strategy. ``--tiny --device cpu`` is the CPU smoke path (gloo).
+time per strategy. ``--tiny --device cpu`` is the CPU smoke path (gloo; under ``torchrun
+--nproc-per-node 2`` for the parallel rows): a tiny config and latent, ``--block-size 8`` unless
+given (the tiny models have 48 to 192 tokens), fabric ``gloo`` and, unless ``--out`` is given,
+``results/bench`` instead of the tracked ``bench/results``. ``--config KEY=VALUE``
+(repeatable) sets a ``SparspConfig`` field of the sparsp rows (e.g. ``cuda_graphs=off``); the
+row's ``config`` holds what was set.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import time
@@ -35,57 +49,38 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import init_distributed, median, save_figure, time_ms, write_result
+from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_OUT, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, E2E_TINY_OUT, add_e2e,
+                   check_names, refuse)
+from .backends import CANDIDATES, BackendFailed, attention_flops, pick_fastest
+from .common import (config_overrides, init_distributed, median, save_figure, time_ms,
+                     write_result)
 
-FABRICS = ("nvlink", "host")
+RESERVED = E2E_RESERVED
 ONE_GPU = ("1gpu-dense", "1gpu-sparse")
 DIFFUSERS = {"diffusers-ring": "ring_degree", "diffusers-ulysses": "ulysses_degree"}
-DEFAULT_STRATEGIES = ("1gpu-dense", "1gpu-sparse", "diffusers-ring", "diffusers-ulysses", "ring-sparse",
-                      "ulysses", "sparsp")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """``--help`` with defaults, and the module docstring's examples kept as written."""
+def default_strategies() -> list[str]:
+    """The rows run when ``--strategy`` is not given: the one-GPU rows, Diffusers' own context
+    parallelism (the dense baselines), and every registered block-sparse strategy that moves
+    no relayed bytes (a relay ring's whole model step adds nothing the attention bench lacks)."""
+    from ..strategies.registry import strategies_where, strategy_spec
+
+    sparse = [s for s in strategies_where(sparse=True) if strategy_spec(s).byte_rule != "relay"]
+    return [*ONE_GPU, *DIFFUSERS, *sparse]
 
 
-def add_arguments(p) -> None:
-    from ..integrations.models import PRESETS
-
-    p.add_argument("--model", default="wan2.1-14b", choices=list(PRESETS), help="model preset")
-    p.add_argument("--steps", type=int, default=4, help="timed denoising steps per strategy")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--layers", type=int, default=None, help="truncate the block stack (default: all)")
-    p.add_argument("--strategy", nargs="+", default=list(DEFAULT_STRATEGIES),
-                   help="1gpu-dense, 1gpu-sparse, diffusers-ring, diffusers-ulysses, or any sparsp strategy")
-    p.add_argument("--cdf", type=float, default=0.9, help="CDF threshold of the sparse rows")
-    p.add_argument("--block-size", type=int, default=128, help="sparsp block size (tokens)")
-    p.add_argument("--weights", default="random", choices=["random", "synthetic-structure"],
-                   help="random: the model's own q/k; synthetic-structure: synthetic video q/k into sparsp attention")
-    p.add_argument("--fabric", default="nvlink", choices=FABRICS,
-                   help="nvlink: peer copies; host: NCCL_P2P_DISABLE=1 and sparsp's host transport")
-    p.add_argument("--transport", default=None, choices=["auto", "nccl", "ipc", "host"],
-                   help="sparsp transport (default: auto on nvlink, host on host)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "torch", "flex"], help="sparsp kernel")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run sparsp's plan stage eagerly (SparspConfig(cuda_graphs=False)); rows say "
-                        "cuda_graphs: false (write them to another --out to plot them apart)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu (gloo smoke run)")
-    p.add_argument("--tiny", action="store_true", help="a tiny config and latent (CPU smoke test of the plumbing)")
-    p.add_argument("--latent", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
-                   help="latent frames, height, width before patchify (default: the preset's video)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+add_arguments = add_e2e  # the verb's arguments live in the torch-free ``args``
 
 
 class _AttentionTimer:
-    """Wall time of the video self-attention modules in one step (CUDA events on GPU)."""
+    """Wall time of the video self-attention modules in one step (CUDA events on GPU), and the
+    dense FLOPs of their calls (``flops``, since the last ``take_ms``)."""
 
     def __init__(self, modules, device: torch.device) -> None:
-        self.device, self.spans, self.handles = device, [], []
+        self.device, self.spans, self.handles, self.flops = device, [], [], 0.0
         for m in modules:
-            self.handles.append(m.register_forward_pre_hook(self._start))
+            self.handles.append(m.register_forward_pre_hook(self._start, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._stop))
 
     def _now(self):
@@ -95,21 +90,33 @@ class _AttentionTimer:
             return e
         return time.perf_counter()
 
-    def _start(self, module, args):
+    def _start(self, module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:  # joint attention: the text joins the video
+            text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+            tokens = hidden.shape[1] + (text.shape[1] if isinstance(text, torch.Tensor) else 0)
+            self.flops += attention_flops(hidden.shape[0], tokens, getattr(module, "inner_dim", hidden.shape[-1]))
         self.spans.append([self._now(), None])
 
     def _stop(self, module, args, output):
         self.spans[-1][1] = self._now()
 
     def take_ms(self) -> float:
-        """Total of the spans since the last call (synchronises the device)."""
+        """Total of the spans since the last call (synchronises the device); a span a failed
+        call left open (a backend that could not run) counts nothing."""
+        spans = [(a, b) for a, b in self.spans if b is not None]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-            total = sum(a.elapsed_time(b) for a, b in self.spans)
+            total = sum(a.elapsed_time(b) for a, b in spans)
         else:
-            total = sum(b - a for a, b in self.spans) * 1e3
-        self.spans = []
+            total = sum(b - a for a, b in spans) * 1e3
+        self.spans, self.flops = [], 0.0
         return total
+
+    def take(self) -> tuple[float, float]:
+        """(ms, dense FLOPs) of the attention calls since the last take."""
+        flops = self.flops
+        return self.take_ms(), flops
 
     def remove(self) -> None:
         for h in self.handles:
@@ -183,6 +190,7 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport):
 
     from ..integrations.diffusers import runtime_of
     from ..integrations.models import PRESETS, TINY, build_transformer, dummy_inputs, num_layers
+    from ..strategies.registry import strategies_where
 
     preset = PRESETS[args.model]
     cfg = TINY[preset.kind] if args.tiny else preset.config
@@ -197,17 +205,19 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport):
         inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens,
                               seed=args.seed + 1)
         row["layers"] = num_layers(model)
-        # cuDNN is the dense reference (DESIGN.md); it takes bf16/fp16 only, and HunyuanVideo's
-        # joint attention carries a key-padding mask, so that model keeps PyTorch's own choice.
+        dense = name == "1gpu-dense" or name in DIFFUSERS
+        _drop_all_valid_text_masks(model, inputs, preset.kind, dense)
+        # The sparse rows' other attention (cross-attention, text): cuDNN where it applies (bf16/fp16,
+        # no key-padding mask); the dense rows pick theirs by measurement below.
         backend = "native"
         if device.type == "cuda" and dtype != torch.float32 and preset.kind != "hunyuan-video":
             backend = "_native_cudnn"
             model.set_attention_backend(backend)
         row["attention_backend"] = backend
         config = SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, transport=fabric_transport,
-                              kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs)
+                              kernel=args.kernel, **dict(args.config))
         if name == "1gpu-sparse":
-            sparsp.parallelize(model, config=config, strategy="sparsp", emulate_ranks=1)
+            sparsp.parallelize(model, config=config, strategy=strategies_where(primary=True)[0], emulate_ranks=1)
             row.update(cdf=args.cdf)
         elif name in DIFFUSERS:
             from diffusers import ContextParallelConfig
@@ -230,13 +240,25 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport):
     dist.all_reduce(layers, op=dist.ReduceOp.MAX)
     row["layers"] = int(layers.item())
     timer = _AttentionTimer(modules, device)
+    if name in DIFFUSERS or (name == "1gpu-dense" and active):
+        # What a Diffusers user runs at best: the fastest backend on this machine, measured
+        gang = world if name in DIFFUSERS else 1
+        row["attention_backend"], row["backends_tried"] = pick_fastest(
+            CANDIDATES, lambda b, m=model, s=step: _try_backend(m, b, s, timer, device, gang, min(args.steps, 2)))
+        model.set_attention_backend(row["attention_backend"])
     for _ in range(args.warmup):  # here, not in time_ms, so the attention spans exclude them
         step()
     timer.take_ms()
     times = time_ms(step, warmup=0, iters=args.steps, device=device)
-    attn = torch.tensor([timer.take_ms() / args.steps], dtype=torch.float64, device=device)
+    attn_ms, flops = timer.take()
+    attn = torch.tensor([attn_ms / args.steps], dtype=torch.float64, device=device)
     dist.all_reduce(attn, op=dist.ReduceOp.MAX)
     timer.remove()
+    if name in ONE_GPU[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
+        tflops = torch.tensor([flops / args.steps * (world if name in DIFFUSERS else 1)], dtype=torch.float64,
+                              device=device)
+        dist.all_reduce(tflops, op=dist.ReduceOp.MAX)
+        row["attention_tflops"] = _tflops(tflops.item(), attn.item())
     density = torch.tensor([-1.0], dtype=torch.float64, device=device)
     if densities:
         density[0] = sum(densities) / len(densities)
@@ -252,15 +274,121 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport):
     return row
 
 
+def _tflops(flops: float, ms: float) -> float | None:
+    return round(flops / (ms * 1e-3) / 1e12, 4) if ms > 0 and flops > 0 else None
+
+
+def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int) -> dict:
+    """Step time, attention time and dense attention TFLOP/s (per GPU) of ``model`` on
+    ``backend``: one untimed step, then ``iters`` timed ones. ``gang`` > 1: every rank of the
+    process group runs it together (Diffusers' context parallelism), and a failure on any rank
+    is raised on all of them, so they all go on to the next backend together."""
+
+    def agreed(error):
+        if gang > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise BackendFailed(error)
+
+    def attempt(fn):
+        try:
+            fn()
+        except Exception as e:  # reported by ``agreed``, on every rank
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    agreed(attempt(lambda: model.set_attention_backend(backend)))
+    agreed(attempt(step))
+    timer.take()
+    if gang > 1:
+        times = time_ms(step, warmup=0, iters=iters, device=device)
+    else:  # rank 0 alone (a one-GPU row): no collective
+        times = [_local_ms(step, device) for _ in range(iters)]
+    ms, flops = timer.take()
+    figures = torch.tensor([ms / iters, flops / iters * gang], dtype=torch.float64, device=device)
+    if gang > 1:
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    attn_ms, flops = figures.tolist()
+    return {"step_ms": median(times), "attention_ms": attn_ms, "attention_tflops": _tflops(flops, attn_ms)}
+
+
+def _local_ms(fn, device) -> float:
+    """One call's wall time in ms on this rank alone (CUDA events on GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _drop_all_valid_text_masks(model, inputs: dict, kind: str, dense: bool) -> None:
+    """A text mask that marks every token valid masks nothing, yet it keeps the fastest
+    backends (cuDNN, flash: no arbitrary mask) from applying: pass None instead. HunyuanVideo
+    builds its joint attention's mask from ``encoder_attention_mask`` whatever it holds, so
+    there the blocks of a dense row get None in its place (sparsp's rows read the mask
+    themselves); the other models take None for their text mask."""
+    if kind == "hunyuan-video":
+        mask = inputs.get("encoder_attention_mask")
+        if not dense or mask is None or not bool(mask.bool().all()):
+            return
+
+        def no_mask(block, args, kwargs):
+            if len(args) > 3 and isinstance(args[3], torch.Tensor) and bool(args[3].all()):
+                args = (*args[:3], None, *args[4:])
+            if isinstance(kwargs.get("attention_mask"), torch.Tensor) and bool(kwargs["attention_mask"].all()):
+                kwargs = {**kwargs, "attention_mask": None}
+            return args, kwargs
+
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            block.register_forward_pre_hook(no_mask, with_kwargs=True)
+        return
+    for key in ("encoder_attention_mask", "audio_encoder_attention_mask"):
+        mask = inputs.get(key)
+        if isinstance(mask, torch.Tensor) and bool(mask.bool().all()):
+            inputs[key] = None
+
+
+def settle_arguments(args) -> bool:
+    """Fill the defaults that depend on other arguments and refuse what cannot apply; whether
+    the run is on CUDA. ``--tiny``: ``--block-size 8`` (its 48-192 tokens in blocks enough for
+    every rank) and ``--out results/bench`` (a smoke run is no result to track); a CPU run's
+    rows say fabric ``gloo``, the only path between its processes."""
+    from ..strategies import strategy_names
+
+    known = (*ONE_GPU, *DIFFUSERS, *strategy_names())
+    if args.strategy is None:
+        args.strategy = default_strategies()
+    check_names("e2e", "--strategy", args.strategy, known)
+    if args.device not in ("auto", "cuda", "cpu"):  # torchrun's LOCAL_RANK picks the GPU
+        refuse("e2e", f"--device must be auto, cuda or cpu, got {args.device!r}")
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if not want_cuda and args.fabric is not None:
+        refuse("e2e", f"--fabric {args.fabric} names a path between GPUs; a CPU run goes through {CPU_FABRIC}")
+    args.fabric = (args.fabric or "nvlink") if want_cuda else CPU_FABRIC
+    if args.block_size is None:
+        args.block_size = E2E_TINY_BLOCK_SIZE if args.tiny else E2E_BLOCK_SIZE
+    if args.out is None:
+        args.out = E2E_TINY_OUT if args.tiny else E2E_OUT
+    return want_cuda
+
+
 def main(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    overrides = config_overrides(args.config, reserved=RESERVED)
+    want_cuda = settle_arguments(args)
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
-    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     rank, world, device = init_distributed(None if want_cuda else "gloo")
     if not want_cuda:
         device = torch.device("cpu")
@@ -271,7 +399,7 @@ def main(args) -> int:
     for name in args.strategy:
         base = {"model": args.model, "ranks": 1 if name in ONE_GPU else world, "fabric": args.fabric,
                 "strategy": name, "weights": args.weights, "steps": args.steps, "device": device.type,
-                "cuda_graphs": not args.no_cuda_graphs}
+                "cuda_graphs": overrides.get("cuda_graphs", True), "config": overrides or None}
         error = None
         try:
             row = {**base, **_run_strategy(name, args, rank, world, device, dtype, transport)}

@@ -34,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-PRESET_SHAPES = ("hunyuan-video", "wan2.1-14b", "ltx-video", "ltx-2")
+from .args import KERNEL_SHAPES, add_kernel
+
+PRESET_SHAPES = KERNEL_SHAPES
+add_arguments = add_kernel  # the verb's arguments live in the torch-free ``args``
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,26 +50,6 @@ class Shape:
     heads: int
     head_dim: int
     geom: object  # the VideoGeometry the benchmark's own masks come from
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--shape", nargs="+", default=list(PRESET_SHAPES),
-                   help=f"preset names ({', '.join(PRESET_SHAPES)}) or custom SQxSKxHxD")
-    p.add_argument("--ranks", type=int, default=2, help="G: a preset shape is one rank's queries")
-    p.add_argument("--kernel", nargs="+", default=None, choices=["fa4", "flex", "torch"],
-                   help="sparse kernels (default: fa4 and flex where available; torch on CPU)")
-    p.add_argument("--layout", nargs="+", default=["local", "packed"], choices=["local", "packed"])
-    p.add_argument("--cdf", type=float, nargs="*", default=[0.85, 0.9, 0.95],
-                   help="CDF thresholds of the benchmark's own (synthetic) masks")
-    p.add_argument("--density", type=float, nargs="*", default=[0.25, 0.6],
-                   help="densities of random per-head block masks")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
 def parse_shape(text: str, ranks: int, block_size: int) -> Shape:

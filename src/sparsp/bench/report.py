@@ -1,7 +1,11 @@
 """Print a short table of benchmark result files: ``python -m sparsp.bench.report FILE...``;
 ``--plot OUT.png`` also draws the attention files' summary (``summary_plot``), ``--scaling
 OUT.png`` latency and speedup versus the number of GPUs from attention files of several
-machines (``scaling_plot``, the paper's Figures 17–18 from measured rows)."""
+machines (``scaling_plot``, the paper's Figures 17–18 from measured rows).
+
+The strategies, their order and colours come from the strategy registry (``register_strategy``:
+``color``, and ``primary`` for the bound the summary marks); the one-GPU rows of ``bench
+attention`` (``ONE_GPU``) come first."""
 
 from __future__ import annotations
 
@@ -37,15 +41,36 @@ def summarize(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-SUMMARY = ("1gpu-dense", "1gpu-sparse", "ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
+ONE_GPU = ("1gpu-dense", "1gpu-sparse")
+"""``bench attention``'s one-GPU rows: the dense kernel, and the primary strategy on one GPU."""
+ONE_GPU_COLORS = ("C0", "C1")
+
+
+def summary_names() -> tuple[str, ...]:
+    """The rows the summary shows: the one-GPU rows, then every registered strategy."""
+    from ..strategies.registry import strategy_names
+
+    return ONE_GPU + strategy_names()
+
+
+def colors(names: tuple[str, ...]) -> dict[str, str]:
+    """A plot colour per name: the one-GPU rows' and each strategy's registered ``color``, the
+    rest the matplotlib cycle's colours no one claimed, in order."""
+    from ..strategies.registry import strategy_names, strategy_spec
+
+    fixed = dict(zip(ONE_GPU, ONE_GPU_COLORS))
+    fixed.update({s: strategy_spec(s).color for s in strategy_names() if strategy_spec(s).color})
+    free = (f"C{i}" for i in range(100) if f"C{i}" not in fixed.values())
+    return {n: fixed.get(n) or next(free) for n in names}
 
 
 def best_rows(rows: list[dict], cdf: float = 0.9) -> dict[tuple[str, str], dict]:
     """``(fabric, strategy) → row`` of the fastest transport of each strategy at ``cdf``
     (ablation, ``--env-variant`` and ``auto`` rows left out)."""
+    names = summary_names()
     best: dict[tuple[str, str], dict] = {}
     for r in rows:
-        if r.get("ablation") or r.get("env") or r["strategy"] not in SUMMARY or abs(r["cdf"] - cdf) > 1e-9:
+        if r.get("ablation") or r.get("env") or r["strategy"] not in names or abs(r["cdf"] - cdf) > 1e-9:
             continue
         key = (r["fabric"], r["strategy"])
         if key not in best or r["median_ms"] < best[key]["median_ms"]:
@@ -61,29 +86,34 @@ def summary_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..strategies.registry import strategies_where
+
     docs = [json.loads(Path(p).read_text()) for p in paths]
     docs = [d for d in docs if d["kind"] == "attention"]
     fabrics = sorted({r["fabric"] for d in docs for r in d["rows"]}, reverse=True)
     fig, axes = plt.subplots(1, len(fabrics), figsize=(6 * len(fabrics), 4.5), squeeze=False)
-    width = 0.8 / len(SUMMARY)
+    summary = summary_names()
+    color = colors(summary)
+    primary = strategies_where(primary=True)[0]
+    width = 0.8 / len(summary)
     for ax, fab in zip(axes[0], fabrics):
         names = []
         for i, d in enumerate(docs):
             best = best_rows(d["rows"], cdf)
-            dense = best.get((fab, "1gpu-dense"))
+            dense = best.get((fab, ONE_GPU[0]))
             if dense is None:
                 continue
             names.append(d["rows"][0]["model"])
             x = len(names) - 1
-            for j, strategy in enumerate(SUMMARY):
+            for j, strategy in enumerate(summary):
                 r = best.get((fab, strategy))
                 if r is not None:
-                    ax.bar(x + (j - len(SUMMARY) / 2 + 0.5) * width, dense["median_ms"] / r["median_ms"], width,
-                           color=f"C{j}", label=strategy if x == 0 else None)
-            sp = best.get((fab, "sparsp"))
+                    ax.bar(x + (j - len(summary) / 2 + 0.5) * width, dense["median_ms"] / r["median_ms"], width,
+                           color=color[strategy], label=strategy if x == 0 else None)
+            sp = best.get((fab, primary))
             if sp is not None:
                 ax.scatter([x], [dense["median_ms"] / sp["bound_ms"]], marker="v", color="k",
-                           label="sparsp bound" if x == 0 else None, zorder=3)
+                           label=f"{primary} bound" if x == 0 else None, zorder=3)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.set(ylabel="speedup over one GPU (cuDNN/FA4 dense)", title=f"fabric {fab}, cdf {cdf}")
@@ -92,9 +122,6 @@ def summary_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
     machine = docs[0]["machine"] if docs else ""
     fig.suptitle(f"one attention layer, {machine}")
     return save_figure(fig, out, dpi=110)
-
-
-SCALING = ("ring", "ring-sparse", "ring-relay", "ulysses", "sparsp")
 
 
 def scaling_points(paths: list[str], cdf: float = 0.9) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
@@ -107,7 +134,7 @@ def scaling_points(paths: list[str], cdf: float = 0.9) -> dict[tuple[str, str], 
         if doc.get("kind") != "attention":
             raise ValueError(f"{path}: not a bench attention result (kind {doc.get('kind')!r})")
         for (fabric, strategy), r in best_rows(doc["rows"], cdf).items():
-            G = 1 if strategy.startswith("1gpu") else int(r["ranks"])
+            G = 1 if strategy in ONE_GPU else int(r["ranks"])
             series = points.setdefault((r["model"], fabric), {}).setdefault(strategy, {})
             series[G] = min(series.get(G, float("inf")), float(r["median_ms"]))
     return points
@@ -121,7 +148,10 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..strategies.registry import strategy_names
+
     points = scaling_points(paths, cdf)
+    color = colors(strategy_names())
     models = sorted({m for m, _ in points})
     if not models:
         raise ValueError(f"no attention rows at cdf {cdf} in the files given")
@@ -132,20 +162,20 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
             series = points.get((model, fabric))
             if not series:
                 continue
-            dense = series.get("1gpu-dense", {}).get(1)
-            for j, strategy in enumerate(SCALING):
+            dense = series.get(ONE_GPU[0], {}).get(1)
+            for strategy in strategy_names():
                 pts = sorted(series.get(strategy, {}).items())
                 if not pts:
                     continue
                 label = f"{strategy} ({fabric})"
-                lat.plot([g for g, _ in pts], [ms for _, ms in pts], style, color=f"C{j}", ms=4, label=label)
+                lat.plot([g for g, _ in pts], [ms for _, ms in pts], style, color=color[strategy], ms=4, label=label)
                 if dense:
-                    spd.plot([g for g, _ in pts], [dense / ms for _, ms in pts], style, color=f"C{j}", ms=4,
+                    spd.plot([g for g, _ in pts], [dense / ms for _, ms in pts], style, color=color[strategy], ms=4,
                              label=label)
-            one = series.get("1gpu-sparse", {}).get(1)
+            one = series.get(ONE_GPU[1], {}).get(1)
             if one:
                 lat.scatter([1], [one], marker="*", color="k", s=50, zorder=3,
-                            label=f"1gpu-sparse ({fabric})" if fabric == "nvlink" else None)
+                            label=f"{ONE_GPU[1]} ({fabric})" if fabric == "nvlink" else None)
                 if dense:
                     spd.scatter([1], [dense / one], marker="*", color="k", s=50, zorder=3)
         ranks = sorted({g for (m, _), s in points.items() if m == model for v in s.values() for g in v})
@@ -173,6 +203,20 @@ def _option(args: list[str], flag: str) -> tuple[str | None, str | None]:
     return value, None
 
 
+def _check_result(path: str) -> str | None:
+    """What is wrong with ``path`` as a bench result file (None: nothing)."""
+    from ..inputs import read_json
+
+    try:
+        doc = read_json(path, what="sparsp bench result (JSON)")
+    except ValueError as e:
+        return str(e)
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) \
+            or not all(k in doc for k in ("kind", "machine", "date")):
+        return f"{path}: not a sparsp bench result: expected a JSON object with kind, machine, date and rows"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     if "-h" in args or "--help" in args:
@@ -188,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...",
               file=sys.stderr)
         return 2
+    for path in args:  # every file checked first: one line naming it, exit status 2
+        error = _check_result(path)
+        if error:
+            print(f"python -m sparsp.bench.report: error: {error}", file=sys.stderr)
+            return 2
     print(summarize(args))
     if plot_to:
         print(f"wrote {summary_plot(args, Path(plot_to))}")

@@ -52,52 +52,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import parse_size
+from .args import add_transport
 from .common import init_distributed, median, result_path, save_figure, write_result
 
-FABRICS = ("nvlink", "host")
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
 LOAD_ORDERS = {"exchange-first": (EXCHANGE_FIRST,), "attention-first": (ATTENTION_FIRST,),
                "both": (EXCHANGE_FIRST, ATTENTION_FIRST)}
+add_arguments = add_transport  # the verb's arguments live in the torch-free ``args``
 DEFAULT_TRANSPORTS = {"nvlink": ("nccl", "ipc"), "host": ("nccl", "host")}
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--fabric", default="nvlink", choices=FABRICS,
-                   help="nvlink: peer access (nccl, ipc); host: NCCL_P2P_DISABLE=1 (nccl, host)")
-    p.add_argument("--transports", nargs="+", default=None, choices=["nccl", "ipc", "host"],
-                   help="transports to measure (default: those of --fabric)")
-    p.add_argument("--min-bytes", type=parse_size, default=64 << 10, help="smallest message, e.g. 64KiB")
-    p.add_argument("--max-bytes", type=parse_size, default=512 << 20, help="largest message, e.g. 512MiB")
-    p.add_argument("--factor", type=int, default=2, help="size step (powers of this factor)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="times each size's median is measured; the row keeps all of them")
-    p.add_argument("--gate-ms", type=float, default=1.0,
-                   help="spin kernel before each timed exchange so the host has queued it (0: off)")
-    p.add_argument("--no-align", action="store_true",
-                   help="skip the 4-byte all-reduce after the gate that starts both GPUs together")
-    p.add_argument("--pipeline", type=int, default=None,
-                   help="exchanges in flight in the pipelined rows (default: --window; 0: none)")
-    p.add_argument("--no-load", action="store_true", help="skip the under-attention-load runs")
-    p.add_argument("--load-order", choices=("exchange-first", "attention-first", "both"), default="both",
-                   help="under load: the first exchange in flight before the attention starts, the "
-                        "attention queued before the exchanges, or both (default)")
-    p.add_argument("--attn-tokens", type=int, default=32768)
-    p.add_argument("--attn-heads", type=int, default=24)
-    p.add_argument("--attn-dim", type=int, default=128)
-    p.add_argument("--chunk-bytes", type=parse_size, default=16 << 20, help="host transport chunk")
-    p.add_argument("--first-chunk-bytes", type=parse_size, default=None,
-                   help="host transport: a smaller first chunk, the next ones doubling up to "
-                        "--chunk-bytes (default: all chunks --chunk-bytes)")
-    p.add_argument("--h2d-streams", type=int, default=None, choices=range(1, 5), metavar="N",
-                   help="host transport: host-to-device streams a fetch spreads its pieces over, "
-                        "1 to 4 (default: SPARSP_H2D_STREAMS, else 1; the row's mechanism says it)")
-    p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
-    p.add_argument("--no-plot", action="store_true")
 
 
 def _sizes(lo: int, hi: int, factor: int) -> list[int]:
@@ -257,10 +219,7 @@ def run(args) -> dict:
         gate = _aligned(gate, device)
     rows = []
     for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
-        options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes,
-                                             "first_chunk_bytes": args.first_chunk_bytes or args.chunk_bytes}
-        if name == "host" and args.h2d_streams is not None:
-            options["h2d_streams"] = args.h2d_streams
+        options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
         try:
             t = make_transport(name, None, device=device, timeout_s=args.timeout, **options)
         except Exception as e:  # noqa: BLE001 - e.g. ipc without peer access: skip, say why

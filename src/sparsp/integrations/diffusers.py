@@ -17,8 +17,8 @@ split of each is declared as data in ``plans.py``. What ``parallelize`` does, in
    tokens in placed order: hidden states, RoPE), HunyuanVideo's text stream (trimmed to its
    valid tokens) and the output projection (all-gather, back to the original order).
 
-The placement is a fixed permutation per (geometry, G) (DESIGN.md, "Dependency-aware
-placement"): the geometry is read from the latent shape at every forward and placements are
+The placement is a fixed permutation per (geometry, G) (docs/design.md, "The mechanism",
+dependency-aware placement): the geometry is read from the latent shape at every forward and placements are
 cached per geometry, so several video sizes in one process (LTX-2's two stages) just work.
 Several sizes and ``torch.compile``: every hook and the attention call are excluded from
 compilation (``torch.compiler.disable``: a graph break around them), so sparsp adds no guard
@@ -29,7 +29,7 @@ dynamic graph), far from the recompile limit.
 
 With ``group=None`` and one process (or ``emulate_ranks=G``) nothing is communicated: the
 whole placed sequence stays in the process and attention runs under the masks that G ranks
-would compute (``simulate.simulated_sp_attention``), so a user sees what sparsity alone does.
+would compute (``reference.reference_sp_attention``), so a user sees what sparsity alone does.
 """
 
 from __future__ import annotations
@@ -56,15 +56,17 @@ _ATTR = "_sparsp_runtime"
 
 def _strategy_spec(strategy: str):
     """The registered facts of ``strategy`` (``ValueError`` naming the registered ones);
-    ``"auto"`` (chosen per call, ``strategies/auto.py``) places like ``sparsp`` and never needs
-    heads divisible by the group (it picks ``ulysses`` only where they are)."""
+    ``auto`` (chosen per call, ``strategies/auto.py``) places like the strategy whose plan
+    stage it uses (``auto.PLANNED``) and never needs heads divisible by the group (it picks a
+    head-sharded strategy only where they are)."""
     from .. import strategies  # noqa: F401 - importing the package registers every strategy
+    from ..strategies.auto import AUTO, PLANNED
     from ..strategies.registry import strategy_spec
 
-    if strategy == "auto":
+    if strategy == AUTO:
         from dataclasses import replace
 
-        return replace(strategy_spec("sparsp"), heads_divisible=False)
+        return replace(strategy_spec(PLANNED), heads_divisible=False)
     return strategy_spec(strategy)
 
 
@@ -224,12 +226,12 @@ class Runtime:
             from ..strategies import sp_attention
 
             return sp_attention(q, k, v, group=self.group, strategy=self.strategy, config=self.config)
-        from .simulate import simulated_sp_attention, split_block_mask
+        from .reference import reference_sp_attention, split_block_mask
 
-        out, mask = simulated_sp_attention(q, k, v, lens=lay.lens, strategy=self.strategy, config=self.config,
+        out, mask = reference_sp_attention(q, k, v, lens=lay.lens, strategy=self.strategy, config=self.config,
                                            return_mask=True)
         if self.on_mask is not None:  # a dense run still reports the mask at its thresholds
-            if self.strategy == "ring":
+            if not _strategy_spec(self.strategy).sparse:  # a dense baseline's run ignores the thresholds
                 mask = split_block_mask(q, k, lay.lens, self.config)
             self.on_mask(mask[0])
         return out

@@ -154,7 +154,7 @@ class HunyuanJointProcessor(SparspProcessor):
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
-        if image_rotary_emb is not None:
+        if image_rotary_emb is not None and n_video:  # a rank's share may hold only text
             qv = apply_rotary_emb(q[:, :n_video], image_rotary_emb, sequence_dim=1)
             kv = apply_rotary_emb(k[:, :n_video], image_rotary_emb, sequence_dim=1)
             q, k = torch.cat([qv, q[:, n_video:]], dim=1), torch.cat([kv, k[:, n_video:]], dim=1)

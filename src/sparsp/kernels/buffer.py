@@ -242,7 +242,7 @@ if triton is not None:
 
 
 def _compact_ok(keep: Tensor) -> bool:
-    return runs(keep, "SPARSP_TRITON_LISTS") and 0 < keep.shape[-1] <= 16384
+    return runs(keep) and 0 < keep.shape[-1] <= 16384
 
 
 def compact_rows(keep: Tensor, indices: Tensor, width: int) -> tuple[Tensor, Tensor]:

@@ -44,7 +44,6 @@ call the compiled kernel directly. A signature whose arguments cannot all be nam
 Before a template is used it is tried once on the first call's inputs and its result compared
 bit for bit with ``flash_attn_func``'s, on the device (``_Trial``: the host reads the verdict
 once it has landed, never waiting for it); a template that disagrees is dropped with a warning.
-``SPARSP_FA4_PREPARED=0`` turns prepared launches off.
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import threading
 import warnings
 from typing import Any, Callable
@@ -60,6 +58,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..caches import per_geometry
 from . import flex, torch_ref
 from .buffer import KVBuffer, fit_width, packed_result, sorted_lists, split_lists
 from .local import LocalKV
@@ -136,7 +135,7 @@ def _fallback(reason: str, q, kv, kv_num_blocks, kv_indices, scale):
     return fn(q, kv, kv_num_blocks, kv_indices, scale=scale)
 
 
-_NO_MASK: dict[tuple, tuple[Tensor, Tensor]] = {}
+_NO_MASK = per_geometry("kernels: fa4 empty mask lists")  # key -> (Tensor, Tensor)
 
 
 def _run(q4: Tensor, k4: Tensor, v4: Tensor, num: Tensor, idx: Tensor, bs: int,
@@ -193,7 +192,7 @@ def _call(inputs: dict[str, Tensor], bs: int, scale: float) -> tuple[Tensor, Ten
 # -- prepared launches -----------------------------------------------------------------------
 
 _UNSEEN = object()
-_PREPARED: dict[tuple, "_Prepared | _Trial | None"] = {}
+_PREPARED = per_geometry("kernels: fa4 prepared launches")  # key -> _Prepared | _Trial | None
 _PREPARE_LOCK = threading.Lock()
 
 
@@ -206,8 +205,6 @@ def _layout(t: Tensor) -> tuple:
 
 def _signature(inputs: dict[str, Tensor], bs: int, scale: float) -> tuple | None:
     """The launch signature of a call, or ``None`` when it must go through FA4's own path."""
-    if os.environ.get("SPARSP_FA4_PREPARED", "1") == "0":
-        return None
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     if q.shape[1] == 0 or k.shape[1] == 0 or q.requires_grad:
         return None  # FA4 answers empty sequences without a kernel

@@ -1,6 +1,11 @@
 """Block-sparse attention through ``torch.compile(flex_attention)`` (portable GPU backend).
 
-Two K/V layouts, no torch path on GPU:
+Calls outside flex's limits run the torch kernel instead, with one warning per reason
+(``unsupported_reason``): a head dim below 16, and a block size that is not a multiple of
+the tile that flex's compiled kernel picks for that head dim and dtype (found when the compile
+refuses it, then remembered). Such calls are small (tiny test models, block sizes under 16).
+
+Two K/V layouts:
 
 - ``LocalKV`` (this rank's shard, ``(B, S, H, D)``): flex reads ``k.transpose(1, 2)`` in
   place, one K/V head per query head, with a ``(B, H, nQ, n)`` ``BlockMask`` of block indices
@@ -32,17 +37,20 @@ from __future__ import annotations
 import inspect
 import math
 import types
+import warnings
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from ..caches import per_geometry
 from . import torch_ref
 from .buffer import KVBuffer, fit_width, packed_result, split_lists
 from .local import LocalKV
 from .merge import fold
 
-__all__ = ["FLEX_AVAILABLE", "block_sparse_attention", "compiled_entries", "dense", "flex_available"]
+__all__ = ["FLEX_AVAILABLE", "block_sparse_attention", "compiled_entries", "dense", "flex_available",
+           "unsupported_reason"]
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -71,7 +79,33 @@ if FLEX_AVAILABLE and "compute_q_blocks" in inspect.signature(BlockMask.from_kv_
 # The torch.compile backend; CPU tests set "eager" (guards and graphs do not depend on it).
 _BACKEND = "inductor"
 # One compiled entry per geometry key (see the module docstring).
-_COMPILED: dict[tuple, Callable] = {}
+_COMPILED = per_geometry("kernels: compiled flex entries")  # key -> Callable
+# (head dim, dtype, block size) whose compile flex refused: its tile does not divide the block
+_REFUSED = per_geometry("kernels: block sizes flex refused")  # key -> reason
+_MIN_HEAD_DIM = 16  # flex_attention's kernels take head dims from 16 up
+_WARNED: set[str] = set()
+
+
+def unsupported_reason(q: Tensor, block_size: int) -> str | None:
+    """Why this call runs the torch kernel instead of flex, or ``None``."""
+    D = q.shape[-1]
+    if D < _MIN_HEAD_DIM:
+        return f"head dim {D} (flex_attention takes {_MIN_HEAD_DIM} and more)"
+    return _REFUSED.get((D, q.dtype, block_size))
+
+
+def _refused(e: Exception) -> bool:
+    """The compile error flex raises for a block size its tile does not divide."""
+    return "must be divisible by BLOCK_M and BLOCK_N" in str(e)
+
+
+def _instead(reason: str, q: Tensor, kv, kv_num_blocks: Tensor, kv_indices: Tensor,
+             scale: float | None) -> tuple[Tensor, Tensor]:
+    text = f"sparsp kernel 'flex': {reason}; running the torch kernel instead"
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
+    return torch_ref.block_sparse_attention(q, kv, kv_num_blocks, kv_indices, scale=scale)
 
 
 def flex_available(device: torch.device | str) -> bool:
@@ -158,15 +192,25 @@ def block_sparse_attention(
     if not FLEX_AVAILABLE:
         raise RuntimeError(f"flex_attention is not available in torch {torch.__version__}")
     n_q = torch_ref.check_inputs(q, kv, kv_num_blocks, kv_indices)
+    reason = unsupported_reason(q, kv.block_size)
+    if reason is not None:
+        return _instead(reason, q, kv, kv_num_blocks, kv_indices, scale)
     D = q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scaled = 1.0 / math.sqrt(D) if scale is None else float(scale)
     num = kv_num_blocks.to(device=q.device, dtype=torch.int32).contiguous()
     idx = kv_indices.to(device=q.device)
-    if isinstance(kv, LocalKV):
-        out, lse = _run(q, kv.k.transpose(1, 2), kv.v.transpose(1, 2), num,
-                        fit_width(idx, kv.num_blocks), kv.block_size, scale, False)
-        return out.to(q.dtype), lse
-    return _packed(q, kv, num, idx, n_q, scale)
+    try:
+        if isinstance(kv, LocalKV):
+            out, lse = _run(q, kv.k.transpose(1, 2), kv.v.transpose(1, 2), num,
+                            fit_width(idx, kv.num_blocks), kv.block_size, scaled, False)
+            return out.to(q.dtype), lse
+        return _packed(q, kv, num, idx, n_q, scaled)
+    except Exception as e:  # the compile's refusal is the only one handled: others propagate
+        if not _refused(e):
+            raise
+        reason = _REFUSED[(D, q.dtype, kv.block_size)] = (
+            f"block_size {kv.block_size} at head dim {D}, {q.dtype} (flex's tile does not divide it)")
+        return _instead(reason, q, kv, kv_num_blocks, kv_indices, scale)
 
 
 def _packed(q: Tensor, kv: KVBuffer, num: Tensor, idx: Tensor, n_q: int,

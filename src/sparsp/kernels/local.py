@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..caches import per_geometry
+
 __all__ = ["LocalKV"]
 
 
-_BLOCK_IDS: dict[tuple, Tensor] = {}
+_BLOCK_IDS = per_geometry("kernels: local block ids")  # key -> Tensor
 
 
 @dataclass(frozen=True)

@@ -153,9 +153,9 @@ if triton is not None:
 
 def _triton_ok(*ts: Tensor) -> bool:
     """Whether the Triton merge runs on these (B, H, S, D) partials: CUDA, Triton importable,
-    head-dim contiguous (any other strides), not switched off by ``SPARSP_TRITON_MERGE=0``.
+    head-dim contiguous (any other strides), Triton kernels not switched off (``_triton.runs``).
     (The CPU suite runs ``_launch`` itself in Triton's interpreter.)"""
-    return runs(ts[0], "SPARSP_TRITON_MERGE") and all(t.stride(-1) == 1 for t in ts)
+    return runs(ts[0]) and all(t.stride(-1) == 1 for t in ts)
 
 
 def _launch(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, dest: Tensor,

@@ -1,16 +1,29 @@
-"""``sparsp simulate``: a CPU cost model of every strategy on a fabric profile (issue 12).
+"""``sparsp simulate``: the cost model (``sparsp.cost``) swept over strategies and G on a profile.
 
-``profiles``: built-in and calibrated hardware profiles; ``model``: per-rank, per-round work
-from the exact demand of ``sparsp analyze`` (or of one call's mask: ``strategy="auto"``);
-``timeline``: that work scheduled on a profile; ``calibrate``: a profile fitted to ``bench
-transport`` and ``bench kernel`` results; ``opcount``: the host's op counts the model charges;
-``job``: the ``sparsp simulate`` run (sweep over G, validation, JSON + PNG). Method, figures
-and sources: docs/simulate.md.
+``job``: the ``sparsp simulate`` run (sweep over G, validation, JSON + PNG); ``calibrate``: a
+profile fitted to ``bench transport`` and ``bench kernel`` results; ``opcount``: recounts the
+host's op counts the model charges (``cost.ops``); ``cli``: the command line. ``model``,
+``profiles`` and ``timeline`` are the cost model's modules as this package has always named
+them, with strategies also taken by their registered name (``model.work("sparsp", ...)``).
+Method, figures and sources: docs/simulate.md.
 """
 
-from .model import Blocks, Demand, Work, build_work, measure, work
-from .timeline import Timeline, bottleneck, timeline
-from .profiles import PROFILES, KernelFigure, KernelPoint, Profile, TransportFigure, get_profile
+_HOMES = {
+    **dict.fromkeys(("PROFILES", "KernelFigure", "KernelPoint", "Profile", "TransportFigure", "get_profile"),
+                    "..cost.profiles"),
+    **dict.fromkeys(("Timeline", "bottleneck", "timeline"), "..cost.timeline"),
+    **dict.fromkeys(("Blocks", "Demand", "Work", "build_work", "measure", "work"), ".model"),
+}
+
+
+def __getattr__(name):
+    # Imported on first use, so ``sparsp simulate --help`` (which reads ``.cli``) needs no torch.
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["PROFILES", "Blocks", "Demand", "KernelFigure", "KernelPoint", "Profile", "Timeline", "TransportFigure",
            "Work", "bottleneck", "build_work", "get_profile", "measure", "timeline", "work"]

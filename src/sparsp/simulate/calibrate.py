@@ -18,8 +18,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from .profiles import KernelFigure, KernelPoint, Profile, TransportFigure
-from .timeline import exchange_gbps
+from ..cost.profiles import KernelFigure, KernelPoint, Profile, TransportFigure
+from ..cost.timeline import exchange_gbps
 
 SPARSE_KERNELS = ("fa4", "flex")
 """The block-sparse kernels ``kernel="auto"`` runs, in its order of preference (``fa4`` on sm90
@@ -35,15 +35,18 @@ the masks ``simulate`` runs. Its random per-head masks (``random 0.25``) are ano
 the per-head-dim median."""
 
 
-def read_result(path: Path, kinds: tuple[str, ...]) -> dict:
-    """A ``sparsp bench`` result file of one of ``kinds``; ValueError names the file."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable result file: {e}") from None
-    if not isinstance(doc, dict) or doc.get("kind") not in kinds or not isinstance(doc.get("rows"), list):
+def read_result(path: Path, kinds: tuple[str, ...], option: str | None = None) -> dict:
+    """A ``sparsp bench`` result file of one of ``kinds``; one-line ValueError naming ``option``
+    (the flag that gave it) and the file: empty, not UTF-8, not JSON, or another kind of file."""
+    from ..inputs import read_json
+
+    where = f"{option} {path}" if option else str(path)
+    doc = read_json(path, option, what="sparsp bench result (JSON)")
+    if not isinstance(doc, dict) or doc.get("kind") not in kinds or not isinstance(doc.get("rows"), list) \
+            or not all(isinstance(r, dict) for r in doc["rows"]):
         got = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: expected a sparsp bench result of kind {' or '.join(kinds)}, got {got!r}")
+        raise ValueError(f"{where}: expected a sparsp bench result of kind {' or '.join(kinds)} "
+                         f"(a JSON object with kind and rows), got {'kind ' if isinstance(doc, dict) else ''}{got!r}")
     return doc
 
 

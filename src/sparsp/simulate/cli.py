@@ -20,29 +20,31 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..geometry import PRESETS
-    from ..strategies.registry import strategy_names
+    from ..names import PROFILE_NAMES
 
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="sequence-parallel degrees G")
     p.add_argument("--fabric", default="pcie4-8gpu-nop2p",
-                   help="profile name (h200x2-nvlink, h200x2-host, pcie4-8gpu-p2p, pcie4-8gpu-nop2p, "
-                        "pcie5-8gpu-p2p, pcie5-8gpu-nop2p) or a profile .json file")
+                   help=f"profile name ({', '.join(PROFILE_NAMES)}) or a profile .json file")
     p.add_argument("--cdf", type=float, nargs="+", default=[0.9], help="CDF thresholds")
-    p.add_argument("--strategy", nargs="+", default=None, choices=strategy_names(),
-                   help="strategies (default: all)")
+    p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
+                   help="strategies (default: every registered one; an unknown name is refused with "
+                        "the registered ones)")
     p.add_argument("--placement", default="auto", choices=["auto", "contiguous", "periodic"],
-                   help="auto: each strategy's own (periodic for sparsp and ring-relay)")
+                   help="auto: the placement each strategy is registered with")
     p.add_argument("--transport", default=None,
                    help="a transport of the profile (default: its copy-engine one; nccl for NCCL)")
     p.add_argument("--text", action="store_true", help="include the model's text tokens")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="K/V element type")
-    p.add_argument("--prefetch", type=int, default=1, help="sparsp rounds fetched ahead")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="rounds fetched ahead by a direct-routed strategy (SparspConfig.prefetch; default 1; "
+                        "refused when no direct-routed strategy is simulated)")
     p.add_argument("--no-local-first", action="store_true",
                    help="simulate every strategy in order, the local kernel after the host read "
-                        "(SparspConfig(local_first=False)); default (None, automatic): ring, "
-                        "ring-sparse, ring-relay and sparsp launch it before the read where the "
-                        "code's rule would (not over nccl; the first round moves in less time "
-                        "than the local kernel computes)")
+                        "(SparspConfig(local_first=False)); default (None, automatic): the "
+                        "strategies registered local_first launch it before the read "
+                        "where the code's rule would (not over nccl; the first round moves in less "
+                        "time than the local kernel computes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
     p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
                    help="bench transport (and bench kernel) results to fit the profile to: "
@@ -58,8 +60,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _error(message) -> int:
     """A bad argument, the way argparse reports one: one line on stderr, exit status 2."""
-    print(f"sparsp simulate: error: {message}", file=sys.stderr)
+    print(f"sparsp simulate: error: {' '.join(str(message).split())}", file=sys.stderr)
     return 2
+
+
+def check_files(args) -> None:
+    """Every input file, read and checked before any work: one ``ValueError`` line naming the
+    option, the file and what is wrong (empty, not UTF-8, not JSON, another kind of file)."""
+    from ..inputs import read_json
+    from ..names import PROFILE_NAMES
+    from .calibrate import read_result
+
+    fabric = args.fabric
+    if fabric not in PROFILE_NAMES and (fabric.endswith(".json") or Path(fabric).exists()):
+        doc = read_json(fabric, "--fabric", what="sparsp profile (JSON)")
+        if not isinstance(doc, dict):
+            raise ValueError(f"--fabric {fabric}: not a sparsp profile: the JSON is a {type(doc).__name__}, "
+                             f"not an object")
+        if "kind" in doc and "rows" in doc:
+            raise ValueError(f"--fabric {fabric}: not a sparsp profile: it is a bench {doc['kind']!r} result "
+                             f"(give it to --calibrate)")
+        from ..cost.profiles import Profile
+
+        try:
+            Profile.from_dict(doc.get("profile", doc))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"--fabric {fabric}: {' '.join(str(e).split())}") from None
+    for path in args.calibrate or ():
+        read_result(path, ("transport", "kernel"), "--calibrate")
+    for path in args.validate or ():
+        read_result(path, ("attention",), "--validate")
+
+
+def check_combinations(args) -> None:
+    """An option that cannot apply to the strategies simulated is refused, never ignored."""
+    from ..strategies.registry import strategies_where, strategy_names
+
+    chosen = list(args.strategy or strategy_names())
+    direct = [s for s in chosen if s in strategies_where(byte_rule="direct")]
+    if args.prefetch is not None and not direct:
+        raise ValueError(f"--prefetch applies to direct-routed strategies "
+                         f"({', '.join(strategies_where(byte_rule='direct'))}), and --strategy "
+                         f"{' '.join(chosen)} has none")
+    ordered = [s for s in chosen if s in strategies_where(local_first=True)]
+    if args.no_local_first and not ordered:
+        raise ValueError(f"--no-local-first applies to strategies that can compute the local shard first "
+                         f"({', '.join(strategies_where(local_first=True))}), and --strategy "
+                         f"{' '.join(chosen)} has none")
 
 
 def main(args) -> int:
@@ -69,8 +116,8 @@ def main(args) -> int:
     from .job import SimulateConfig, simulate, write_outputs
 
     console = Console()
-    if console.width < 110:  # the table has ten columns: do not truncate them in a pipe
-        console = Console(width=110)
+    if console.width < 118:  # the table has eleven columns: do not truncate them in a pipe
+        console = Console(width=118)
     try:
         if args.out.exists() and not args.out.is_dir():
             raise ValueError(f"--out {args.out} is a file; give a directory")
@@ -80,10 +127,13 @@ def main(args) -> int:
             from .calibrate import discover_calibration
 
             args.calibrate = discover_calibration()
+        check_files(args)
+        check_combinations(args)
         cfg = SimulateConfig(
             model=args.model, ranks=tuple(args.ranks), fabric=args.fabric, cdf=tuple(args.cdf),
             strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
-            text=args.text, dtype=args.dtype, prefetch=args.prefetch, seed=args.seed,
+            text=args.text, dtype=args.dtype, prefetch=1 if args.prefetch is None else args.prefetch,
+            seed=args.seed,
             calibrate=tuple(args.calibrate or ()),
             validate=None if args.validate is None else tuple(args.validate),
             **({"local_first": False} if args.no_local_first else {}),  # else the config's default
@@ -93,6 +143,10 @@ def main(args) -> int:
             doc = simulate(cfg, progress)
     except (ValueError, OSError) as e:
         return _error(e)
+    except (KeyError, TypeError, IndexError) as e:  # a result file whose rows lack a field
+        files = ", ".join(map(str, [*(args.calibrate or ()), *(args.validate or ())])) or "the inputs"
+        return _error(f"a row of {files} lacks a field or has a value of the wrong type: "
+                      f"{type(e).__name__}: {e}")
     print_tables(doc, console)
     try:
         paths = write_outputs(doc, args.out, plots=not args.no_plots)
@@ -106,22 +160,31 @@ def main(args) -> int:
 def print_tables(doc: dict, console) -> None:
     from rich.table import Table
 
+    from ..strategies.registry import strategies_where
+
     transports = ", ".join(dict.fromkeys(r["transport"] for r in doc["results"]))
     order = {None: "local first where it pays", True: "local first where registered",
              False: "in order"}.get(doc.get("local_first"), "in order")
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"on {doc['fabric']} ({transports}); simulated ({order}), {doc['masks']} masks")
-    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "exposed", "MiB/rank",
+    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "fixed", "exposed", "MiB/rank",
                 "bottleneck"):
         table.add_column(col, justify="left" if col in ("strategy", "bottleneck") else "right")
     for r in doc["results"]:
         table.add_row(f"{r['cdf']:.2f}", str(r["ranks"]), r["strategy"], f"{r['predicted_ms']:.1f}",
                       "" if r["speedup_vs_ring"] is None else f"{r['speedup_vs_ring']:.2f}x",
-                      f"{r['speedup_vs_one_gpu']:.2f}x", f"{r['compute_ms']:.1f}", f"{r['exposed_ms']:.1f}",
+                      f"{r['speedup_vs_one_gpu']:.2f}x", f"{r['compute_ms']:.1f}", f"{r['fixed_ms']:.1f}",
+                      f"{r['exposed_ms']:.1f}",
                       f"{r['bytes_max_rank'] / 2**20:,.0f}", r["bottleneck"])
     console.print(table)
+    from .job import BOTTLENECK_LEGEND
+
+    console.print("ms: predicted time of one attention call; compute, fixed, exposed: the slowest rank's "
+                  "kernel time, fixed costs and transfer time not hidden behind compute (ms); "
+                  + BOTTLENECK_LEGEND, markup=False, highlight=False)
     for cdf, one in doc["one_gpu"].items():
-        console.print(f"one GPU, cdf {cdf}: sparsp (a group of one) {one['sparse_ms']:.1f} ms, "
+        console.print(f"one GPU, cdf {cdf}: {strategies_where(primary=True)[0]} (a group of one) "
+                      f"{one['sparse_ms']:.1f} ms, "
                       f"dense kernel {one['dense_ms']:.1f} ms")
     for s in doc["skipped"]:
         console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")

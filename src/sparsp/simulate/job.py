@@ -23,11 +23,13 @@ import torch
 from ..analysis import DTYPE_BYTES
 from ..geometry import PRESETS, VideoGeometry, preset
 from ..placement import make_placement
-from ..strategies.registry import strategy_names, strategy_spec
+from ..cost.figures import pair_flops
+from ..cost.model import LOCAL_FIRST, SCHEDULES
+from ..cost.profiles import Profile, get_profile
+from ..cost.timeline import bottleneck, timeline
+from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
-from .model import LOCAL_FIRST, build_work, pair_flops
-from .timeline import bottleneck, timeline
-from .profiles import Profile, get_profile
+from .model import build_work
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
 
@@ -109,8 +111,28 @@ class MaskCache:
         return self._masks[key]
 
 
+def modelled(strategy: str) -> bool:
+    """Whether the cost model schedules ``strategy``: its byte rule is one of ``SCHEDULES`` (a
+    strategy registered with a byte-rule function is accounted by ``sparsp analyze`` only)."""
+    rule = strategy_spec(strategy).byte_rule
+    return isinstance(rule, str) and rule in SCHEDULES
+
+
 def placement_for(strategy: str, kind: str) -> str:
     return strategy_spec(strategy).placement if kind == "auto" else kind
+
+
+BOTTLENECK_LEGEND = ("bottleneck: the largest part of the slowest rank's time: compute (its kernels), "
+                     "transfer (transfer time not hidden behind compute: exposed), fixed (per-call fixed "
+                     "costs: launches, host ops and syncs; the fixed column)")
+
+
+def bottleneck_label(compute_ms: float, exposed_ms: float, fixed_ms: float) -> str:
+    """The largest part of the slowest rank's time: ``compute``, ``transfer`` (exposed, i.e. not
+    hidden behind compute) or ``fixed``, so the label agrees with the row's columns.
+    (``savings_ms`` keeps the other question: what each cost, made free, would save.)"""
+    parts = {"compute": compute_ms, "transfer": exposed_ms, "fixed": fixed_ms}
+    return max(parts, key=parts.get)
 
 
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
@@ -119,8 +141,8 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
                  local_first: bool | None = LOCAL_FIRST) -> dict:
     """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
 
-    ``chunking``: the profile ``sparsp`` decides its drain units from, and an automatic
-    ``local_first`` its order (``strategies/chunks.py`` reads ``$SPARSP_PROFILE``, else the
+    ``chunking``: the profile a chunking strategy decides its drain units from, and an automatic
+    ``local_first`` its order (``cost/chunks.py`` reads the profile ``env.profile()`` names, else the
     built-in 2×H200 profile of the path); default ``profile``, the machine's own.
     ``local_first``: the calls' ``SparspConfig.local_first`` (the row's ``local_first`` says
     whether ``strategy`` then runs local first)."""
@@ -130,10 +152,12 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
                       profile=chunking or profile, transport=transport, local_first=local_first)
     kw = dict(transport=transport, head_dim=geom.head_dim, prefetch=prefetch)
     tl = timeline(work, profile, **kw)
-    label, savings = bottleneck(work, profile, tl, **kw)
+    _, savings = bottleneck(work, profile, tl, **kw)
     r = tl.critical_rank
     compute = tl.busy(r, "compute")
     fixed = tl.busy(r, "fixed")
+    exposed = max(0.0, tl.finish[r] - compute - fixed)
+    label = bottleneck_label(compute, exposed, fixed)
     rounds = [{"kind": t.kind, "round": t.round, "phase": t.phase, "from": t.sender, "bytes": int(t.nbytes),
                "start_ms": round(t.start, 4), "end_ms": round(t.end, 4)}
               for t in sorted((t for t in tl.tasks if t.rank == r), key=lambda t: (t.start, t.end))]
@@ -145,7 +169,7 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
         "savings_ms": {k: round(v, 4) for k, v in savings.items()},
         "critical_rank": r, "compute_ms": round(compute, 4), "fixed_ms": round(fixed, 4),
         "transfer_ms": round(tl.busy(r, "transfer"), 4),
-        "exposed_ms": round(max(0.0, tl.finish[r] - compute - fixed), 4),
+        "exposed_ms": round(exposed, 4),
         "finish_ms": [round(f, 4) for f in tl.finish],
         "bytes_max_rank": max(per_rank), "bytes_total": sum(per_rank), "rounds": rounds,
     }
@@ -153,13 +177,14 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
 
 def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile,
             local_first: bool | None = LOCAL_FIRST) -> dict:
-    """The same call on one GPU: ``sparsp`` on a group of one (what ``bench attention``'s
-    ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload;
+    """The same call on one GPU: the primary strategy (registered ``primary``) on a group of one
+    (what ``bench attention``'s ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload;
     ``local_first``: that kernel launched before the host read — automatic, never: the row runs
     over ``nccl``), and dense attention (kernel time only)."""
     pl = make_placement("contiguous", geom, 1)
     kf = profile.kernel(geom.head_dim)
-    sparse = timeline(build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=profile, transport="nccl",
+    primary = strategy_spec(strategies_where(primary=True)[0])
+    sparse = timeline(build_work(masks, pl, primary, head_dim=geom.head_dim, profile=profile, transport="nccl",
                                  local_first=local_first), profile, head_dim=geom.head_dim)
     dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
     return {"sparse_ms": round(sparse.latency_ms, 4),
@@ -195,6 +220,10 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                 if strategy_spec(s).heads_divisible and geom.heads % G:
                     skipped.append({"strategy": s, "ranks": G, "cdf": cdf,
                                     "reason": f"needs heads divisible by G: H={geom.heads}"})
+                elif not modelled(s):
+                    skipped.append({"strategy": s, "ranks": G, "cdf": cdf,
+                                    "reason": f"byte rule {strategy_spec(s).byte_rule!r} has no schedule "
+                                              f"in the cost model ({', '.join(SCHEDULES)})"})
                 else:
                     row = simulate_one(masks, geom, s, G, profile, placement=cfg.placement,
                                        transport=cfg.transport, prefetch=cfg.prefetch, dtype_bytes=dtype_bytes,
@@ -204,8 +233,9 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                     results.append(row)
                 if progress is not None:
                     progress.advance(task)
+    baseline = strategies_where(baseline=True)  # ``speedup_vs_ring``: against the dense baseline
     for row in results:
-        ring = next((x for x in results if x["strategy"] == "ring" and x["ranks"] == row["ranks"]
+        ring = next((x for x in results if x["strategy"] in baseline and x["ranks"] == row["ranks"]
                      and x["cdf"] == row["cdf"]), None)
         row["speedup_vs_ring"] = round(ring["predicted_ms"] / row["predicted_ms"], 4) if ring else None
         row["speedup_vs_one_gpu"] = round(single[str(row["cdf"])]["sparse_ms"] / row["predicted_ms"], 4)
@@ -348,8 +378,8 @@ def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     if row["strategy"] not in strategy_names():
         raise ValueError(f"unknown strategy {row['strategy']!r}")
     masks = cache.get(geom, float(row["cdf"]))
-    # the benchmark's sparsp chose its chunks with the built-in profile of its fabric
-    # (``chunks.fabric``: no $SPARSP_PROFILE), not with the calibrated one
+    # the benchmark's calls chose their chunks with the built-in profile of its fabric
+    # (``chunks.fabric`` with no ``env.profile()``), not with the calibrated one
     G = int(row["ranks"])
     return simulate_one(masks, geom, row["strategy"], G, profile.widened(G),
                         placement=row.get("placement", "auto"), transport=row["transport"],
@@ -374,20 +404,26 @@ def write_outputs(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 
 def plot(doc: dict, out: Path) -> list[Path]:
     """Latency and speedup versus G per strategy (the paper's Figures 17–18, attention level)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = doc["results"]
-    title = f"{doc['model']} on {doc['fabric']} (simulated, {doc['masks']} masks)"
+    fabric = doc["fabric"] if len(str(doc["fabric"])) <= 40 else "…" + str(doc["fabric"])[-39:]
+    about = f"{doc['model']} on {fabric}, {doc['masks']} masks (simulated)"
     styles = ["-", "--", ":", "-."]
     paths = []
-    for what, ylabel, name in (
-        ("predicted_ms", "predicted ms per attention call (slowest rank)", "latency_vs_ranks.png"),
-        ("speedup_vs_ring", "speedup over the dense ring at the same G", "speedup_vs_ranks.png"),
+    for what, ylabel, name, heading in (
+        ("predicted_ms", "predicted ms per attention call (slowest rank)", "latency_vs_ranks.png",
+         "Predicted attention latency versus the number of ranks"),
+        ("speedup_vs_ring", "speedup over the dense ring at the same G", "speedup_vs_ranks.png",
+         "Predicted speedup over the dense ring versus the number of ranks"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        title = "\n".join(textwrap.wrap(heading, 66) + textwrap.wrap(about, 66))
+        fig, ax = plt.subplots(figsize=(7.5, 5))
         for ci, cdf in enumerate(doc["cdf"]):
             for s in dict.fromkeys(r["strategy"] for r in rows):
                 pts = [(r["ranks"], r[what]) for r in rows if r["strategy"] == s and r["cdf"] == cdf
@@ -398,7 +434,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
             if what == "predicted_ms":
                 one = doc["one_gpu"][str(cdf)]["sparse_ms"]
                 ax.axhline(one, color="grey", lw=0.8, linestyle=styles[ci % len(styles)])
-                ax.annotate(f"1 GPU, sparsp (cdf {cdf})", (min(doc["ranks"]), one), fontsize=7,
+                ax.annotate(f"1 GPU, {strategies_where(primary=True)[0]} (cdf {cdf})", (min(doc["ranks"]), one), fontsize=7,
                             color="grey", va="bottom")
         if what == "speedup_vs_ring":
             ax.axhline(1.0, color="grey", lw=0.8)

@@ -6,15 +6,15 @@ depends on the call's order (``SparspConfig.local_first``, ``StrategySpec.local_
 automatic setting, None, takes one of the two per call — on the CPU always local first — so
 the counts are made with False and True):
 
-* in order (``local_first`` off, and ``ulysses``): the mask phase up to the start of the host
-  read (``model.MASK_OPS``), the read, its finish (header checks, layouts:
-  ``model.FINISH_OPS``), then the run's ops up to its first fetch and up to each kernel call
-  (``model.RUN_OPS``);
+* in order (``local_first`` off, and a strategy not registered ``local_first``): the mask phase up to the start of the host
+  read (``ops.MASK_OPS``), the read, its finish (header checks, layouts:
+  ``ops.FINISH_OPS``), then the run's ops up to its first fetch and up to each kernel call
+  (``ops.RUN_OPS``);
 * local first: the mask phase up to the read's start (the same ``MASK_OPS``), the local
   kernel's own ops and launch, the ops issued after that launch before the host waits for the
-  read (``model.EARLY_OPS``), the finish (``FINISH_OPS``), then the run's ops up to its first
+  read (``ops.EARLY_OPS``), the finish (``FINISH_OPS``), then the run's ops up to its first
   fetch (the first round's pack and transfer, on the side stream) and up to each remote kernel
-  call (``model.LOCAL_FIRST_RUN_OPS``).
+  call (``ops.LOCAL_FIRST_RUN_OPS``).
 
 This module counts them on the code as it is, so the constants can be recounted whenever it
 changes:
@@ -53,13 +53,34 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = {"dense": "ring", "sparse": "ring-sparse", "direct": "sparsp", "relay": "ring-relay"}
-"""A strategy of each kind ``model.MASK_OPS`` and ``FINISH_OPS`` distinguish (``ulysses``
-counts as ``sparse``)."""
-RUN_KINDS = {"dense": "ring", "full-shards": "ring-sparse", "direct": "sparsp", "relay": "ring-relay",
-             "all-to-all": "ulysses"}
-"""A strategy of each kind ``model.RUN_OPS`` distinguishes (a sparse strategy's byte rule); all
-but ``all-to-all`` may run local first (``LOCAL_FIRST_RUN_OPS``)."""
+from ..cost.model import kind_of
+from ..cost.ops import MASK_OPS, RUN_OPS
+
+
+
+def _first_of_each(kind, table: dict) -> dict[str, str]:
+    """``kind(spec)`` → the first registered strategy of that kind, in ``table``'s order (a kind
+    ``table`` has no row for is not counted)."""
+    from ..strategies.registry import strategy_names, strategy_spec
+
+    out: dict[str, str] = {}
+    for name in strategy_names():
+        out.setdefault(kind(strategy_spec(name)), name)
+    return {k: out[k] for k in table if k in out}
+
+
+def mask_kinds() -> dict[str, str]:
+    """A strategy of each kind ``ops.MASK_OPS`` and ``FINISH_OPS`` distinguish: ``dense``, the
+    byte rules with a row of their own, and ``sparse`` for every other sparse byte rule."""
+    return _first_of_each(lambda s: "dense" if not s.sparse
+                          else s.byte_rule if s.byte_rule in MASK_OPS else "sparse", MASK_OPS)
+
+
+def run_kinds() -> dict[str, str]:
+    """A strategy of each kind ``ops.RUN_OPS`` distinguishes (``dense``, or a sparse strategy's
+    byte rule); those registered ``local_first`` are counted in that order too
+    (``LOCAL_FIRST_RUN_OPS``)."""
+    return _first_of_each(kind_of, RUN_OPS)
 HEADS, HEAD_DIM, BLOCK, BLOCKS_PER_RANK = 12, 16, 16, 4
 """The counting geometry: 12 heads (divisible by G = 2, 3, 4, 6), whole blocks on every rank."""
 
@@ -202,17 +223,16 @@ def count_call(q, k, v, *, strategy: str, config, group=None) -> dict:
     queued); ``"wait"``: before the host waited for it; ``"resolved"``: before the strategy's
     run (after the finish); ``"kernels"`` and ``"fetches"``: before each kernel call and once
     each fetch was issued; ``"total"``: every op but the kernel's."""
-    from .. import plan, sp_attention
-    from ..strategies import base, captured
+    from .. import plan, sp_attention, summaries
 
     counter = _Counter()
-    sums = (plan.fused_sums, plan.summaries_into)  # the metadata's summaries as on CUDA: one launch
-    plan.fused_sums, plan.summaries_into = (lambda *xs: True), _triton_launch(counter, _summaries_like_cuda)
+    sums = (plan.fused_sums, summaries.summaries_into)  # the metadata's summaries as on CUDA: one launch
+    plan.fused_sums, summaries.summaries_into = (lambda *xs: True), _triton_launch(counter, _summaries_like_cuda)
     try:
         sp_attention(q, k, v, group=group, strategy=strategy, config=config)
         return _count_warm(counter, q, k, v, strategy, config, group)
     finally:
-        plan.fused_sums, plan.summaries_into = sums
+        plan.fused_sums, summaries.summaries_into = sums
 
 
 def _count_warm(counter: _Counter, q, k, v, strategy: str, config, group) -> dict:
@@ -238,7 +258,7 @@ def _count_warm(counter: _Counter, q, k, v, strategy: str, config, group) -> dic
 
 
 def eager_ops(kind: str, counts: dict) -> int:
-    """Ops before the host read is started (``model.MASK_OPS``) of a call whose stage runs
+    """Ops before the host read is started (``ops.MASK_OPS``) of a call whose stage runs
     eagerly (``cuda_graphs=False``, the CPU)."""
     return counts["read"]
 
@@ -246,13 +266,13 @@ def eager_ops(kind: str, counts: dict) -> int:
 def graphed_ops(kind: str, counts: dict) -> int:
     """The same on CUDA with the stage replayed as a graph (``captured.py``): its ops become one
     graph launch, which reads the gathered rows where the metadata all-gather left them
-    (``plan._gathered_rows``); dense strategies have no graph."""
+    (``summaries.gathered_rows``); dense strategies have no graph."""
     return counts["read"] if kind == "dense" else counts["read"] - counts.get("stage", 0) + 1
 
 
 def early_ops(counts: dict) -> tuple[int, int] | None:
     """A local-first call's ops after the read's start before the local kernel's launch, and
-    after that launch before the host waits for the read (``model.EARLY_OPS``); None when no
+    after that launch before the host waits for the read (``ops.EARLY_OPS``); None when no
     kernel was issued before the wait (the call ran in order)."""
     early = [n for n in counts["kernels"] if n <= counts["wait"]]
     if not early:
@@ -262,14 +282,14 @@ def early_ops(counts: dict) -> tuple[int, int] | None:
 
 
 def finish_ops(counts: dict) -> int:
-    """Ops from the host read's wait to the strategy's run (``model.FINISH_OPS``: the read's
+    """Ops from the host read's wait to the strategy's run (``ops.FINISH_OPS``: the read's
     header checks and layouts)."""
     return counts["resolved"] - counts["wait"]
 
 
 def run_ops(counts: dict) -> tuple[int, int, int]:
     """Ops after the run's start before its first kernel call, before its last, after its last
-    (``model.RUN_OPS``; of a local-first call, its remote kernel calls). A run without kernel
+    (``ops.RUN_OPS``; of a local-first call, its remote kernel calls). A run without kernel
     calls (a local-first call on a group of one): (0, 0, all)."""
     start = counts["resolved"]
     marks = [n - start for n in counts["kernels"] if n >= start]
@@ -365,7 +385,7 @@ def fit(points: dict[int, int]) -> tuple[int, int, int]:
 
 
 UNITS = (2, 4, HEADS)
-"""Drain units counted for ``model.MASK_CUT_OPS`` / ``MASK_UNIT_OPS`` (``drain_chunks``)."""
+"""Drain units counted for ``ops.MASK_CUT_OPS`` / ``MASK_UNIT_OPS`` (``drain_chunks``)."""
 
 
 def _fitted(name: str, points: dict[int, int]) -> str:
@@ -379,20 +399,24 @@ def _fitted(name: str, points: dict[int, int]) -> str:
 
 def jobs() -> list[tuple[str, int, bool]]:
     """What ``main`` counts: a strategy of each kind in order, the local-first ones local
-    first too, ``sparsp``'s drain cut into each of ``UNITS`` (both orders), ``ulysses``. A
-    dense call first (before cec0721 a dense call issued 2 ops more once a sparse call had grown
-    the group's summary capacity; since, its padding is one cached tensor either way: 55 ops
-    before the read at G = 2 before and after a ``sparsp`` call)."""
-    out = [(s, 1, lf) for s in KINDS.values() for lf in (False, True)]
-    out += [("sparsp", u, lf) for lf in (False, True) for u in UNITS]
-    return out + [("ulysses", 1, False)]
+    first too, the ``direct`` strategy's drain cut into each of ``UNITS`` (both orders), the
+    ``all-to-all`` one. A dense call first: its padding to a capacity a sparse call grew is one
+    cached tensor, so its count does not depend on the calls before it."""
+    runs = run_kinds()
+    out = [(s, 1, lf) for s in mask_kinds().values() for lf in (False, True)]
+    out += [(runs["direct"], u, lf) for lf in (False, True) for u in UNITS]
+    return out + [(s, 1, False) for s in runs.values() if (s, 1, False) not in out]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4, 6])
     args = p.parse_args(argv)
+    from ..strategies.registry import strategy_spec
+
     todo = jobs()
+    kinds, runs = mask_kinds(), run_kinds()
+    chunked = runs["direct"]
     table = {G: dict(zip(todo, count(G, todo))) for G in args.ranks}
     phases = ("mask", "stage", "pack", "compute", "merge", "other")
     print(f"ops per phase ({' / '.join(phases)}), rank 0; stage = the mask phase's ops a CUDA "
@@ -406,27 +430,27 @@ def main(argv=None) -> int:
                     f"run {run_ops(r)}, first fetch {issue_ops(r)}")
     for lf in (False, True):  # the same before the read in both orders
         for name, ops in (("MASK_OPS", eager_ops), ("GRAPHED_MASK_OPS", graphed_ops)):
-            for kind, s in KINDS.items():
+            for kind, s in kinds.items():
                 pts = {G: ops(kind, rows[(s, 1, lf)]) for G, rows in table.items()}
                 print(_fitted(f"{name}[{kind!r}] ({'local first' if lf else 'in order'})", pts))
-        for kind, s in KINDS.items():
+        for kind, s in kinds.items():
             pts = {G: finish_ops(rows[(s, 1, lf)]) for G, rows in table.items()}
             print(_fitted(f"FINISH_OPS[{kind!r}] ({'local first' if lf else 'in order'})", pts))
     for G, rows in table.items():
         for lf in (False, True):
-            base = rows[("sparsp", 1, lf)]
-            more = {u: (eager_ops("direct", rows[("sparsp", u, lf)]) - eager_ops("direct", base),
-                        graphed_ops("direct", rows[("sparsp", u, lf)]) - graphed_ops("direct", base),
-                        finish_ops(rows[("sparsp", u, lf)]) - finish_ops(base)) for u in UNITS}
-            print(f"G={G} ({'local first' if lf else 'in order'}): sparsp ops more with both drain "
+            base = rows[(chunked, 1, lf)]
+            more = {u: (eager_ops("direct", rows[(chunked, u, lf)]) - eager_ops("direct", base),
+                        graphed_ops("direct", rows[(chunked, u, lf)]) - graphed_ops("direct", base),
+                        finish_ops(rows[(chunked, u, lf)]) - finish_ops(base)) for u in UNITS}
+            print(f"G={G} ({'local first' if lf else 'in order'}): {chunked} ops more with both drain "
                   f"payloads in u units (before the read eager, graphed; finish): {more}")
-    for kind, s in KINDS.items():
+    for kind, s in kinds.items():
         for j, what in enumerate(("before the local launch", "after it, before the wait")):
             pts = {G: early_ops(rows[(s, 1, True)])[j] for G, rows in table.items()}
             print(_fitted(f"EARLY_OPS[{kind!r}] {what}", pts))
     for name, lf in (("RUN_OPS", False), ("LOCAL_FIRST_RUN_OPS", True)):
-        for kind, s in RUN_KINDS.items():
-            if lf and s == "ulysses":
+        for kind, s in runs.items():
+            if lf and not strategy_spec(s).local_first:
                 continue
             got = {G: (issue_ops(rows[(s, 1, lf)]),) + run_ops(rows[(s, 1, lf)]) for G, rows in table.items()}
             parts = [_fitted(what, {G: v[j] for G, v in got.items()})

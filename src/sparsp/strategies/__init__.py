@@ -1,25 +1,24 @@
-"""``sp_attention``: one entry point, every registered strategy (DESIGN.md "Baselines").
+"""``sp_attention``: one entry point, every registered strategy (README, "Strategies").
 
-Data path per call: validate → agree shapes (cached per geometry) → one metadata all-gather
-(header + pooled summaries → the whole block mask) → plan (the strategy's payload selections)
-→ one host sync (header checks, layouts; the transport's fence runs on the host while the
-device works towards it) → transport → kernel → LSE merge.
+Data path per call: validate → one metadata all-gather (header + summaries: ``plan``) → the
+plan stage (the whole block mask, the strategy's payload selections, the counts the host
+reads; a CUDA graph per geometry: ``captured``) → one host read (header checks, layouts; the
+transport's fence runs on the host while the device works towards it) → the strategy's run
+(transport → kernel → LSE merge: ``Call.run``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
+from .. import caches
 from ..config import SparspConfig
-from ..groups import marker as record_function  # a no-op unless a profiler records
-from ..plan import TAIL, forget_shapes, gather_metadata, remask
 from ..transport import make_transport
-from . import captured, ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
-from .auto import AUTO, PLANNED, choose_from, forget as forget_auto
-from .base import Call, forget_geometries, validate
+from . import ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
+from .base import Call, validate
+from .captured import Request
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
 
 log = logging.getLogger("sparsp")
@@ -27,23 +26,21 @@ log = logging.getLogger("sparsp")
 _transports: dict = {}
 
 
-def get_transport(name: str, group, device: torch.device, timeout_s: float):
-    """The transport for (group, name, device), made once and reused across calls."""
-    key = (id(group), name, str(device))
+def get_transport(name: str, group, device: torch.device, timeout_s: float, local: str | None = None):
+    """The transport for (group, name, device, ``local``: ``SparspConfig.local_transport``),
+    made once and reused across calls."""
+    key = (id(group), name, str(device), local)
     t = _transports.get(key)
     if t is None:
-        t = make_transport(name, group, device=device, timeout_s=timeout_s)
+        t = make_transport(name, group, device=device, timeout_s=timeout_s, local=local)
         _transports[key] = t
     return t
 
 
 def close_transports() -> None:
-    """Release every cached transport (shared memory, IPC handles) and the per-geometry
-    caches; safe to call twice."""
-    forget_shapes()
-    forget_geometries()
-    forget_auto()
-    captured.forget()
+    """Release every cached transport (shared memory, IPC handles) and empty the per-geometry
+    caches (``sparsp.caches``); safe to call twice."""
+    caches.forget_all()
     while _transports:
         _, t = _transports.popitem()
         t.close()
@@ -80,78 +77,13 @@ def sp_attention(
     (a ``base.PhaseTimer``) times the phases — for benchmarks.
     """
     validate(q, k, v, group, strategy, config)
-    spec = strategy_spec(strategy) if strategy != AUTO else None  # auto: chosen per call below
-    computed = (spec is None or spec.sparse) and _global_mask is None and not config.dense
-    transport = get_transport(config.transport, group, q.device, config.timeout_s)
-    timer = _timer
-    mask_phase = timer.phase("mask") if timer is not None else contextlib.nullcontext()
-    # auto stages sparsp's payloads with the figures it chooses from (strategies/auto.py)
-    planned, auto = (strategy_spec(PLANNED), True) if strategy == AUTO else (spec, False)
-    graphed = captured.eligible(q, planned, config, computed)
-    early = config.local_first is not False and planned.local_first  # Call.attend_local_early
+    transport = get_transport(config.transport, group, q.device, config.timeout_s, config.local_transport)
+    request = Request(q, k, v, group, strategy, config, transport, _global_mask, _timer)
     with torch.no_grad():
-        mask_phase.__enter__()
-        mask_open = True
-        fenced = False
-        with record_function("sparsp.metadata"):
-            # the mask is the plan stage's (captured.stage), with or without a graph
-            meta = gather_metadata(q, k, v, group, config, strategy, sparse=computed)
-        while True:  # once, unless the geometry changed: see plan.gather_metadata
-            with record_function("sparsp.plan"):
-                # from the gathered rows to the counts: a CUDA graph per geometry (captured.py)
-                replay = (captured.replayed(q, k, v, meta, group, planned, config, transport, auto=auto)
-                          if graphed else None)
-                if replay is not None:
-                    (call, staged), error = replay, None
-                else:
-                    call, staged, error = captured.stage(q, k, v, meta, group, planned, config,
-                                                         transport, _global_mask, auto=auto)
-            with record_function("sparsp.resolve"):
-                read = meta.start_read(staged)  # the one host sync: its copy is queued now
-                if early and error is None and (meta.fits or not computed) and \
-                        (config.local_first or call.local_first_pays()):
-                    # the local shard needs nothing the read brings: the device computes it
-                    # while the host waits, checks the headers and issues the first round
-                    if mask_open:
-                        mask_phase.__exit__(None, None, None)
-                        mask_open = False
-                    call.timer = timer
-                    call.attend_local_early()
-                if not fenced:
-                    # the transport's once-per-call fence (host work: its checks of the last
-                    # call's transfers, a barrier, the flag reset) while the device runs the
-                    # plan stage and the read's copy, instead of after the read, where the
-                    # device would wait for it before the first pack
-                    transport.fence()
-                    fenced = True
-                resolved = meta.finish(staged, read)
-            if resolved is not None:
-                break
-            graphed = False  # the geometry changed: the true shapes' stage runs eagerly
-            meta = remask(meta, group) or \
-                gather_metadata(q, k, v, group, config, strategy, sparse=computed)
-        if mask_open:
-            mask_phase.__exit__(None, None, None)
-        if error is not None:
-            raise ValueError(error)
-        if auto:  # the choice, from the figures of the same host read
-            spec = strategy_spec(choose_from(resolved[1][TAIL], call.shapes, q, group, config, transport))
-            if spec.name != planned.name:
-                call = call.without_plan(spec)
-        call.timer = timer
-        call.set_resolved(*resolved)
-        # slot windows sized for the worst case, a full shard per peer (collective only when
-        # growing, and then a fence of its own: the windows are made anew)
-        transport.reserve(call.shapes.capacity_rows * 2 * call.shapes.head_dim * q.element_size())
-        with record_function("sparsp.run"):
-            try:
-                spec.run(call)
-                call.finish()  # the last merge, written as the output
-            finally:  # the compute stream after the side stream's packs and transfers, also
-                call.join()  # when the run raised: nothing of the call stays unordered
-        # the transfers the GPU waits for on its own: the host checks their flags now, with the
-        # timeout, so a dead peer raises in this call (transport/slots.py, settle)
-        transport.settle()
+        meta = request.gather()  # every rank's header and summaries, one all-gather
+        call, staged = request.stage(meta)  # the mask, the payloads' selections, the counts to read
+        call, spec = request.read(meta, call, staged)  # the one host read: checks, layouts, auto's choice
+        call.run(spec)  # transfers, kernels, merges
     return call.result()
 
 

@@ -1,13 +1,13 @@
-"""``strategy="auto"``: per call, the strategy the cost model predicts fastest (issue 12).
+"""``strategy="auto"``: per call, the strategy the cost model predicts fastest.
 
 After the call's metadata all-gather every rank holds the whole block mask (``plan.py``), so
 it knows every rank's demand on every peer. ``figures`` measures that demand on the device
 (kept token pairs per pair of ranks, demanded K/V per pair, kept pairs per head:
-``simulate.model.demand_figures``, a few reductions); the O(G² + H) integers ride in the call's
+``cost.figures.demand_figures``, a few reductions); the O(G² + H) integers ride in the call's
 one host read, beside the counts of ``sparsp``'s payloads (``PLANNED``: auto's plan stage
 prepares them whatever it picks, ``captured.stage``). ``choose_from`` turns them into each
-candidate's per-rank, per-round work (``simulate.model.work``: the byte rules of
-``sparsp.demand``) and schedules that on a machine profile (``simulate.timeline.timeline``: the
+candidate's per-rank, per-round work (``cost.model.work``: the byte rules of
+``sparsp.demand``) and schedules that on a machine profile (``cost.timeline.timeline``: the
 cost model of ``sparsp simulate``, contention included). The fastest prediction wins:
 
 - ``ulysses`` where the heads divide over the ranks and its all-to-all is cheaper;
@@ -24,7 +24,7 @@ for them (registered; ``ulysses`` only when heads % G == 0). Auto always needs t
 when it picks ``ring``, so every candidate is charged the same mask cost.
 
 The profile: ``use_profile(...)`` (a ``Profile`` or a name / profile JSON of
-``sparsp.simulate.get_profile``; ``sparsp simulate --calibrate`` writes one for this machine),
+``sparsp.cost.get_profile``; ``sparsp simulate --calibrate`` writes one for this machine),
 else ``SPARSP_PROFILE``, else the measured 2×H200 profile of the transport's kind of path
 (``h200x2-nvlink`` for ``ipc``, ``h200x2-host`` otherwise), widened to the group's size. The
 transport figure is the call's transport if the profile has it, else the profile's default.
@@ -33,9 +33,7 @@ Predictions are cached per (profile, candidates, geometry) and demand rounded to
 significant digits (``Demand.rounded``: a choice never hinges on a few blocks, and denoising
 steps repeat their masks), and the decision itself per exact figures: the choice runs on the
 host between the call's read and its first transfer, so a call whose figures repeat (the same
-mask) costs a lookup there instead of building and rounding its ``Demand`` again
-(``scripts/probe_auto_choice.py``, two CPU processes: 197 → 61 µs per call; on 2×H200 ``auto``
-trailed ``sparsp`` by 0.15 ms at LTX size while doing that work on every call). A call whose
+mask) costs a lookup there instead of building and rounding its ``Demand`` again. A call whose
 figures, shapes (the same object: the group's cached ones) and settings equal the previous
 call's takes that call's decision after one list comparison, before any key is built. The
 choice and its predicted times are logged once per geometry on the ``sparsp`` logger (and at
@@ -46,23 +44,24 @@ A denoising loop gives every layer a new mask each step, so exact figures rarely
 figures within ``NEAR`` (2 %, relative L1 per kind of figure) of figures the same group already
 decided with the model take that decision (``_nearby``; kept per group, changed only by the
 group's own calls, which every rank makes in the same order), and only the rest run the model.
-With new inputs every call (``scripts/probe_auto_choice.py --new-inputs``, two CPU processes,
-32 heads) that took the choice from ≈ 0.91 ms to ≈ 0.15 ms per call in ``sp_attention`` (≈ 16 µs
-in a warm loop); the model ran once in 40 such calls.
+A denoising loop's masks change a little per step, so without it the model would run on
+nearly every call.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from operator import sub
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
 
-from .._lru import lru_get
+from ..env import profile as env_profile
+from ..caches import lru_get, on_forget
+from ..cost import Blocks, demand_figures, demand_of, gather_bytes, get_profile, mask_bytes, resolve_local_first
+from ..cost import timeline, work
 from ..plan import Shapes
 from .registry import strategy_names, strategy_spec
 
@@ -80,7 +79,6 @@ MARGIN = 0.02
 DIGITS = 3
 """Significant digits of the demand figures the predictions are cached by (0.5 %: well inside
 ``MARGIN``, so rounding never favours one byte rule over another)."""
-PROFILE_ENV = "SPARSP_PROFILE"
 _CACHE_SIZE = 4096
 NEAR = MARGIN
 """Relative L1 distance within which a call's demand counts as one this group already decided
@@ -89,8 +87,8 @@ head, relay hops): its decision is taken without running the model again (``_nea
 predictions move about as much as the figures do, and predictions within ``MARGIN`` are a tie
 anyway. A denoising loop gives every layer a new mask each step, close to its mask of the step
 before: without this, auto ran the model on nearly every call of a real loop (≈ 0.9 ms of host
-per call at G = 2 and 32 heads on a CPU host, between the read and the first transfer:
-``scripts/probe_auto_choice.py --new-inputs``)."""
+per call at G = 2 and 32 heads on a CPU host, between the read and the first transfer,
+measured with new inputs every call)."""
 _NEAR_KEYS = 256  # (settings, bucket) entries kept per group
 _NEAR_PER_KEY = 8  # decided demands kept per entry
 
@@ -122,12 +120,10 @@ _repeat: tuple | None = None  # (figures, shapes, settings, decision) of the las
 
 
 def use_profile(profile=None) -> None:
-    """The machine profile auto predicts with: a ``sparsp.simulate.Profile``, a profile name or
-    JSON path (``sparsp.simulate.get_profile``), or None for the default (module docstring)."""
+    """The machine profile auto predicts with: a ``sparsp.cost.Profile``, a profile name or
+    JSON path (``sparsp.cost.get_profile``), or None for the default (module docstring)."""
     global _profile, _repeat
     if profile is not None and not hasattr(profile, "transports"):
-        from ..simulate import get_profile
-
         profile = get_profile(profile)
     _profile = profile
     _repeat = None
@@ -153,6 +149,9 @@ def forget() -> None:
     _last = None
 
 
+on_forget("auto: predictions and decisions", forget)
+
+
 def last_decision() -> Decision | None:
     """The latest choice made in this process (None before the first ``auto`` call)."""
     return _last
@@ -171,19 +170,17 @@ def profile_for(transport: str, ranks: int):
     ``_nearby`` key on its identity, so a profile widened anew per call would make every rank's
     caches miss, or hit on one rank and miss on another wherever the allocator happened to reuse
     an address)."""
-    from ..simulate import get_profile
-
-    env = "" if _profile is not None else os.environ.get(PROFILE_ENV, "").strip()
-    key = (env, transport == "ipc", ranks)  # ``use_profile`` empties it
+    named = "" if _profile is not None else (env_profile() or "")
+    key = (named, transport == "ipc", ranks)  # ``use_profile`` empties it
     kept = _widened.get(key)
     if kept is not None:
         return kept
     prof = _profile
     if prof is None:
-        if env:
-            prof = _env_profiles.get(env)
+        if named:
+            prof = _env_profiles.get(named)
             if prof is None:  # a file is read once per value, not on every call
-                prof = _env_profiles[env] = get_profile(env)
+                prof = _env_profiles[named] = get_profile(named)
         else:
             prof = get_profile("h200x2-nvlink" if transport == "ipc" else "h200x2-host")
     wide = _widened[key] = prof.widened(ranks)  # the same per-GPU figures, whole sockets and switches
@@ -192,28 +189,26 @@ def profile_for(transport: str, ranks: int):
 
 def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int, dtype_bytes: int,
            prefetch: int = 1, local_first: bool | None = None) -> tuple[str, dict]:
-    """(choice, predicted ms per candidate) for a measured ``simulate.model.Demand``.
+    """(choice, predicted ms per candidate) for a measured ``cost.Demand``.
     ``local_first``: the call's ``SparspConfig.local_first`` (None: automatic, the default),
-    through the code's rule (``simulate.model.resolve_local_first``: ``Call.local_first_pays``
+    through the code's rule (``cost.model.resolve_local_first``: ``Call.local_first_pays``
     on ``PLANNED``'s payloads over ``transport`` with the figures of ``profile``). Auto's call is
     staged as ``PLANNED``'s, so only that candidate runs local first; another choice runs in
     order on a call of its own (``Call.without_plan``)."""
-    from ..simulate.model import gather_bytes, mask_bytes, resolve_local_first, work
-    from ..simulate.timeline import timeline
-
     known = {t.name for t in profile.transports}
     figure = transport if transport in known else None
-    local_first = resolve_local_first(local_first, PLANNED, d, profile, transport, head_dim=head_dim,
+    planned_spec = strategy_spec(PLANNED)
+    local_first = resolve_local_first(local_first, planned_spec, d, profile, transport, head_dim=head_dim,
                                       dtype_bytes=dtype_bytes)
     # auto computes the mask for every candidate: the same mask work and metadata all-gather
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)
     gathered = gather_bytes(d, head_dim=head_dim, sparse=True)
     # ... and the same plan stage and host read (PLANNED's, with auto's figures): the same host
     # ops before the read and in its finish
-    planned = work(PLANNED, d, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    planned = work(planned_spec, d, head_dim=head_dim, dtype_bytes=dtype_bytes)
     times = {}
     for s in names:
-        w = replace(work(s, d, head_dim=head_dim, dtype_bytes=dtype_bytes, local_first=local_first and s == PLANNED),
+        w = replace(work(strategy_spec(s), d, head_dim=head_dim, dtype_bytes=dtype_bytes, local_first=local_first and s == PLANNED),
                     mask_bytes=masking, gather_bytes=gathered, host_ops=planned.host_ops,
                     finish_ops=planned.finish_ops)
         times[s] = round(timeline(w, profile, transport=figure, head_dim=head_dim,
@@ -223,8 +218,6 @@ def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int,
 
 
 def _blocks_of(sh: Shapes, device):
-    from ..simulate.model import Blocks
-
     key = (sh.seq_lens, sh.block_size, str(device))
     blocks = _blocks.get(key)
     if blocks is None:  # device constants made once per geometry (a host-to-device copy syncs)
@@ -237,8 +230,6 @@ def figures(mask: torch.Tensor, sh: Shapes) -> torch.Tensor:
     """The demand figures ``choose_from`` needs, on the mask's device (device ops only: the call
     copies them to the host with its counts, in its one host read). ``mask`` bool [B, H, N, N]:
     the call's whole mask."""
-    from ..simulate.model import demand_figures
-
     B, H, N = sh.batch, sh.heads, sh.total_blocks
     return demand_figures(mask.reshape(B * H, N, N), _blocks_of(sh, mask.device), batch=B)
 
@@ -253,7 +244,7 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
     """The strategy for this call (same on every rank) from ``figures`` read on the host; see
     the module docstring."""
     global _last, _repeat
-    token = ("set", id(_profile)) if _profile is not None else ("env", os.environ.get(PROFILE_ENV, "").strip())
+    token = ("set", id(_profile)) if _profile is not None else ("env", env_profile() or "")
     settings = (transport.name, q.dtype, config.prefetch, config.local_first, token, id(group))
     if _repeat is not None and _repeat[1] is sh and _repeat[2] == settings and _repeat[0] == host:
         _last = _repeat[3]  # the same figures as the last call of this geometry: its decision
@@ -293,8 +284,6 @@ def _decision(host: list[int], sh: Shapes, q: torch.Tensor, config, transport,
     sid = _settings_id(settings)
     hit = _nearby(group, sid, host, cuts)
     if hit is None:
-        from ..simulate.model import demand_of
-
         d = demand_of(host, _blocks_of(sh, q.device), B * H, N, batch=B).rounded(DIGITS)
         key = (profile.name, id(profile), transport.name, names, sh.head_dim, q.element_size(),
                config.prefetch, config.local_first, d)

@@ -1,7 +1,7 @@
 """What every strategy shares: input validation, the per-call context, kernel + merge.
 
 Strategies own communication (through a ``Transport``) and call the kernel through
-``Call.attend``; the merge is the single LSE merge of ``kernels.merge`` (STYLE.md §3–4), so a
+``Call.attend``; the merge is the single LSE merge of ``kernels.merge`` (docs/design.md, "Conventions"), so a
 comparison between strategies measures only how K/V moves.
 
 A strategy has two phases (``registry.register_strategy``): ``plan(call)`` names the payload
@@ -18,14 +18,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..caches import per_geometry
 from ..config import SparspConfig
 from ..demand import remote_demand
+from ..groups import marker as record_function  # a no-op unless a profiler records
 from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_into, merge_pair,
                        reads_token_major, resolve_kernel)
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..transport import Transport
-from . import chunks
+from ..cost import chunks
 from .registry import strategy_names, strategy_spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -145,11 +147,7 @@ class _Geometry:
         self.drain: dict | None = None  # sparsp's first call: its last round's figures
 
 
-_GEOMETRIES: dict[tuple, _Geometry] = {}
-
-
-def forget_geometries() -> None:
-    _GEOMETRIES.clear()
+_GEOMETRIES = per_geometry("strategies: full layouts and payload buffers")  # key -> _Geometry
 
 
 @dataclass
@@ -426,7 +424,7 @@ class Call:
         """``SparspConfig.local_first=None``: whether queueing the local kernel before the host
         read shortens this call, judged before the read from the last call of this geometry.
         It does where the host's work between the read and the first pack (the read, the header
-        checks, the local kernel's launch, ~0.3 ms at LTX size) hides behind the local kernel;
+        checks, the local kernel's launch) hides behind the local kernel;
         it does not where the first round's transfer is the longer path, since the pack is then
         issued after the local kernel's launch instead of before it, nor over ``nccl``, whose
         copy kernels need SMs the local kernel holds. Estimated with the fabric figures the
@@ -540,6 +538,23 @@ class Call:
                         final.permute(0, 2, 1, 3)[:, h:a].copy_(self.out[:, h:a])
                     h = max(h, b)
             self.final, self.out, self.lse, self._direct = final, None, None, None
+
+    def run(self, spec) -> None:
+        """Run strategy ``spec`` (a ``StrategySpec``) on this call, resolved by its host read:
+        the transport's windows sized for the worst case, a full shard per peer (a collective
+        only when they grow, and then a fence of its own: the windows are made anew); the
+        strategy's transfers, kernels and merges, and the last merge written as the output;
+        then the host checks the flags of the transfers the device waits for on its own, with
+        the timeout, so a dead peer raises in this call (``transport/slots.py``, ``settle``)."""
+        sh = self.shapes
+        self.transport.reserve(sh.capacity_rows * 2 * sh.head_dim * self.q.element_size())
+        with record_function("sparsp.run"):
+            try:
+                spec.run(self)
+                self.finish()  # the last merge, written as the output
+            finally:  # the compute stream after the side stream's packs and transfers, also
+                self.join()  # when the run raised: nothing of the call stays unordered
+        self.transport.settle()
 
     def result(self) -> torch.Tensor:
         """The merged output in the caller's layout and dtype, (B, S, H, D)."""

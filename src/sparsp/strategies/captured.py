@@ -1,13 +1,20 @@
-"""The shape-static stage of a call, replayed as a CUDA graph (one per geometry).
+"""The plan stage of a call: made eagerly or replayed as a CUDA graph (one per geometry), then
+read in the call's one host read.
+
+``Request`` holds one ``sp_attention`` call's steps before the strategy runs: ``gather`` (the
+metadata all-gather, ``plan.gather_metadata``), ``stage`` (this module's stage, replayed where
+a graph of its geometry exists) and ``read`` (the host read, with the local shard's kernel
+queued before it where that pays, the transport's fence beside it, and ``auto``'s choice from
+its figures; a geometry that changed is regathered or re-cut and staged again there).
 
 Between the metadata all-gather and the call's one host read, every rank turns the gathered
 summaries into the whole block mask, the strategy's payload selections, the layouts awaiting
 their counts and the vector of counts the host reads (``plan.Metadata.stage``), and the
 kernels' block lists of the local shard and of every payload computed whole (``Call.lists``).
 None of it reads the host, and its shapes are fixed by the geometry (group, shapes, summary capacity,
-strategy, config, dtype, device, transport). At LTX size it is ~200 small ops: the host takes
-~2 ms to queue what the device runs in a fraction of that, and the call waits for the host.
-Captured once, the stage costs one graph launch (reading the gathered rows where the
+strategy, config, dtype, device, transport). It is a few hundred small ops, which the host
+takes longer to queue than the device takes to run (docs/performance.md), so the call would
+wait for the host. Captured once, the stage costs one graph launch (reading the gathered rows where the
 metadata step keeps them; one copy of them first where it does not).
 
 The first call of a geometry runs eagerly (it fills the per-geometry constants the stage
@@ -28,16 +35,17 @@ smoothing adds collectives before the mask), test masks (``_global_mask``) and d
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import _triton
-from .._lru import captured_on_second_sight
-from ..plan import Metadata, Staged, keeps_call_buffers
-from .auto import figures
-from .base import Call
+from ..caches import captured_on_second_sight, per_geometry
+from ..groups import marker as record_function  # a no-op unless a profiler records
+from ..plan import TAIL, Metadata, Staged, gather_metadata, remask
+from .auto import AUTO, PLANNED, choose_from, figures
+from .base import Call, PhaseTimer
+from .registry import StrategySpec, strategy_spec
 
 
 @dataclass
@@ -52,16 +60,11 @@ class _Stage:
     staged: Staged  # the pending layouts and the counts vector the host reads
 
 
-_STAGES: OrderedDict[tuple, object] = OrderedDict()  # key -> _Stage (``captured_on_second_sight``)
+_STAGES = per_geometry("captured: plan stages")  # key -> _Stage (``captured_on_second_sight``)
 MAX_STAGES = 32
 """Geometries (and configs) whose stage is remembered; past this the least recently used is
 dropped with its graph and memory pool (a caller sweeping thresholds per call makes a new
 key each time)."""
-
-
-def forget() -> None:
-    """Drop every captured stage (its graph and pool): ``close_transports`` calls it."""
-    _STAGES.clear()
 
 
 def eligible(q: torch.Tensor, spec, config, computed: bool) -> bool:
@@ -110,7 +113,7 @@ def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, tra
 
 def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool) -> _Stage:
     # the static input: the gathered rows themselves where the metadata step keeps them in one
-    # buffer per geometry (``plan._gathered_rows``), so a replay copies nothing; else a copy
+    # buffer per geometry (``summaries.gathered_rows``), so a replay copies nothing; else a copy
     rows = meta.rows if meta.rows_kept else meta.rows.clone()
     args = (q, k, v, meta, rows, group, spec, config, transport, auto)
     side = torch.cuda.Stream()
@@ -118,19 +121,16 @@ def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool
     with torch.cuda.stream(side):  # warm-up: library handles and workspaces before capture
         _, warm = _stage(*args)
     torch.cuda.current_stream().wait_stream(side)
-    # the host read's copy as the graph's last node, into a pinned buffer kept with the stage
-    # (``SPARSP_CALL_BUFFERS=0``: the read copies per call); finish uses its values up before
-    # the next call replays, as with ``groups.HostRead(reuse=True)``
-    host = (torch.empty(warm.flat.shape, dtype=warm.flat.dtype, pin_memory=True)
-            if keeps_call_buffers() else None)
+    # the host read's copy as the graph's last node, into a pinned buffer kept with the stage:
+    # no copy op and no allocator bookkeeping on the host per call; finish uses its values up
+    # before the next call replays, as with ``groups.HostRead(reuse=True)``
+    host = torch.empty(warm.flat.shape, dtype=warm.flat.dtype, pin_memory=True)
     graph = torch.cuda.CUDAGraph()
     # thread_local: a transport's helper thread may use CUDA while this thread captures
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         call, staged = _stage(*args)
-        if host is not None:
-            host.copy_(staged.flat, non_blocking=True)
-    if host is not None:
-        staged = replace(staged, copied=(host, torch.cuda.Event()))
+        host.copy_(staged.flat, non_blocking=True)
+    staged = replace(staged, copied=(host, torch.cuda.Event()))
     # the capture's Call is dropped: it holds that call's q, k, v
     return _Stage(graph, rows, call.full_mask, call._demand, call._lists, staged)
 
@@ -140,7 +140,7 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
     """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
     key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
-           transport.name, _triton.settings(), keeps_call_buffers())
+           transport.name, _triton.settings())
     st = captured_on_second_sight(_STAGES, key, lambda: _capture(q, k, v, meta, group, spec, config, transport, auto),
                                   MAX_STAGES, what="the plan stage", otherwise="runs it eagerly")
     if st is None:
@@ -156,3 +156,105 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
 def captured() -> int:
     """How many geometries replay a captured stage (tests and benchmarks)."""
     return sum(isinstance(s, _Stage) for s in _STAGES.values())
+
+
+@dataclass
+class Request:
+    """One ``sp_attention`` call up to its strategy's run, in three steps: ``gather``, ``stage``,
+    ``read``. Made from the call's arguments (``validate`` passed) and its transport; what
+    follows from them is settled here once: the strategy whose payloads the stage plans
+    (``auto``: ``sparsp``'s, with the figures auto chooses from), whether the mask is computed
+    from the summaries, whether the stage may be captured, whether the local shard may go
+    before the host read."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    group: object
+    strategy: str
+    config: object  # SparspConfig
+    transport: object  # Transport
+    global_mask: torch.Tensor | None = None  # tests: replaces the CDF mask
+    timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
+
+    def __post_init__(self) -> None:
+        self.auto = self.strategy == AUTO
+        self.planned: StrategySpec = strategy_spec(PLANNED if self.auto else self.strategy)
+        self.computed = (self.auto or self.planned.sparse) and self.global_mask is None and not self.config.dense
+        self.graphed = eligible(self.q, self.planned, self.config, self.computed)
+        self.early = self.config.local_first is not False and self.planned.local_first  # Call.attend_local_early
+        self.error: str | None = None  # the stage's, raised once the read confirmed the shapes
+        self._mask_phase = None  # the timer's "mask" phase while it is open
+
+    def gather(self) -> Metadata:
+        """The metadata all-gather (``plan.gather_metadata``); the timer's mask phase opens."""
+        if self.timer is not None:
+            self._mask_phase = self.timer.phase("mask")
+            self._mask_phase.__enter__()
+        with record_function("sparsp.metadata"):
+            return gather_metadata(self.q, self.k, self.v, self.group, self.config, self.strategy,
+                                   sparse=self.computed)
+
+    def stage(self, meta: Metadata) -> tuple[Call, Staged]:
+        """The plan stage on ``meta``: from the gathered rows to the counts the host reads,
+        replayed from the geometry's CUDA graph where there is one, else made eagerly."""
+        with record_function("sparsp.plan"):
+            replay = (replayed(self.q, self.k, self.v, meta, self.group, self.planned, self.config, self.transport,
+                               auto=self.auto) if self.graphed else None)
+            if replay is not None:
+                self.error = None
+                return replay
+            call, staged, self.error = stage(self.q, self.k, self.v, meta, self.group, self.planned, self.config,
+                                             self.transport, self.global_mask, auto=self.auto)
+            return call, staged
+
+    def read(self, meta: Metadata, call: Call, staged: Staged) -> tuple[Call, StrategySpec]:
+        """The call's one host read of ``staged`` (``Metadata.finish``: header checks, layouts),
+        and the strategy to run: the call resolved, and ``auto``'s choice from the figures read
+        with the counts. Before the host waits: the local shard's kernel where it needs nothing
+        the read brings (a ``local_first`` strategy, when it pays: ``Call.local_first_pays``),
+        and the transport's once-per-call fence, host work done while the device runs the
+        stage and the read's copy. A geometry that changed (``finish`` returns None) is cut
+        again or gathered again (``plan.remask``) and staged eagerly, once."""
+        fenced = False
+        while True:  # once, unless the geometry changed: see plan.gather_metadata
+            with record_function("sparsp.resolve"):
+                read = meta.start_read(staged)  # the one host sync: its copy is queued now
+                if self.early and self.error is None and (meta.fits or not self.computed) and \
+                        (self.config.local_first or call.local_first_pays()):
+                    # the local shard needs nothing the read brings: the device computes it
+                    # while the host waits, checks the headers and issues the first round
+                    self._close_mask_phase()
+                    call.timer = self.timer
+                    call.attend_local_early()
+                if not fenced:
+                    # the transport's fence (host work: its checks of the last call's transfers,
+                    # a barrier, the flag reset) while the device runs the plan stage and the
+                    # read's copy, instead of after the read, where the device would wait for
+                    # it before the first pack
+                    self.transport.fence()
+                    fenced = True
+                resolved = meta.finish(staged, read)
+            if resolved is not None:
+                break
+            self.graphed = False  # the geometry changed: the true shapes' stage runs eagerly
+            meta = remask(meta, self.group) or \
+                gather_metadata(self.q, self.k, self.v, self.group, self.config, self.strategy, sparse=self.computed)
+            call, staged = self.stage(meta)
+        self._close_mask_phase()
+        if self.error is not None:
+            raise ValueError(self.error)
+        spec = self.planned
+        if self.auto:  # the choice, from the figures of the same host read
+            spec = strategy_spec(choose_from(resolved[1][TAIL], call.shapes, self.q, self.group, self.config,
+                                             self.transport))
+            if spec.name != self.planned.name:
+                call = call.without_plan(spec)
+        call.timer = self.timer
+        call.set_resolved(*resolved)
+        return call, spec
+
+    def _close_mask_phase(self) -> None:
+        if self._mask_phase is not None:
+            self._mask_phase.__exit__(None, None, None)
+            self._mask_phase = None

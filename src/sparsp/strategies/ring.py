@@ -50,10 +50,11 @@ def run(call: Call) -> None:
 
 
 register_strategy("ring", sparse=False, placement="contiguous", byte_rule="full-shards",
-                  local_first=True,
+                  local_first=True, baseline=True, color="C2",
                   description="full shards, relayed G−1 hops, double-buffered; dense compute "
                               "(thresholds ignored): the no-sparsity baseline")(run)
 register_strategy("ring-sparse", sparse=True, placement="contiguous", byte_rule="full-shards",
-                  local_first=True,
+                  local_first=True, color="C3",
+                  ablation=(("contiguous", "nccl", "baseline"), ("periodic", "nccl", "+periodic placement")),
                   description="full shards as ring; block-sparse compute (the paper's Diffusers "
                               "+ SpargeAttn baseline)")(run)

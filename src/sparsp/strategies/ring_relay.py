@@ -40,6 +40,7 @@ def plan(call: Call) -> dict:
 
 
 @register_strategy("ring-relay", sparse=True, placement="periodic", byte_rule="relay", plan=plan, local_first=True,
+                   color="C4", ablation=(("periodic", "nccl", "+periodic, relay routing"),),
                    description="each hop carries the blocks any downstream consumer still needs "
                                "(§3.3, 'direct routing off')")
 def run(call: Call) -> None:

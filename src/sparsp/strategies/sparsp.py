@@ -7,7 +7,7 @@ derive both selections from the call's whole mask (``Call.need``), so no demand 
 Fetches run ``config.prefetch`` rounds ahead of the kernel, so transfers overlap compute; the
 local shard is computed first, while the first payloads are in flight.
 
-Chunks (§7, ``chunks.py``, docs/pipeline.md): a payload may travel as several messages, one
+Chunks (§7, ``cost/chunks.py``, docs/pipeline.md): a payload may travel as several messages, one
 per head group, each computed on its heads as soon as it landed. The plan cuts each payload's
 selection into head-group *units* (a count from config + shapes: ``SparspConfig.chunks`` for
 the steady rounds 1..G−2, ``drain_chunks`` for the last round), so their sizes come back from
@@ -24,8 +24,9 @@ from functools import reduce
 
 import torch
 
+from ..caches import per_geometry
 from ..packing import Layout, layout
-from . import chunks
+from ..cost import chunks
 from .base import Call
 from .registry import register_strategy
 
@@ -78,7 +79,7 @@ def _units(call: Call, k: int, owner: int, consumer: int) -> list[tuple[int, int
     return chunks.head_groups(sh.heads, n)
 
 
-_UNIT_HEADS: dict = {}
+_UNIT_HEADS = per_geometry("sparsp: head-group masks")
 
 
 def _units_of(sel: torch.Tensor, batch: int, units: list[tuple[int, int]]) -> torch.Tensor:
@@ -196,6 +197,12 @@ class _Round:
 
 
 @register_strategy("sparsp", sparse=True, placement="periodic", byte_rule="direct", plan=plan, local_first=True,
+                   primary=True, copy_engine=True, color="C6",
+                   ablation=(("periodic", "nccl", "+periodic, direct routing"),
+                             ("periodic", "copy-engine", "+periodic, direct, copy-engine transport"),
+                             ("periodic", "copy-engine", "+periodic, direct, copy-engine, chunked drain"),
+                             ("periodic", "copy-engine", "+periodic, direct, copy-engine, CUDA graphs"),
+                             ("periodic", "copy-engine", "+periodic, direct, copy-engine, CUDA graphs, local first")),
                    description="round k: exactly D[r,·,(r−k) mod G] from its owner, per head; "
                                "chunked by head groups, merged as chunks land")
 def run(call: Call) -> None:

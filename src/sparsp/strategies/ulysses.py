@@ -60,7 +60,7 @@ def _whole_blocks(sh) -> bool:
 
 
 @register_strategy("ulysses", sparse=True, heads_divisible=True, placement="contiguous",
-                   byte_rule="all-to-all",
+                   byte_rule="all-to-all", color="C5",
                    description="all-to-all of Q, K, V to head shards, output back; block-sparse "
                                "on the full sequence")
 def run(call: Call) -> None:
@@ -88,7 +88,8 @@ def _run_whole(call: Call) -> None:
     with call.phase("compute"):
         kv_num, kv_idx = kernel_indices(mask, kv.block_ids(), kv.num_blocks)
         o, _ = call.kernel(full[0].permute(0, 2, 1, 3), kv, kv_num, kv_idx, scale=D**-0.5)
-    out = o.transpose(1, 2)  # (B, S, hp, D): every token of this rank's heads
+    # the kernel may return fp32 (the torch kernel on the CPU): the exchange sends q's dtype
+    out = o.transpose(1, 2).to(call.q.dtype)  # (B, S, hp, D): every token of this rank's heads
     final = torch.empty(B, sh.seq_lens[r], H, D, dtype=call.q.dtype, device=call.q.device)
     final[:, :, heads[r]] = out[:, toks[r]]
     _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},

@@ -1,6 +1,6 @@
 """Transports: how payloads move between ranks (see ``base`` for the protocol)."""
 
-from . import base, host, ipc, nccl  # noqa: F401  (each of host, ipc, nccl registers its name)
+from . import base, host, ipc, nccl, peers  # noqa: F401  (each registers its name)
 from .base import (AutoRule, DoneHandle, Handle, Topology, Transport,  # noqa: F401  (base.__all__)
                    TransportName, TransportSpec, register_transport, transport_factory,
                    transport_names, transport_spec)

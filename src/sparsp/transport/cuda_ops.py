@@ -27,19 +27,29 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def cuda_driver():
+    """cuda-python's driver API module, or None where cuda-python is not installed."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:  # cuda-python before 12.6
+            from cuda import cuda as driver
+        except ImportError:
+            driver = None
+    return driver
+
+
+def driver_available() -> bool:
+    """Whether cuda-python's driver API imports here (the ``ipc`` transport needs it)."""
+    return cuda_driver() is not None
+
+
 class DeviceOps:
     """CUDA pieces the host and ipc transports share: pinning shared memory, stream flag ops."""
 
     def __init__(self, device: torch.device, stream_waits: bool) -> None:
         self.device = device
-        try:
-            from cuda.bindings import driver
-        except ImportError:
-            try:  # cuda-python before 12.6
-                from cuda import cuda as driver
-            except ImportError:
-                driver = None
-        self.driver = driver
+        self.driver = cuda_driver()
         self.mem_ops = False  # cuStreamWriteValue32 works on our flag pages
         self.wait_ops = False  # ... and cuStreamWaitValue32 was asked for and works
         self._want_waits = stream_waits
@@ -222,18 +232,6 @@ class CopyHandle:
             self._task.join()
             self._task = None
         torch.cuda.current_stream(self._device).wait_event(self._event)
-
-
-def gpu_numa_node(device: torch.device) -> int | None:
-    """The NUMA node the GPU's PCI device hangs off (sysfs), or None where it is not known."""
-    try:
-        props = torch.cuda.get_device_properties(device)
-        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
-            node = int(f.read().strip())
-    except (AttributeError, OSError, RuntimeError, ValueError):
-        return None
-    return node if node >= 0 else None
 
 
 def keep_alive(t: torch.Tensor, stream: torch.cuda.Stream) -> None:

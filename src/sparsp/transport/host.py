@@ -26,14 +26,6 @@ advances the 'published' count after each chunk, so the consumer's H2D of chunk 
 producer's D2H of chunk j+1; ``fetch`` copies chunk by chunk on a dedicated H2D stream. Two
 streams because D2H and H2D then run at once: DESIGN measured ≈33.5 GB/s each way for a
 2-rank exchange this way on the 2×H200 box, and half that with one stream and no chunking.
-``h2d_streams`` (default ``SPARSP_H2D_STREAMS``, else 1) spreads a fetch's chunks over that
-many H2D streams (copy engines), each chunk behind its own flag wait; the first stream then
-waits for the others, so the handle and the 'released' write still follow every chunk. One
-H200 copying both ways at once: H2D 45.9 GB/s on one stream, 49.6 on two
-(``scripts/probe_copy_streams.py``); the 2-GPU exchange is to be measured before the default
-changes. ``numa`` (default ``SPARSP_HOST_NUMA``, else "off"): on which GPU's NUMA node each
-consumer's window of slots is allocated (``NUMA_MODES``, ``slot_ranges``); ``placement()``
-says where the pages are.
 
 Flag writes that must follow GPU work use ``cuStreamWriteValue32`` on the stream (no host
 round trip; cuda-python's ``cuda.bindings``), else a host thread that polls an event and then
@@ -44,8 +36,7 @@ between, and the handle's ``wait()`` only orders the caller's stream. The host c
 flags in ``settle`` with the timeout (once per attention call, after the call is queued, and
 in ``fence``/``close``): a dead peer raises the ``TimeoutError`` naming peer, slot and epoch,
 and ``settle`` first stores the awaited values so the blocked stream runs on. With
-``stream_waits=False`` (or ``SPARSP_STREAM_WAITS=0``) a host thread waits for each chunk's flag
-and then issues its copy. A device-side wait can stall other work only on a GPU whose streams
+``stream_waits=False`` a host thread waits for each chunk's flag and then issues its copy. A device-side wait can stall other work only on a GPU whose streams
 share one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``); the strategies publish every
 payload of a round before they fetch, so even there each wait depends only on work a peer
 queued earlier.
@@ -54,42 +45,13 @@ queued earlier.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .base import DoneHandle, Topology, register_transport
-from .cuda_ops import CopyHandle, Worker, gpu_numa_node, keep_alive
+from .cuda_ops import CopyHandle, Worker, keep_alive
 from .flags import encode_flag
-from .shm import HEADER_BYTES, can_place, numa_pages
+from .shm import HEADER_BYTES
 from .slots import SlotWindows
-
-
-H2D_STREAMS_ENV = "SPARSP_H2D_STREAMS"
-MAX_H2D_STREAMS = 4
-NUMA_ENV = "SPARSP_HOST_NUMA"
-NUMA_MODES = ("off", "writer", "reader")
-"""Where a slot's host pages are allocated: where the segment's creator runs ("off"), on the
-producer's GPU's NUMA node ("writer": its device-to-host copies stay on its socket), or on the
-consumer's ("reader": its host-to-device copies do)."""
-
-
-def slot_ranges(mode: str, rank: int, nodes: list, window: int, slot_bytes: int,
-                offset: int) -> tuple[tuple[int, int, int], ...]:
-    """(offset, length, node) of each consumer's slots in ``rank``'s segment (they start at
-    ``offset``, one window of ``window`` slots per peer in rank order) for placement ``mode``;
-    ``nodes``: every rank's GPU node (None where not known: that window is left alone)."""
-    if mode not in NUMA_MODES:
-        raise ValueError(f"slot placement {mode!r}: choose one of {', '.join(NUMA_MODES)}")
-    if mode == "off":
-        return ()
-    out = []
-    consumers = [c for c in range(len(nodes)) if c != rank]
-    for i, c in enumerate(consumers):
-        node = nodes[rank] if mode == "writer" else nodes[c]
-        if node is not None:
-            out.append((offset + i * window * slot_bytes, window * slot_bytes, node))
-    return tuple(out)
 
 
 class HostTransport(SlotWindows):
@@ -97,21 +59,7 @@ class HostTransport(SlotWindows):
 
     name = "host"
 
-    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, h2d_streams: int | None = None,
-                 numa: str | None = None, **options) -> None:
-        numa = (os.environ.get(NUMA_ENV, "").strip() or "off") if numa is None else numa
-        if numa not in NUMA_MODES:
-            raise ValueError(f"numa={numa!r} ({NUMA_ENV}): choose one of {', '.join(NUMA_MODES)}")
-        self.numa = numa
-        if h2d_streams is None:
-            text = os.environ.get(H2D_STREAMS_ENV, "").strip() or "1"
-            if not text.isdigit():
-                raise ValueError(f"{H2D_STREAMS_ENV}={text!r}: expected a whole number of streams, "
-                                 f"1 to {MAX_H2D_STREAMS}")
-            h2d_streams = int(text)
-        if not (isinstance(h2d_streams, int) and 1 <= h2d_streams <= MAX_H2D_STREAMS):
-            raise ValueError(f"h2d_streams={h2d_streams!r} must be an int from 1 to {MAX_H2D_STREAMS}")
-        self.h2d_streams = h2d_streams
+    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._d2h_done: dict[tuple[int, int], torch.cuda.Event] = {}
         super().__init__(group, timeout_s=timeout_s, device=device, **options)
@@ -125,38 +73,11 @@ class HostTransport(SlotWindows):
         offset = HEADER_BYTES + self._layout.nbytes + index * self.slot_bytes
         return self._segs[producer].view(offset, self.slot_bytes)
 
-    def _placement_mode(self) -> str:
-        return self.numa if can_place() else "off"
-
-    def _placement_ranges(self, slot_bytes: int) -> tuple[tuple[int, int, int], ...]:
-        if self._placement_mode() == "off":
-            return ()
-        nodes = self._allgather(gpu_numa_node(self.device) if self.cuda else None)
-        return slot_ranges(self.numa, self.rank, nodes, self.window, slot_bytes,
-                           HEADER_BYTES + self._layout.nbytes)
-
-    def _copies(self) -> str:
-        return (f"chunked copies through pinned host memory, {self.h2d_streams} host-to-device "
-                f"stream{'s' if self.h2d_streams > 1 else ''}, {self.placement()}")
-
-    def placement(self) -> str:
-        """Where the slots' host pages live: pages per NUMA node of every rank's segment as this
-        process maps them, and the node of this rank's GPU (the host fabric's copies cross the
-        sockets' link when the two differ; docs/transport.md)."""
-        gpu = gpu_numa_node(self.device) if self.cuda else None
-        segs = "; ".join(f"rank {p} " + (" ".join(f"N{n}={c}" for n, c in sorted(pages.items())) or "?")
-                         for p, pages in ((p, numa_pages(seg.ptr)) for p, seg in enumerate(self._segs)))
-        return (f"slot pages ({self._placement_mode()}) per NUMA node: {segs}; GPU on node "
-                f"{'?' if gpu is None else gpu}")
-
     def _start_threads(self) -> None:
         super()._start_threads()
         self._d2h = torch.cuda.Stream(self.device)
-        # a fetch's pieces go round these streams (copy engines); the first orders the rest
-        # (the handle's event, the 'released' write)
-        self._h2ds = [torch.cuda.Stream(self.device) for _ in range(self.h2d_streams)]
-        self._h2d = self._h2ds[0]
-        self._streams = [self._d2h, *self._h2ds]
+        self._h2d = torch.cuda.Stream(self.device)
+        self._streams = [self._d2h, self._h2d]
         assert self._ops is not None
         if not self._ops.wait_ops:
             self._worker = Worker("sparsp-host-fetch", self.device)
@@ -210,27 +131,22 @@ class HostTransport(SlotWindows):
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         chunks = self._chunks(dst.numel())
-        streams = self._h2ds[: len(chunks)]
-        for s in streams:
-            keep_alive(dst, s)
+        h2d = self._h2d
+        keep_alive(dst, h2d)
         done = torch.cuda.Event()
         index = self._layout.published(self.rank, slot)
         device_waits = self._ops.wait_ops
 
         def issue() -> None:
-            for s in streams:
-                s.wait_event(ready)
-            for j, (count, lo, hi) in enumerate(chunks):
-                s = streams[j % len(streams)]
-                with torch.cuda.stream(s):
+            h2d.wait_event(ready)
+            with torch.cuda.stream(h2d):
+                for count, lo, hi in chunks:
                     if device_waits:
-                        self._ops.wait(s, self._devflags[peer] + 4 * index, encode_flag(epoch, use, count))
+                        self._ops.wait(h2d, self._devflags[peer] + 4 * index, encode_flag(epoch, use, count))
                     else:
                         self._wait_published(peer, slot, use, count, epoch)
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-            for s in streams[1:]:  # the first stream: after every piece
-                self._h2d.wait_stream(s)
-            done.record(self._h2d)
+            done.record(h2d)
             if device_waits:
                 self._await_on_gpu(peer, slot, use, len(chunks), epoch)
 

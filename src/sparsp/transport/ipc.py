@@ -3,33 +3,26 @@
 Export: each rank allocates one device buffer holding, for every peer, ``window`` slots of
 ``slot_bytes`` (once, and again only when ``reserve`` grows them) and shares it through a CUDA
 IPC memory handle, exchanged with ``all_gather_object`` on the group: handles never leave the
-group. Which copy engine moves the bytes (``copy=`` or ``SPARSP_IPC_COPY``):
+group. ``cuIpcOpenMemHandle`` with lazy peer access maps each peer's window into *our own*
+context, and a fetch is one ``cuMemcpyDtoDAsync`` on our copy stream: our copy engine reads the
+peer's memory ("pull"), and every process works on its own GPU only. This needs cuda-python on
+every rank; where it is missing, ``topology`` reports no peer access and ``auto`` picks
+``host``.
 
-- ``pull`` (default where cuda-python is installed on every rank): ``cuIpcOpenMemHandle`` with
-  lazy peer access maps the window into *our own* context, and the fetch is one
-  ``cuMemcpyDtoDAsync`` on our copy stream: our copy engine reads the peer's memory. Every
-  process works on its own GPU only;
-- ``push`` (the fallback without cuda-python): torch's CUDA tensor sharing (``reduce_tensor``)
-  opens the window on the owner's device, as torch rebuilds a shared CUDA tensor, and the
-  fetch is a cross-device ``copy_`` queued on a stream of that device: the *owner's* copy
-  engine reads its local memory and writes over NVLink into ``out``, fenced two-way with our
-  copy stream. This process then holds a CUDA context on each peer GPU too, and work of two
-  contexts on one GPU is time-sliced (without MPS).
-
-Measured on 2×H200 (NV18, both GPUs exchanging 256 MiB, 3 runs each): push 368.2–370.3 GB/s,
-pull 346.0–353.7 GB/s alone (NVLink writes beat reads); under an attention kernel push 307.6,
-pull 324.5. Pull is the default since the night of 2026-11-30: with the host poll gone from
-``wait()`` every process then works on its own GPU only. It did not change the attention
-path's exposed transfer at LTX-Video size (0.86 ms push, 0.81 ms pull, against 0.22 over
-NCCL). Without cuda-python there are no stream waits either: push copies are then issued by
-a host thread once it saw the flag.
+Pull against push (the owner's copy engine writing into ours through torch's CUDA tensor
+sharing, which costs a second CUDA context per peer GPU in each process): push was faster
+alone on 2×H200 NVLink (368.2–370.3 GB/s against 346.0–353.7 at 256 MiB), pull under an
+attention kernel (324.5 against 307.6), and the attention path's exposed transfer at LTX-Video
+size was 0.81 ms with pull, 0.86 with push (docs/decisions.md, docs/transport.md). Pull is the
+one kept: one context per GPU, and no slower where it counts.
 
 The protocol on top:
 
 - ``send_buffer`` returns a view of our own exported slot: the producer packs in place;
 - ``publish`` writes the 'published' flag with ``cuStreamWriteValue32`` on the current
   stream, i.e. ordered after the pack (paper §6.1: "Publish is issued on the same CUDA stream
-  as the packing operation"); without cuda-python, an event and a host thread;
+  as the packing operation"); where the driver lacks stream memory operations, an event and
+  a host thread;
 - ``fetch`` queues ``cuStreamWaitValue32`` on that flag and then the peer copy: no host thread
   sits in the path (host polling cost ~0.3 ms per exchange on the 2×H200 box: 272 → 358 GB/s
   at 256 MiB), and the handle's ``wait()`` only makes the caller's stream wait for the copy,
@@ -45,21 +38,14 @@ shared-memory segments registered with CUDA), exactly as for the ``host`` transp
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
 
 from .base import Topology, register_transport
-from .cuda_ops import CopyHandle, Worker, keep_alive
+from .cuda_ops import CopyHandle, Worker, driver_available, keep_alive
 from ..groups import resolve_device
 from .slots import SlotWindows
 from .flags import encode_flag
 
-log = logging.getLogger("sparsp")
-
-COPY_MODES = ("push", "pull")
 
 
 class IpcTransport(SlotWindows):
@@ -67,20 +53,16 @@ class IpcTransport(SlotWindows):
 
     name = "ipc"
 
-    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None,
-                 copy: str | None = None, **options) -> None:
+    def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
         self._window: torch.Tensor | None = None
-        self._peer_ptrs: dict[int, int] = {}  # pull: the peer's window in our context
-        self._opened: list[int] = []  # pull: bases to cuIpcCloseMemHandle
-        self._peer_windows: dict[int, torch.Tensor] = {}  # push: the peer's window
-        self._peer_streams: dict[int, torch.cuda.Stream] = {}  # push: a stream per peer GPU
+        self._peer_ptrs: dict[int, int] = {}  # the peer's window in our context
+        self._opened: list[int] = []  # bases to cuIpcCloseMemHandle
         self._copy: torch.cuda.Stream | None = None
-        self._asked = copy or os.environ.get("SPARSP_IPC_COPY") or None
-        self._mode = self._asked or "pull"
-        if self._mode not in COPY_MODES:
-            raise ValueError(f"ipc copy={self._mode!r}: expected one of {COPY_MODES}")
         if resolve_device(device, group).type != "cuda":
             raise ValueError("the ipc transport moves CUDA tensors; use host or nccl on CPU")
+        if not driver_available():
+            raise ValueError("the ipc transport needs cuda-python (pip install 'sparsp[cuda]'); "
+                             "use host or nccl without it")
         super().__init__(group, timeout_s=timeout_s, device=device, **options)
 
     def _slot_area_bytes(self, slot_bytes: int) -> int:
@@ -92,37 +74,21 @@ class IpcTransport(SlotWindows):
     def _export_slots(self) -> None:
         assert self._ops is not None
 
-        def allocate() -> bool:
+        def allocate() -> None:
             size = (self.world_size - 1) * self.window * self.slot_bytes
             self._window = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
-            return self._ops.driver is not None
 
-        if not all(self._agree("allocating the slot window", allocate)) and \
-                self._mode == "pull":
-            if self._asked == "pull":  # asked for explicitly: say why it is not used
-                log.warning("sparsp: ipc copy='pull' needs cuda-python on every rank; pushing")
-            self._mode = "push"
-        # every rank says how it opens; a producer hands out what its consumers need
-        wants = self._allgather(self._mode)
-        handles = self._agree("exporting the slot window", lambda: (
-            self._ops.ipc_handle(self._window.data_ptr()) if "pull" in wants else None))
-        shared = self._agree("sharing the slot window", lambda: (
-            reduce_tensor(self._window) if "push" in wants else None))
+        self._agree("allocating the slot window", allocate)
+        handles = self._agree("exporting the slot window",
+                              lambda: self._ops.ipc_handle(self._window.data_ptr()))
         for p in self.peers:
-            if self._mode == "pull":
-                handle, offset = handles[p]
-                base = self._ops.ipc_open(handle)
-                self._opened.append(base)
-                self._peer_ptrs[p] = base + offset
-            else:
-                rebuild, rebuild_args = shared[p]
-                window = rebuild(*rebuild_args)
-                self._peer_windows[p] = window
-                self._peer_streams[p] = torch.cuda.Stream(window.device)
-        self._set_streams()
+            handle, offset = handles[p]
+            base = self._ops.ipc_open(handle)
+            self._opened.append(base)
+            self._peer_ptrs[p] = base + offset
 
     def _unexport_slots(self) -> None:
-        if self._peer_ptrs or self._peer_windows:
+        if self._peer_ptrs:
             for stream in self._streams:
                 stream.synchronize()
             assert self._ops is not None
@@ -130,10 +96,7 @@ class IpcTransport(SlotWindows):
                 self._ops.ipc_close(base)
             self._opened.clear()
             self._peer_ptrs.clear()
-            self._peer_windows.clear()
-            self._peer_streams.clear()
-            # let every consumer drop its mapping before the owners free their windows (torch
-            # would otherwise warn that a producer freed memory a consumer still maps)
+            # let every consumer drop its mapping before the owners free their windows
             if self._flags:
                 timeout, self.timeout_s = self.timeout_s, min(self.timeout_s, 5.0)
                 try:
@@ -143,20 +106,14 @@ class IpcTransport(SlotWindows):
                 finally:
                     self.timeout_s = timeout
         self._window = None
-        self._set_streams()
 
     def _copies(self) -> str:
-        return ("pull: cuMemcpyDtoDAsync by this GPU's copy engine" if self._mode == "pull"
-                else "push: copies by the owner GPU's copy engine")
-
-    def _set_streams(self) -> None:
-        self._streams = ([self._copy] if self._copy is not None else []) + list(
-            self._peer_streams.values())
+        return "pull: cuMemcpyDtoDAsync by this GPU's copy engine"
 
     def _start_threads(self) -> None:
         super()._start_threads()
         self._copy = torch.cuda.Stream(self.device)
-        self._set_streams()
+        self._streams = [self._copy]
         self._worker = Worker("sparsp-ipc-fetch", self.device)
 
     def _send_view(self, peer: int, slot: int, nbytes: int) -> torch.Tensor:
@@ -177,23 +134,13 @@ class IpcTransport(SlotWindows):
 
     def _copy_from(self, peer: int, slot: int, dst: torch.Tensor, flag=None) -> None:
         """Queue (after ``flag`` = (address, value), if given) the copy of the peer's slot into
-        ``dst``; the copy stream is the caller's current stream and waits for it."""
+        ``dst`` on the caller's current stream (the copy stream)."""
         assert self._ops is not None
         offset, n = self._offset(peer, self.rank, slot), dst.numel()
         copy = torch.cuda.current_stream(self.device)
-        if self._mode == "pull":
-            if flag is not None:
-                self._ops.wait(copy, *flag)
-            self._ops.copy(copy, dst.data_ptr(), self._peer_ptrs[peer] + offset, n)
-            return
-        src = self._peer_windows[peer][offset : offset + n]
-        stream = self._peer_streams[peer]
-        # torch copies between devices on the source device's current stream, fenced two-way
-        # with the destination's current stream (``copy``)
-        with torch.cuda.stream(stream):
-            if flag is not None:
-                self._ops.wait(stream, *flag)
-            dst.copy_(src, non_blocking=True)
+        if flag is not None:
+            self._ops.wait(copy, *flag)
+        self._ops.copy(copy, dst.data_ptr(), self._peer_ptrs[peer] + offset, n)
 
     def _fetch(self, peer: int, slot: int, use: int, dst: torch.Tensor):
         assert self._copy is not None and self._worker is not None

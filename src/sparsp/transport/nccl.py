@@ -1,7 +1,7 @@
 """torch.distributed point-to-point transport: NCCL on GPU, gloo on CPU.
 
 This is the baseline data path: payloads move through the communication library (on GPU,
-NCCL's copy kernels, which compete with attention for SMs: DESIGN.md "Contention").
+NCCL's copy kernels, which compete with attention for SMs: docs/transport.md).
 ``publish`` only queues the send; ``fetch`` (called once per round, also for 0 elements: the
 protocol's rule) issues every queued send together with the receive in one
 ``batch_isend_irecv``, because two ranks that each issue a blocking-order NCCL send before their

@@ -1,5 +1,5 @@
 """Per-peer transports: one composite ``Transport`` whose peers each go through the transport
-of their pair (issue 12).
+of their pair.
 
 A group that spans two hosts with several GPUs each has no single good transport: ``nccl`` is
 the only one that crosses hosts, but inside a host the copy-engine paths beat it (``ipc`` over
@@ -29,15 +29,15 @@ guarantee holds per pair, because each pair has exactly one transport: a silent 
 counters are the sub-transports' own, summed per peer of the caller's group.
 
 ``auto`` picks ``peers`` (rule below, priority 30, above ``ipc``) when the pairs of a group want
-different transports. ``SPARSP_LOCAL_TRANSPORT=<name>`` makes every pair on one host use
-``<name>`` instead of its own rule's choice (tests run ``host`` on CPU this way, whose rule
-declines CPU tensors; a GPU box can measure ``host`` beside ``nccl`` with it); pairs between
-hosts keep their rule's choice. ``SPARSP_HOST_ID`` (``select.py``) emulates hosts.
+different transports. ``SparspConfig.local_transport`` makes every pair on one host use that
+transport instead of its own rule's choice (``select.py``: tests run ``host`` on CPU this way,
+whose rule declines CPU tensors; a GPU box can measure ``host`` beside ``nccl`` with it); pairs
+between hosts keep their rule's choice. ``topology.py`` gathers the group's topology and holds
+the per-pair rules (``pair_plan``), which ``select.py`` uses too.
 """
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -45,54 +45,12 @@ import torch
 import torch.distributed as dist
 
 from ..groups import global_rank, resolve_device
-from .base import Handle, Topology, Transport, register_transport, transport_names, transport_spec
+from .base import Handle, Topology, Transport, register_transport, transport_spec
+from .topology import PEERS as NAME, Plan, describe_plan, pair_plan, plan_names, topology
 
-NAME = "peers"
-LOCAL_ENV = "SPARSP_LOCAL_TRANSPORT"
 # Transports that address every rank of the caller's group and set up nothing collectively:
 # one instance on the caller's group serves all their pairs (no process group of their own).
 GROUP_FREE = ("nccl",)
-
-Plan = tuple[tuple[str | None, ...], ...]
-"""``plan[a][b]``: the transport of the pair of ranks (a, b); None on the diagonal."""
-
-
-def local_override() -> str | None:
-    """``SPARSP_LOCAL_TRANSPORT``, checked: a registered transport other than ``peers``."""
-    value = os.environ.get(LOCAL_ENV, "").strip().lower()
-    if not value:
-        return None
-    allowed = [n for n in transport_names() if n != NAME]
-    if value not in allowed:
-        raise ValueError(f"{LOCAL_ENV}={value!r} is not a transport; allowed: {allowed}")
-    return value
-
-
-def pair_plan(topo: Topology, *, local: str | None = None) -> Plan:
-    """The transport of every pair of ranks: each registered ``auto`` rule but this one's, on
-    the pair's two-rank topology; pairs on one host take ``local`` (default
-    ``SPARSP_LOCAL_TRANSPORT``) when given."""
-    from .select import choose_by_rules  # select imports this module at its end
-
-    local = local if local is not None else local_override()
-    G = topo.world_size
-    plan = [[None] * G for _ in range(G)]
-    for a in range(G):
-        for b in range(a + 1, G):
-            pair = topo.pair(a, b)
-            name = local if local is not None and pair.one_host else \
-                choose_by_rules(pair, exclude=(NAME,))[0]
-            plan[a][b] = plan[b][a] = name
-    return tuple(tuple(row) for row in plan)
-
-
-def describe_plan(plan: Plan) -> str:
-    """``"host for 0-1, 2-3; nccl for 0-2, 0-3, 1-2, 1-3"``."""
-    pairs: dict[str, list[str]] = defaultdict(list)
-    for a in range(len(plan)):
-        for b in range(a + 1, len(plan)):
-            pairs[plan[a][b]].append(f"{a}-{b}")
-    return "; ".join(f"{name} for {', '.join(p)}" for name, p in sorted(pairs.items()))
 
 
 def components(plan: Plan, name: str) -> list[tuple[int, ...]]:
@@ -183,8 +141,6 @@ class PeerTransport(Transport):
         self.device = resolve_device(device, group)
         self._closed = False
         if plan is None:
-            from .select import topology
-
             plan = pair_plan(topology(group, self.device))
         G = self.world_size
         if len(plan) != G or any(len(row) != G for row in plan) or any(
@@ -358,18 +314,12 @@ class PeerTransport(Transport):
 
 
 def _auto(topo: Topology) -> str | None:
-    """Accept a group whose pairs want different transports (or whose on-host pairs
-    ``SPARSP_LOCAL_TRANSPORT`` reassigns)."""
+    """Accept a group whose pairs want different transports."""
     if topo.world_size < 2:
         return None
-    from .select import choose_by_rules
-
     plan = pair_plan(topo)
-    names = {n for row in plan for n in row if n is not None}
-    if len(names) > 1:
+    if len(plan_names(plan)) > 1:
         return f"per pair: {describe_plan(plan)}"
-    if local_override() is not None and names != {choose_by_rules(topo, exclude=(NAME,))[0]}:
-        return f"{LOCAL_ENV}: {describe_plan(plan)}"
     return None
 
 

@@ -1,10 +1,11 @@
-"""Choosing a transport: ``make_transport(name, group, *, device, timeout_s)``.
+"""Choosing a transport: ``make_transport(name, group, *, device, timeout_s, local)``.
 
-``name`` is a registered transport or ``auto``. ``auto`` decides once per group, the same way
-on every rank: the group's ``Topology`` (device type, one host or several, the same GPU list
-everywhere, peer access between every pair of its GPUs) is gathered once, and among the
-registered transports whose ``auto`` rule accepts it the one with the highest priority wins.
-The built-in rules (``nccl.py``, ``host.py``, ``ipc.py``):
+``name`` is a registered transport or ``auto`` (``SparspConfig.transport``). ``auto`` decides
+once per group, the same way on every rank: the group's ``Topology`` (device type, one host or
+several, the same GPU list everywhere, peer access between every pair of its GPUs;
+``topology.py``) is gathered once, and among the registered transports whose ``auto`` rule
+accepts it the one with the highest priority wins. The built-in rules (``nccl.py``,
+``host.py``, ``ipc.py``):
 
 - ``ipc`` (priority 20): CUDA tensors, one host, the same GPU list on every rank, and peer
   access between every pair (copy engines over NVLink / PCIe P2P);
@@ -20,30 +21,21 @@ want different transports — two hosts with several GPUs each (``ipc`` or ``hos
 host, ``nccl`` between hosts), or one host where only some GPUs reach each other — the
 ``peers`` rule (priority 30, ``peers.py``) accepts the group and one composite transport
 serves every peer through the transport of its pair. A group whose pairs all agree gets that
-one transport, as before.
+one transport.
 
-``SPARSP_HOST_ID=<name>`` replaces the host identity (hostname and boot id) in the topology,
-so that tests can emulate several hosts on one machine (e.g. ``host0`` for ranks 0–1 and
-``host1`` for ranks 2–3); set it on every rank of the group or on none (on CPU the topology is
-gathered only when it is set). ``SPARSP_LOCAL_TRANSPORT=<name>`` (``peers.py``) forces the
-transport of the pairs on one host, e.g. ``host`` on CPU, whose own rule declines CPU tensors.
-
-``SPARSP_TRANSPORT=<name>`` in the environment replaces ``auto`` (an explicit ``name`` wins
-over it), e.g. ``SPARSP_TRANSPORT=host`` to measure the host path on a box with NVLink.
-The chosen transport is logged once per process on the ``sparsp`` logger.
+``local`` (``SparspConfig.local_transport``) forces the transport of the pairs on one host,
+e.g. ``host`` on CPU, whose own rule declines CPU tensors; where ``auto`` then finds the pairs
+wanting different transports, or the on-host pairs wanting another than the rules pick for the
+group, it builds ``peers`` with that plan. The chosen transport is logged once per process on
+the ``sparsp`` logger.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 
-import torch
-import torch.distributed as dist
-
-from ..groups import gather_objects, resolve_device
-from .base import Topology, Transport, TransportName, _REGISTRY, transport_names, transport_spec
+from .base import Topology, Transport, TransportName, transport_names, transport_spec
+from .topology import PEERS, Plan, choose_by_rules, describe_plan, host_id, pair_plan, plan_names, topology
 
 log = logging.getLogger("sparsp")
 _LOGGED: set[tuple[str, str]] = set()
@@ -57,91 +49,49 @@ def _name(value: str, source: str) -> str:
     return name
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+def check_local(local: str | None) -> str | None:
+    """``local`` checked: None or a registered transport other than ``peers``."""
+    if local is None:
+        return None
+    allowed = [n for n in transport_names() if n != PEERS]
+    if local not in allowed:
+        raise ValueError(f"local_transport={local!r} is not a transport; allowed: {allowed}")
+    return local
 
 
-def host_id() -> str:
-    """This process's host identity: ``SPARSP_HOST_ID`` if set (tests emulate several hosts on
-    one machine with it), else hostname and boot id."""
-    override = os.environ.get("SPARSP_HOST_ID", "").strip()
-    return f"id:{override}" if override else f"{socket.gethostname()}/{_boot_id()}"
+def choose(topo: Topology, *, local: str | None = None) -> tuple[str, str, Plan | None]:
+    """(transport name, reason, the pair plan ``peers`` is to use, else None) for ``auto``."""
+    chosen, reason = choose_by_rules(topo)
+    local = check_local(local)
+    if local is None or topo.world_size < 2:
+        return chosen, reason, None
+    plan = pair_plan(topo, local=local)
+    if chosen == PEERS or plan_names(plan) != {chosen}:
+        return PEERS, f"local_transport={local}: {describe_plan(plan)}", plan
+    return chosen, reason, None
 
 
-def _host_indices(keys: list) -> tuple[int, ...]:
-    """Host index of each rank: hosts numbered in order of their first rank."""
-    first: dict = {}
-    return tuple(first.setdefault(k, len(first)) for k in keys)
-
-
-def topology(group=None, device=None) -> Topology:
-    """The group's ``Topology``; collective over ``group`` for CUDA devices (and on CPU when
-    ``SPARSP_HOST_ID`` is set)."""
-    device = resolve_device(device, group)
-    world = dist.get_world_size(group)
-    if world == 1:
-        return Topology(device.type, world, True, True, device.type == "cuda")
-    if device.type != "cuda":
-        if not os.environ.get("SPARSP_HOST_ID", "").strip():
-            return Topology(device.type, world, True, True, False)
-        hosts = _host_indices(gather_objects(host_id(), group))
-        return Topology("cpu", world, len(set(hosts)) == 1, True, False, hosts=hosts)
-    with torch.cuda.device(device):
-        uuids = [str(getattr(torch.cuda.get_device_properties(i), "uuid", i))
-                 for i in range(torch.cuda.device_count())]
-        infos = gather_objects((host_id(), uuids, device.index), group)
-        hosts = _host_indices([i[0] for i in infos])
-        one_host = len(set(hosts)) == 1
-        same_gpus = all(i[1] == infos[0][1] for i in infos)
-        indices = tuple(sorted({i[2] for i in infos}))
-        me = dist.get_rank(group)
-        # my row of the IPC matrix: ranks on my host with my GPU list whose GPU mine reaches
-        row = [b != me and infos[b][:2] == infos[me][:2] and (
-            infos[b][2] == device.index or torch.cuda.can_device_access_peer(device.index, infos[b][2]))
-            for b in range(world)]
-        rows = gather_objects(row, group)
-    peer = tuple(tuple(bool(rows[a][b] and rows[b][a]) for b in range(world)) for a in range(world))
-    access = one_host and same_gpus and all(peer[a][b] for a in range(world) for b in range(world)
-                                            if a != b)
-    return Topology("cuda", world, one_host, same_gpus, access, indices, hosts=hosts,
-                    rank_gpus=tuple(i[2] for i in infos), peer=peer)
-
-
-def choose_by_rules(topo: Topology, *, exclude: tuple[str, ...] = ()) -> tuple[str, str]:
-    """(transport name, reason): among the registered transports (but ``exclude``) whose
-    ``auto`` rule accepts ``topo``, the one with the highest priority."""
-    for spec in sorted(_REGISTRY.values(), key=lambda s: -s.priority):
-        if spec.name in exclude or spec.auto is None or topo.device_type not in spec.devices:
-            continue
-        reason = spec.auto(topo)
-        if reason is not None:
-            return spec.name, reason
-    raise ValueError(f"no registered transport accepts {topo}")
-
-
-def choose_auto(group=None, device=None) -> tuple[str, str]:
+def choose_auto(group=None, device=None, *, local: str | None = None) -> tuple[str, str]:
     """(transport name, reason) for ``auto``; collective over ``group`` for CUDA devices."""
-    return choose_by_rules(topology(group, device))
+    return choose(topology(group, device), local=local)[:2]
 
 
 def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: float = 60.0,
-                   **options) -> Transport:
+                   local: str | None = None, **options) -> Transport:
     """Build the transport ``name`` (or the ``auto`` choice) for ``group``.
 
-    ``options`` go to the slot transports (``window``, ``slot_bytes``, ``chunk_bytes``,
-    ``tag``, ``stream_waits``, ``copy``); ``nccl`` takes none and ignores them.
+    ``local``: the transport of the pairs on one host (``SparspConfig.local_transport``), for
+    ``auto`` and ``peers``; another explicit ``name`` ignores it. ``options`` go to the slot
+    transports (``window``, ``slot_bytes``, ``chunk_bytes``, ``tag``, ``stream_waits``);
+    ``nccl`` takes none and ignores them.
     """
     chosen, reason = _name(name, "transport"), "requested"
     if chosen == TransportName.AUTO.value:
-        env = os.environ.get("SPARSP_TRANSPORT", "").strip()
-        if env and _name(env, "SPARSP_TRANSPORT") != TransportName.AUTO.value:
-            chosen, reason = _name(env, "SPARSP_TRANSPORT"), "SPARSP_TRANSPORT"
-        else:
-            chosen, reason = choose_auto(group, device)
+        chosen, reason, plan = choose(topology(group, device), local=local)
+        if plan is not None:
+            options = {**options, "plan": plan}
+    elif chosen == PEERS and check_local(local) is not None:
+        options = {**options, "plan": pair_plan(topology(group, device), local=local)}
     spec = transport_spec(chosen)
     if chosen == TransportName.NCCL.value:
         transport = spec.factory(group, timeout_s=timeout_s, device=device)
@@ -153,4 +103,5 @@ def make_transport(name: str = "auto", group=None, *, device=None, timeout_s: fl
     return transport
 
 
-from . import peers  # noqa: E402,F401  (registers "peers"; it builds on this module's rules)
+__all__ = ["check_local", "choose", "choose_auto", "choose_by_rules", "host_id", "make_transport",
+           "topology"]

@@ -25,12 +25,9 @@ peer still has to open. Lifecycle:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import mmap
 import os
-import platform
 import re
 import secrets
 import stat
@@ -41,6 +38,8 @@ import weakref
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .. import env
 
 SHM_DIR = "/dev/shm"
 PREFIX = "sparsp-"
@@ -186,54 +185,6 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-# --------------------------------------------------------------------------- placement
-
-
-_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}.get(platform.machine())
-_MPOL_DEFAULT, _MPOL_PREFERRED = 0, 1
-
-
-def can_place() -> bool:
-    """Whether ``ShmSegment.create`` can put ranges of a segment on chosen NUMA nodes here
-    (Linux ``set_mempolicy`` on a known architecture)."""
-    return _SYS_SET_MEMPOLICY is not None and os.path.exists("/sys/devices/system/node")
-
-
-@contextlib.contextmanager
-def _preferred_node(node: int):
-    """This thread's page allocations prefer NUMA ``node`` (``set_mempolicy``), then the
-    default policy again."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    mask = ctypes.c_ulong(1 << node)
-    if libc.syscall(_SYS_SET_MEMPOLICY, _MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(64)) != 0:
-        raise OSError(ctypes.get_errno(), f"set_mempolicy: prefer NUMA node {node}")
-    try:
-        yield
-    finally:
-        libc.syscall(_SYS_SET_MEMPOLICY, _MPOL_DEFAULT, None, ctypes.c_ulong(0))
-
-
-def numa_pages(ptr: int) -> dict[int, int]:
-    """Pages of this process's mapping that starts at ``ptr``, per NUMA node
-    (``/proc/self/numa_maps``; only pages this process has mapped count — all of them once the
-    segment is pinned). {} where the kernel does not say."""
-    try:
-        with open("/proc/self/numa_maps") as f:
-            for line in f:
-                addr, _, rest = line.partition(" ")
-                if int(addr, 16) != ptr:
-                    continue
-                out = {}
-                for token in rest.split():
-                    key, eq, value = token.partition("=")
-                    if eq and key[:1] == "N" and key[1:].isdigit():
-                        out[int(key[1:])] = int(value)
-                return out
-    except (OSError, ValueError):
-        pass
-    return {}
-
-
 # --------------------------------------------------------------------------- segments
 
 
@@ -255,13 +206,10 @@ class ShmSegment:
             self._finalizer = weakref.finalize(self, _unlink_if_same, path, st.st_dev, st.st_ino)
 
     @classmethod
-    def create(cls, tag: str, rank: int, size: int, directory: str = SHM_DIR,
-               placement: tuple[tuple[int, int, int], ...] = ()) -> ShmSegment:
+    def create(cls, tag: str, rank: int, size: int, directory: str = SHM_DIR) -> ShmSegment:
         """Create ``sparsp-<tag>-<rank>`` (0600, exclusive), reclaiming a crashed run's leftover.
 
-        Its pages are allocated here, on the NUMA node this thread runs on, except the byte
-        ranges of ``placement`` ((offset, length, node) each), allocated preferring ``node``
-        (``can_place``; the kernel falls back to another node when that one is full)."""
+        Its pages are allocated here, on the NUMA node this thread runs on."""
         if not _TAG_RE.fullmatch(tag):
             raise ValueError(f"shared-memory tag {tag!r} must match {_TAG_RE.pattern}")
         size = round_up(max(size, HEADER_BYTES), PAGE)
@@ -276,10 +224,7 @@ class ShmSegment:
             os.fchmod(fd, 0o600)  # the umask can only clear bits; say it anyway
             # allocate now: a tmpfs that is too small fails here with ENOSPC instead of
             # killing the process with SIGBUS on first touch of the mapping
-            for offset, length, node in placement:
-                with _preferred_node(node):
-                    os.posix_fallocate(fd, offset, length)
-            os.posix_fallocate(fd, 0, size)  # the rest (ranges placed above stay where they are)
+            os.posix_fallocate(fd, 0, size)
             seg = cls(path, fd, size, owner=True)
         except BaseException:
             os.close(fd)
@@ -344,7 +289,7 @@ def agree_tag(group, tag: str | None = None, device=None) -> str:
     two transports never collide; a given tag makes names stable across restarts, so that
     ``ShmSegment.create`` finds and reclaims what a crashed run left.
     """
-    explicit = tag if tag is not None else os.environ.get("SPARSP_SHM_TAG")
+    explicit = tag if tag is not None else env.shm_tag()
     if explicit is not None and not _TAG_RE.fullmatch(explicit):
         raise ValueError(f"shared-memory tag {explicit!r} must match {_TAG_RE.pattern}")
     if dist.get_world_size(group) == 1:

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 from typing import Callable
@@ -77,7 +76,6 @@ import torch
 import torch.distributed as dist
 
 from .base import DoneHandle, Transport
-from ..config import parse_size
 from ..groups import gather_objects, resolve_device
 from .cuda_ops import DeviceOps, Worker, as_bytes
 from .flags import (Backoff, DeviceWaits, FlagLayout, describe_flag, encode_flag, not_published,
@@ -89,12 +87,7 @@ log = logging.getLogger("sparsp")
 
 CHUNK_BYTES = 16 << 20
 """The default step of a chunked copy (``host``: the D2H/H2D pieces a consumer copies as they
-land; DESIGN measured 16–64 MiB pieces at the two-way ceiling)."""
-
-
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    return None if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+land; DESIGN measured 16–64 MiB pieces at the two-way ceiling; docs/decisions.md)."""
 
 
 class SlotWindows(Transport):
@@ -113,33 +106,24 @@ class SlotWindows(Transport):
       run ahead of a consumer;
     - ``slot_bytes``: initial payload bytes per slot (rounded up to a page; ``reserve`` grows);
     - ``chunk_bytes``: the chunk of a chunked copy, i.e. the step of the 'published' count
-      (default ``SPARSP_CHUNK_BYTES``, e.g. ``4MiB``, else ``CHUNK_BYTES``; the same on every
-      rank); ``first_chunk_bytes`` (default ``SPARSP_FIRST_CHUNK_BYTES``, else
-      ``chunk_bytes``): a smaller first chunk, the next ones doubling up to ``chunk_bytes``;
+      (default ``CHUNK_BYTES``; the same on every rank);
     - ``tag``: shared-memory segment names (``shm.agree_tag``: default drawn per transport);
     - ``stream_waits``: queue ``cuStreamWaitValue32`` for flags instead of host-side waits
-      (default ``SPARSP_STREAM_WAITS``, on where the driver has stream memory operations);
-      the host then checks those flags in ``settle``, with the timeout.
+      (default on; used where the driver has stream memory operations); the host then checks
+      those flags in ``settle``, with the timeout. False: a host thread waits for each flag
+      and then issues the copy (the path taken anyway without stream memory operations).
     """
 
     name = "slots"
 
     def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, window: int = 3,
-                 slot_bytes: int = 1 << 20, chunk_bytes: int | None = None, tag: str | None = None,
-                 stream_waits: bool | None = None, first_chunk_bytes: int | None = None) -> None:
+                 slot_bytes: int = 1 << 20, chunk_bytes: int = CHUNK_BYTES, tag: str | None = None,
+                 stream_waits: bool = True) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"window={window} must be >= 1")
-        if chunk_bytes is None:
-            chunk_bytes = parse_size(os.environ.get("SPARSP_CHUNK_BYTES", "").strip() or str(CHUNK_BYTES))
         if chunk_bytes < PAGE:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= {PAGE}")
-        if first_chunk_bytes is None:
-            first_chunk_bytes = parse_size(os.environ.get("SPARSP_FIRST_CHUNK_BYTES", "").strip()
-                                           or str(chunk_bytes))
-        if not PAGE <= first_chunk_bytes <= chunk_bytes:
-            raise ValueError(f"first_chunk_bytes={first_chunk_bytes} must be between {PAGE} and "
-                             f"chunk_bytes={chunk_bytes}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -147,7 +131,6 @@ class SlotWindows(Transport):
         self.timeout_s = float(timeout_s)
         self.window = int(window)
         self.chunk_bytes = int(chunk_bytes)
-        self.first_chunk_bytes = int(first_chunk_bytes)
         self.device = resolve_device(device, group)
         self.cuda = self.device.type == "cuda"
         self.epoch = 0
@@ -164,8 +147,6 @@ class SlotWindows(Transport):
         self._signaler: Worker | None = None
         self._ops: DeviceOps | None = None
         self._waits = DeviceWaits()  # settle(): the flags our streams wait for on the GPU
-        if stream_waits is None:
-            stream_waits = _env_flag("SPARSP_STREAM_WAITS") is not False
         self._reset_state()
         try:
             with self._device_ctx():
@@ -185,16 +166,6 @@ class SlotWindows(Transport):
     def _slot_area_bytes(self, slot_bytes: int) -> int:
         """Bytes of this rank's shared-memory segment after the flag page (0: slots elsewhere)."""
         raise NotImplementedError
-
-    def _placement_mode(self) -> str:
-        """How this transport places its segment's pages on NUMA nodes (the same on every
-        rank: part of the settings ``_export`` checks); "off": where its creator runs."""
-        return "off"
-
-    def _placement_ranges(self, slot_bytes: int) -> tuple[tuple[int, int, int], ...]:
-        """(offset, length, node) ranges of this rank's segment to allocate on chosen nodes
-        (``ShmSegment.create``); called by every rank at export, after the settings check."""
-        return ()
 
     def _export_slots(self) -> None:
         """Collective: set up the slots after the flag segments exist (ipc: device windows)."""
@@ -521,19 +492,17 @@ class SlotWindows(Transport):
 
     def _export(self, slot_bytes: int) -> None:
         """Collective: create, exchange and map the segments; the names are gone afterwards."""
-        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes, self.first_chunk_bytes,
-                  self._placement_mode())
+        config = (type(self).__name__, slot_bytes, self.window, self.chunk_bytes)
         configs = self._allgather(config)
         if any(c != config for c in configs):
             raise ValueError(f"rank {self.rank}: transport settings differ between ranks (class, slot_bytes, "
-                             f"window, chunk_bytes, first_chunk_bytes, placement): {configs}")
+                             f"window, chunk_bytes): {configs}")
         size = HEADER_BYTES + self._layout.nbytes + self._slot_area_bytes(slot_bytes)
-        placement = self._placement_ranges(slot_bytes)  # collective where the mode is on (everywhere)
         segs: list = [None] * self.world_size
         self._segs = segs
 
         def create() -> None:
-            segs[self.rank] = ShmSegment.create(self._tag, self.rank, size, placement=placement)
+            segs[self.rank] = ShmSegment.create(self._tag, self.rank, size)
 
         def open_peers() -> None:
             for p in self.peers:
@@ -634,13 +603,7 @@ class SlotWindows(Transport):
         return [v for _, v in gathered]
 
     def _chunks(self, nbytes: int) -> list[tuple[int, int, int]]:
-        """(count after this chunk, start, end) for each chunk of a payload: ``chunk_bytes``
-        pieces, the first ones ramping up from ``first_chunk_bytes`` by doubling (the
-        consumer's first copy waits for the producer's first piece only). Both ends call it on
-        the same size, so they agree on every boundary."""
-        out, lo, size = [], 0, self.first_chunk_bytes
-        while lo < nbytes:
-            hi = min(lo + size, nbytes)
-            out.append((len(out) + 1, lo, hi))
-            lo, size = hi, min(2 * size, self.chunk_bytes)
-        return out
+        """(count after this chunk, start, end) for each ``chunk_bytes`` piece of a payload. Both
+        ends call it on the same size, so they agree on every boundary."""
+        step = self.chunk_bytes
+        return [(j + 1, lo, min(lo + step, nbytes)) for j, lo in enumerate(range(0, nbytes, step))]

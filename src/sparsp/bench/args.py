@@ -1,0 +1,282 @@
+"""The arguments of every ``sparsp bench`` verb, without torch.
+
+``sparsp bench VERB --help`` builds its parser from this module alone: the choices are plain
+data (``sparsp.geometry``, ``sparsp.names`` and the constants below), each verb's description
+is its module's docstring read from the source (``description``), and the verb's own module
+(torch, the kernels, the transports) loads only when the verb runs. Strategy and registered
+kernel names are free names here, checked against their registries when the verb runs
+(``check_names``): a strategy is named only where it registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import sys
+from pathlib import Path
+
+from ..geometry import PRESETS
+from ..inputs import HelpFormatter
+from ..names import TRACE_MODELS
+from ..units import parse_size
+
+FABRICS = ("nvlink", "host")
+"""The GPU fabrics a benchmark runs on: ``nvlink`` (peer copies) or ``host`` (NCCL_P2P_DISABLE=1)."""
+CPU_FABRIC = "gloo"
+"""The ``fabric`` of a CPU run (``bench e2e --device cpu``): gloo between processes, no GPU path."""
+
+ATTENTION_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--model", "transport": "the rows",
+                      "kernel": "--kernel", "timeout_s": "the benchmark (300 s)"}
+"""``SparspConfig`` fields ``bench attention`` sets itself (``--config`` may not)."""
+E2E_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--block-size", "transport": "--transport",
+                "kernel": "--kernel"}
+"""``SparspConfig`` fields ``bench e2e`` sets from its own flags (``--config`` may not)."""
+E2E_BLOCK_SIZE = 128
+"""``bench e2e --block-size`` of a full-size model."""
+E2E_TINY_BLOCK_SIZE = 8
+"""``bench e2e --block-size`` with ``--tiny``: the tiny latent (3x8x8) patchifies to 48 tokens on
+Wan and HunyuanVideo (192 on LTX), one block of 128 that no two ranks can split; 8 gives 6."""
+E2E_OUT = Path("bench/results")
+E2E_TINY_OUT = Path("results/bench")
+"""``bench e2e --out`` with ``--tiny``: a smoke run's figures are not results, so they stay out
+of the tracked ``bench/results``."""
+KERNEL_SHAPES = ("hunyuan-video", "wan2.1-14b", "ltx-video", "ltx-2")
+"""``bench kernel``'s preset shapes."""
+LOAD_ORDERS = ("exchange-first", "attention-first", "both")
+"""``bench transport --load-order``."""
+
+
+def description(verb: str) -> str | None:
+    """The docstring of ``sparsp.bench.<verb>``, read from its source without importing it."""
+    path = Path(__file__).with_name(f"{verb}.py")
+    with contextlib.suppress(OSError, SyntaxError):
+        return ast.get_docstring(ast.parse(path.read_text()), clean=False)
+    return None
+
+
+def refuse(verb: str, message: str):
+    """Report a bad argument as argparse does (one line on stderr, exit status 2)."""
+    print(f"sparsp bench {verb}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_names(verb: str, flag: str, given, known) -> None:
+    """Refuse (``refuse``) the first name of ``given`` that is not in ``known``, listing ``known``."""
+    for name in given:
+        if name not in known:
+            refuse(verb, f"{flag}: unknown name {name!r}; registered: {', '.join(known)}")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+# --- --config KEY=VALUE ----------------------------------------------------------------------
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _typed(annotation: str, text: str):
+    """``text`` as a value of a ``SparspConfig`` field annotated ``annotation`` (a string: the
+    module uses postponed annotations); ``ValueError`` when it is not one."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    t = text.strip()
+    if "None" in kinds and t.lower() in ("none", "auto"):
+        return None
+    for kind in kinds:
+        if kind == "bool" and t.lower() in _TRUE + _FALSE:
+            return t.lower() in _TRUE
+        if kind == "int":
+            with contextlib.suppress(ValueError):
+                return int(t)
+        if kind == "float":
+            with contextlib.suppress(ValueError):
+                return float(t)
+        if kind.startswith("tuple[float") and "," in t:
+            with contextlib.suppress(ValueError):
+                return tuple(float(x) for x in t.split(","))
+        if kind == "str":
+            return t
+    raise ValueError(f"expected {annotation}")
+
+
+def config_arg(text: str) -> tuple[str, object]:
+    """One ``--config KEY=VALUE``: a ``SparspConfig`` field and its value, typed from the
+    field's annotation and checked by ``SparspConfig`` itself; ``argparse.ArgumentTypeError``
+    (one line) for an unknown key or a bad value. Runs only when ``--config`` is given."""
+    import dataclasses
+
+    from ..config import SparspConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SparspConfig)}
+    key, eq, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if key not in fields:
+        raise argparse.ArgumentTypeError(f"unknown SparspConfig field {key!r}; fields: "
+                                         f"{', '.join(fields)}")
+    try:
+        typed = _typed(str(fields[key].type), value)
+        SparspConfig(**{key: typed})  # the config's own checks, with its message
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{key}={value!r}: {e}") from None
+    return key, typed
+
+
+def add_config_argument(p, *, reserved: dict[str, str]) -> None:
+    """The repeatable ``--config KEY=VALUE`` (any ``SparspConfig`` field but those in
+    ``reserved``, which maps each to the flag or rule that sets it)."""
+    p.add_argument("--config", action="append", default=[], type=config_arg, metavar="KEY=VALUE",
+                   help="a SparspConfig field for every sparsp row, typed from the field (e.g. "
+                        "drain_chunks=1, local_first=on, cuda_graphs=off, prefetch=2; none/auto "
+                        "for None); repeatable; not " + ", ".join(reserved))
+
+
+# --- the verbs -------------------------------------------------------------------------------
+
+
+def add_attention(p) -> None:
+    p.add_argument("--model", default="hunyuan-video", choices=PRESETS)
+    p.add_argument("--text", action="store_true", help="include the model's text tokens (default: video only)")
+    p.add_argument("--cdf", type=float, nargs="+", default=[0.9])
+    p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
+                   help="strategies to run (default: every registered one, README \"Strategies\", then auto: "
+                        "chosen per call by the cost model, strategies/auto.py); an unknown name is "
+                        "refused with the registered ones")
+    p.add_argument("--fabric", default="nvlink", choices=FABRICS,
+                   help="nvlink: peer copies allowed; host: NCCL_P2P_DISABLE=1, host-staged transports")
+    p.add_argument("--kernel", default="auto", metavar="NAME",
+                   help="auto or a registered kernel (docs/kernels.md); an unknown name is refused with "
+                        "the registered ones")
+    p.add_argument("--no-copy-engine", action="store_true",
+                   help="skip the extra sparsp row on the fabric's copy-engine transport (ipc / host)")
+    p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
+    add_config_argument(p, reserved=ATTENTION_RESERVED)
+    p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
+                        "transport-all-*.json on this fabric)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sequential", action="store_true",
+                   help="time each row's iterations back to back (default: interleaved, one "
+                        "iteration of every row of a cdf in turn, each round starting one row "
+                        "later, so drift and what ran just before reach all rows alike)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-sets", type=positive_int, default=1, metavar="N",
+                   help="cycle the timed calls of every row through N input sets (seeds seed … "
+                        "seed+N−1): the mask and its demand change from call to call as a "
+                        "denoising loop's do, which is what strategy=auto's caches meet (1: the same inputs every "
+                        "call; the split and bytes come from the first set)")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="write, per row and rank, torch.profiler tables of one call (ops by device "
+                        "and by host time) and a gzipped Chrome trace into DIR")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def add_e2e(p) -> None:
+    p.add_argument("--model", default="wan2.1-14b", choices=TRACE_MODELS, help="model preset")
+    p.add_argument("--steps", type=int, default=4, help="timed denoising steps per strategy")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--layers", type=int, default=None, help="truncate the block stack (default: all)")
+    p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
+                   help="1gpu-dense, 1gpu-sparse, diffusers-ring, diffusers-ulysses, or any registered "
+                        "sparsp strategy (default: the rows named above); an unknown name is refused "
+                        "with the known ones")
+    p.add_argument("--cdf", type=float, default=0.9, help="CDF threshold of the sparse rows")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"sparsp block size in tokens (default: {E2E_BLOCK_SIZE}; --block-size "
+                        f"{E2E_TINY_BLOCK_SIZE} with --tiny unless given, so the tiny model has blocks "
+                        "enough for every rank)")
+    p.add_argument("--weights", default="random", choices=["random", "synthetic-structure"],
+                   help="random: the model's own q/k; synthetic-structure: synthetic video q/k into sparsp attention")
+    p.add_argument("--fabric", default=None, choices=FABRICS,
+                   help=f"GPUs only: nvlink (default): peer copies; host: NCCL_P2P_DISABLE=1 and sparsp's "
+                        f"host transport. A CPU run's rows say {CPU_FABRIC}")
+    p.add_argument("--transport", default=None, choices=["auto", "nccl", "ipc", "host"],
+                   help="sparsp transport (default: auto on nvlink, host on host)")
+    p.add_argument("--kernel", default="auto", choices=["auto", "torch", "flex"], help="sparsp kernel")
+    add_config_argument(p, reserved=E2E_RESERVED)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu (gloo smoke run)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny config and latent (CPU smoke test of the plumbing): --block-size "
+                        f"{E2E_TINY_BLOCK_SIZE} and --out {E2E_TINY_OUT} unless given")
+    p.add_argument("--latent", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
+                   help="latent frames, height, width before patchify (default: the preset's video)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output directory (default: {E2E_OUT}; {E2E_TINY_OUT} with --tiny)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def add_kernel(p) -> None:
+    p.add_argument("--shape", nargs="+", default=list(KERNEL_SHAPES),
+                   help=f"preset names ({', '.join(KERNEL_SHAPES)}) or custom SQxSKxHxD")
+    p.add_argument("--ranks", type=int, default=2, help="G: a preset shape is one rank's queries")
+    p.add_argument("--kernel", nargs="+", default=None, choices=["fa4", "flex", "torch"],
+                   help="sparse kernels (default: fa4 and flex where available; torch on CPU)")
+    p.add_argument("--layout", nargs="+", default=["local", "packed"], choices=["local", "packed"])
+    p.add_argument("--cdf", type=float, nargs="*", default=[0.85, 0.9, 0.95],
+                   help="CDF thresholds of the benchmark's own (synthetic) masks")
+    p.add_argument("--density", type=float, nargs="*", default=[0.25, 0.6],
+                   help="densities of random per-head block masks")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def add_transport(p) -> None:
+    p.add_argument("--fabric", default="nvlink", choices=FABRICS,
+                   help="nvlink: peer access (nccl, ipc); host: NCCL_P2P_DISABLE=1 (nccl, host)")
+    p.add_argument("--transports", nargs="+", default=None, choices=["nccl", "ipc", "host"],
+                   help="transports to measure (default: those of --fabric)")
+    p.add_argument("--min-bytes", type=parse_size, default=64 << 10, help="smallest message, e.g. 64KiB")
+    p.add_argument("--max-bytes", type=parse_size, default=512 << 20, help="largest message, e.g. 512MiB")
+    p.add_argument("--factor", type=int, default=2, help="size step (powers of this factor)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="times each size's median is measured; the row keeps all of them")
+    p.add_argument("--gate-ms", type=float, default=1.0,
+                   help="spin kernel before each timed exchange so the host has queued it (0: off)")
+    p.add_argument("--no-align", action="store_true",
+                   help="skip the 4-byte all-reduce after the gate that starts both GPUs together")
+    p.add_argument("--pipeline", type=int, default=None,
+                   help="exchanges in flight in the pipelined rows (default: --window; 0: none)")
+    p.add_argument("--no-load", action="store_true", help="skip the under-attention-load runs")
+    p.add_argument("--load-order", choices=LOAD_ORDERS, default="both",
+                   help="under load: the first exchange in flight before the attention starts, the "
+                        "attention queued before the exchanges, or both (default)")
+    p.add_argument("--attn-tokens", type=int, default=32768)
+    p.add_argument("--attn-heads", type=int, default=24)
+    p.add_argument("--attn-dim", type=int, default=128)
+    p.add_argument("--chunk-bytes", type=parse_size, default=16 << 20, help="host transport chunk")
+    p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--no-plot", action="store_true")
+
+
+VERBS = {
+    "attention": ("one attention layer per strategy", argparse.ArgumentDefaultsHelpFormatter, add_attention),
+    "e2e": ("denoising steps of a Diffusers transformer per strategy", HelpFormatter, add_e2e),
+    "kernel": ("block-sparse kernels vs dense kernels on one GPU", argparse.RawDescriptionHelpFormatter,
+               add_kernel),
+    "transport": ("bandwidth per transport, alone and under attention load",
+                  argparse.ArgumentDefaultsHelpFormatter, add_transport),
+}
+"""``sparsp bench`` sub-verb (its module in ``sparsp.bench``) → (help line, formatter, arguments)."""

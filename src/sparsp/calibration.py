@@ -1,0 +1,406 @@
+"""Synthetic heads calibrated to a real per-head density profile (``sparsp.density``).
+
+The generator (``sparsp.workloads``) draws every head's sharpness from one range; a profile
+says how dense each (layer, head) of a real model is. Calibration keeps the preset's head-kind
+shares (``HeadMix``) and gives the kinds to the heads by density rank, sparsest first:
+
+    column  <  diagonal  <  multi-diagonal  <  dense
+
+(a column head's sinks hold its mass in a few keys; a diagonal head needs its neighbourhood in
+one frame; a multi-diagonal head the same place in every frame; the dense control the most).
+Then each head's alignment a, which sets how sharply it decays, is fitted by bisection on log a
+so that its TOKEN-level density at the profile's mass matches the profile: per query, the fewest
+keys holding ``mass`` of its softmax attention over ALL keys, over the number of keys, averaged
+over sampled query rows. Scores are quadratic in a (``workloads.score_terms``), so one set of
+terms, computed for a group of heads at once, serves every bisection step of those heads.
+
+A head is within tolerance when |measured − target| <= max(10 % of the target, 0.002). The
+result is then measured again with another noise seed and another sample of query rows; that
+verified density is what ``within`` reports. A target the knob cannot reach (above the
+density at the smallest a, or below it at the largest) is flagged ``reachable=False`` and the
+head keeps the nearest end, never silently clipped. Block masks follow from the calibrated q/k
+as before (``workloads.synthetic_masks(heads=…)``), not from the densities.
+
+The fitted parameters are written as JSON (``Calibration.write`` / ``read_calibration``):
+calibrate once, load many.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .density import DensityProfile
+from .geometry import VideoGeometry, preset
+from .workloads import HeadMix, HeadParams, score_terms
+
+CALIBRATION_FORMAT = "sparsp-calibration"
+CALIBRATION_VERSION = 1
+RANK_ORDER = ("column", "diagonal", "multi-diagonal", "dense")
+"""Kinds from the sparsest heads of a layer to the densest."""
+ALIGNMENT_RANGE = (0.01, 20.0)
+"""The bisection's bounds on a: at 0.01 only the noise shapes the scores, at 20 a head keeps a
+handful of keys."""
+RELATIVE_TOLERANCE = 0.10
+ABSOLUTE_TOLERANCE = 0.002
+CALIBRATION_MIX = HeadMix(noise=0.5)
+"""The default mix with half its noise. With only noise left (a -> 0), a head's scores are
+about σ² × N(0, 1) per key, and the fewest keys holding 95 % of the mass are Φ(1.645 − σ²) of
+them: 0.74 at σ = 1, short of the densest published heads (Wan 2.1 14B: up to 0.945, and 6.5 %
+of its heads' means over steps above 0.81); at σ = 0.5 the ceiling is 0.92, which reaches them
+within tolerance. The shares and every other field stay the default's."""
+_BINS_PER_NAT = 20  # histogram of log p: keys within 5 % of each other in p share a bin
+_LOG_P_FLOOR = 60.0  # keys below e^-60 of the mass share the last bin; they never count
+_CHUNK_ROWS = 16  # rows per histogram: small temporaries the allocator reuses, not fresh pages
+
+
+def tolerance(target: float) -> float:
+    """The allowed |measured − target|: 10 % relative or 0.002 absolute, whichever is larger."""
+    return max(RELATIVE_TOLERANCE * target, ABSOLUTE_TOLERANCE)
+
+
+def token_density(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Per leading index of ``scores`` [..., rows, keys]: the fewest keys holding ``mass`` of
+    each row's softmax, over the number of keys, averaged over the rows.
+
+    Counted from a histogram of log p (bins of 1/20 nat) instead of a sort, seven times faster
+    on the CPU; the bin that crosses ``mass`` is split in proportion to its mass, so the count
+    is within a fraction of one bin of the sorted one (tests/test_calibration.py)."""
+    *lead, rows, keys = scores.shape
+    flat = scores.reshape(-1, keys)
+    counts = torch.cat([_key_counts(flat[i:i + _CHUNK_ROWS], mass) for i in range(0, len(flat), _CHUNK_ROWS)])
+    return (counts.reshape(*lead, rows) / keys).mean(-1)
+
+
+def _key_counts(rows: torch.Tensor, mass: float) -> torch.Tensor:
+    rows = rows.float()
+    logp = rows - torch.logsumexp(rows, -1, keepdim=True)
+    nb = int(_LOG_P_FLOOR * _BINS_PER_NAT)
+    b = (logp * -_BINS_PER_NAT).long().clamp_(0, nb - 1)
+    b += torch.arange(len(rows))[:, None] * nb
+    b = b.flatten()
+    pm = torch.bincount(b, weights=logp.exp_().flatten(), minlength=len(rows) * nb).double().reshape(-1, nb)
+    pc = torch.bincount(b, minlength=len(rows) * nb).double().reshape(-1, nb)
+    cm, cc = pm.cumsum(1), pc.cumsum(1)
+    i = (cm < mass).sum(1, keepdim=True).clamp(max=nb - 1)
+    bin_m, bin_c = pm.gather(1, i), pc.gather(1, i)
+    frac = ((mass - (cm.gather(1, i) - bin_m)) / bin_m.clamp_min(1e-300)).clamp(0, 1)
+    return (cc.gather(1, i) - bin_c + torch.ceil(frac * bin_c)).clamp_min(1).flatten()
+
+
+def assign_kinds(targets: Sequence[float], mix: HeadMix) -> tuple[str, ...]:
+    """The kind of every head: the mix's head counts, handed out by density rank (sparsest
+    first, ``RANK_ORDER``; ties by head index)."""
+    counts = mix.counts(len(targets))
+    order = sorted(range(len(targets)), key=lambda h: (targets[h], h))
+    ranked = [k for k in RANK_ORDER for _ in range(counts[k])]
+    kinds = [""] * len(targets)
+    for h, k in zip(order, ranked):
+        kinds[h] = k
+    return tuple(kinds)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeadFit:
+    head: int
+    kind: str
+    alignment: float
+    target: float
+    fit_density: float  # at the fit's noise seed and query rows
+    density: float  # verified: another noise seed, other query rows
+    reachable: bool
+
+    @property
+    def within(self) -> bool:
+        return abs(self.density - self.target) <= tolerance(self.target)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerFit:
+    layer: int
+    heads: tuple[HeadFit, ...]
+
+    def params(self) -> HeadParams:
+        return HeadParams(tuple(h.kind for h in self.heads), tuple(h.alignment for h in self.heads))
+
+    def share_within(self) -> float:
+        return sum(h.within for h in self.heads) / len(self.heads)
+
+    def worst(self) -> HeadFit:
+        """The head furthest from its target, in units of its tolerance."""
+        return max(self.heads, key=lambda h: abs(h.density - h.target) / tolerance(h.target))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """Fitted kinds and alignments of a preset's heads for one profile and step."""
+
+    model: str
+    source: str  # the profile's source
+    step: int | None  # 1-based step of the profile, None: the mean over steps
+    mass: float
+    seed: int  # the workload seed: c, ρ, sinks come from it
+    rows: int  # sampled query rows per head
+    mix: HeadMix
+    layers: tuple[LayerFit, ...]
+
+    def head_params(self) -> list[HeadParams]:
+        return [ly.params() for ly in self.layers]
+
+    def to_json(self) -> dict:
+        return {
+            "format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "model": self.model,
+            "source": self.source, "step": self.step, "mass": self.mass, "seed": self.seed,
+            "rows": self.rows, "mix": asdict(self.mix),
+            "tolerance": {"relative": RELATIVE_TOLERANCE, "absolute": ABSOLUTE_TOLERANCE},
+            "layers": [{"layer": ly.layer, "heads": [{**asdict(h), "within": h.within} for h in ly.heads]}
+                       for ly in self.layers],
+        }
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    def summary_rows(self) -> list[dict]:
+        """Per layer: share of heads within tolerance, unreachable heads, the worst head."""
+        out = []
+        for ly in self.layers:
+            w = ly.worst()
+            out.append({"layer": ly.layer, "within": ly.share_within(),
+                        "unreachable": [h.head for h in ly.heads if not h.reachable],
+                        "worst_head": w.head, "worst_kind": w.kind, "worst_target": w.target,
+                        "worst_density": w.density})
+        return out
+
+
+def read_calibration(path: str | Path, *, geometry: VideoGeometry | str | None = None,
+                     source: str | None = None, step: int | None | str = "any") -> Calibration:
+    """A calibration from its JSON form; ``geometry`` (a preset name or geometry: its name and
+    heads), ``source`` and ``step`` (when given; None is the mean over steps) must match what
+    it was fitted for. Every fault is a one-line ``ValueError`` naming the file."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"{path}: not a {CALIBRATION_FORMAT} file")
+    if doc.get("version") != CALIBRATION_VERSION:
+        raise ValueError(f"{path}: version {doc.get('version')!r}, this sparsp reads {CALIBRATION_VERSION}")
+    try:
+        cal = Calibration(
+            model=doc["model"], source=doc["source"], step=doc["step"], mass=float(doc["mass"]),
+            seed=int(doc["seed"]), rows=int(doc["rows"]), mix=HeadMix(**{
+                k: tuple(v) if isinstance(v, list) else v for k, v in doc["mix"].items()}),
+            layers=tuple(LayerFit(layer=int(ly["layer"]), heads=tuple(
+                HeadFit(head=int(h["head"]), kind=h["kind"], alignment=float(h["alignment"]),
+                        target=float(h["target"]), fit_density=float(h["fit_density"]),
+                        density=float(h["density"]), reachable=bool(h["reachable"]))
+                for h in ly["heads"])) for ly in doc["layers"]),
+        )
+        for i, ly in enumerate(cal.layers):
+            if ly.layer != i:
+                raise ValueError(f"layer {ly.layer} at position {i}; layers must run 0, 1, ...")
+            if [h.head for h in ly.heads] != list(range(len(ly.heads))):
+                raise ValueError(f"layer {i}: heads must run 0, 1, ...")
+            ly.params()  # checks kinds and alignments
+        if not cal.layers:
+            raise ValueError("no layers")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: bad calibration ({' '.join(str(e).split())})") from None
+    geom = preset(geometry) if isinstance(geometry, str) else geometry
+    if geom is not None and len(cal.layers[0].heads) != geom.heads:
+        raise ValueError(f"{path}: {len(cal.layers[0].heads)} heads per layer, {geom.name} has {geom.heads}")
+    for name, want, have in (("model", geom and geom.name, cal.model), ("source", source, cal.source)):
+        if want is not None and want != have:
+            raise ValueError(f"{path}: fitted for {name} {have!r}, not {want!r}")
+    if step != "any" and step != cal.step:
+        raise ValueError(f"{path}: fitted for step {cal.step or 'mean over steps'}, "
+                         f"not {step or 'mean over steps'}")
+    return cal
+
+
+def _sample_rows(geom: VideoGeometry, seed: int, layer: int, sample: int, rows: int) -> torch.Tensor:
+    # Hashed like the generator's streams: the CPU generator keeps only 32 bits of its seed.
+    digest = hashlib.blake2b(f"sparsp-calibration/{seed}/{layer}/{sample}".encode(), digest_size=4).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+    return torch.randperm(geom.num_tokens, generator=gen)[: min(rows, geom.num_tokens)]
+
+
+def _densities(terms: torch.Tensor, a: torch.Tensor, noise: float, mass: float,
+               heads: Sequence[int] | None = None) -> torch.Tensor:
+    """Token density of the ``heads`` (default all) of ``terms`` [3, heads, rows, keys] at their
+    alignments ``a``; the scores are formed a few rows at a time, so no [heads, rows, keys]
+    temporary exists."""
+    heads = range(terms.shape[1]) if heads is None else heads
+    out = torch.empty(len(heads), dtype=torch.float64)
+    rows = terms.shape[2]
+    for j, h in enumerate(heads):
+        x = float(a[j])
+        counts = []
+        for i in range(0, rows, _CHUNK_ROWS):
+            t = terms[:, h, i:i + _CHUNK_ROWS]
+            counts.append(_key_counts(torch.add(t[0] * (x * x), t[1], alpha=x * noise).add_(t[2], alpha=noise * noise),
+                                      mass))
+        out[j] = torch.cat(counts).mean() / terms.shape[-1]
+    return out
+
+
+def _head_groups(geom: VideoGeometry, rows: int, budget: int) -> int:
+    # Heads per vectorised group: bounds the memory of the score terms and the histogram.
+    return max(1, min(geom.heads, budget // max(1, rows * geom.num_tokens)))
+
+
+def calibrate_layer(
+    geom: VideoGeometry,
+    targets: Sequence[float],
+    *,
+    layer: int,
+    seed: int = 0,
+    mix: HeadMix | None = None,
+    mass: float = 0.95,
+    rows: int = 128,
+    iterations: int = 16,
+    budget: int = 1 << 26,
+) -> LayerFit:
+    """Fit one layer's kinds and alignments to ``targets`` (one token-level density per head)
+    with ``mix``'s shares and noise (default ``CALIBRATION_MIX``)."""
+    mix = mix or CALIBRATION_MIX
+    if len(targets) != geom.heads:
+        raise ValueError(f"{len(targets)} targets for {geom.heads} heads")
+    kinds = assign_kinds(targets, mix)
+    t = torch.tensor(targets, dtype=torch.float64)
+    tol = torch.tensor([tolerance(x) for x in targets], dtype=torch.float64)
+    lo_a, hi_a = ALIGNMENT_RANGE
+    a = torch.empty(geom.heads, dtype=torch.float64)
+    fit = torch.empty(geom.heads, dtype=torch.float64)
+    reachable = torch.ones(geom.heads, dtype=torch.bool)
+    group = _head_groups(geom, rows, budget)
+    fit_rows = _sample_rows(geom, seed, layer, 0, rows)
+    for start in range(0, geom.heads, group):
+        hs = list(range(start, min(geom.heads, start + group)))
+        terms = score_terms(geom, kinds, seed=seed, layer=layer, rows=fit_rows, heads=hs, noise_seed=0, mix=mix)
+        n = len(hs)
+        densest = _densities(terms, torch.full((n,), lo_a), mix.noise, mass)
+        sparsest = _densities(terms, torch.full((n,), hi_a), mix.noise, mass)
+        tt, tl = t[hs], tol[hs]
+        lo, hi = torch.full((n,), math.log(lo_a), dtype=torch.float64), torch.full((n,), math.log(hi_a),
+                                                                                     dtype=torch.float64)
+        best_a = torch.where(tt > densest, torch.tensor(lo_a, dtype=torch.float64), hi_a)
+        best_d = torch.where(tt > densest, densest, sparsest)
+        reach = (tt <= densest + tl) & (tt >= sparsest - tl)
+        # A head whose end already fits needs no search; aim inside half the tolerance so the
+        # verification with another sample still lands within it.
+        active = reach & ((best_d - tt).abs() > tl / 2)
+        for _ in range(iterations):
+            if not active.any():
+                break
+            idx = active.nonzero().flatten()
+            mid = (lo[idx] + hi[idx]) / 2
+            d = _densities(terms, mid.exp(), mix.noise, mass, idx.tolist())
+            closer = (d - tt[idx]).abs() < (best_d[idx] - tt[idx]).abs()
+            best_a[idx] = torch.where(closer, mid.exp(), best_a[idx])
+            best_d[idx] = torch.where(closer, d, best_d[idx])
+            sharper = d > tt[idx]  # too dense: a must grow
+            lo[idx] = torch.where(sharper, mid, lo[idx])
+            hi[idx] = torch.where(sharper, hi[idx], mid)
+            active[idx] = (d - tt[idx]).abs() > tl[idx] / 2
+        a[hs], fit[hs], reachable[hs] = best_a, best_d, reach
+        del terms
+    # Verification: another noise seed, another sample of query rows.
+    check_rows = _sample_rows(geom, seed, layer, 1, rows)
+    verified = torch.empty(geom.heads, dtype=torch.float64)
+    for start in range(0, geom.heads, group):
+        hs = list(range(start, min(geom.heads, start + group)))
+        terms = score_terms(geom, kinds, seed=seed, layer=layer, rows=check_rows, heads=hs, noise_seed=1, mix=mix)
+        verified[hs] = _densities(terms, a[hs], mix.noise, mass)
+    return LayerFit(layer=layer, heads=tuple(
+        HeadFit(head=h, kind=kinds[h], alignment=float(a[h]), target=float(targets[h]),
+                fit_density=float(fit[h]), density=float(verified[h]), reachable=bool(reachable[h]))
+        for h in range(geom.heads)))
+
+
+def calibrate(
+    geom: VideoGeometry | str,
+    profile: DensityProfile,
+    *,
+    step: int | None = None,
+    layers: int | None = None,
+    seed: int = 0,
+    mix: HeadMix | None = None,
+    rows: int = 128,
+    on_layer: Callable[[LayerFit], None] | None = None,
+) -> Calibration:
+    """Fit the first ``layers`` layers (default all) of ``geom`` to ``profile`` at ``step``
+    (1-based; None: the mean over steps). The geometry's heads and layers must match the
+    profile's (``DensityProfile.check_preset``); a custom geometry gives its own name."""
+    geom = preset(geom) if isinstance(geom, str) else geom
+    mix = mix or CALIBRATION_MIX
+    profile.check_preset(geom)
+    grid = profile.mean_over_steps() if step is None else profile.step(step)
+    n = geom.layers if layers is None else layers
+    if not isinstance(n, int) or not 1 <= n <= geom.layers:
+        raise ValueError(f"layers must be an int in 1..{geom.layers}, got {layers!r}")
+    fits = []
+    for ly in range(n):
+        fits.append(calibrate_layer(geom, grid[ly], layer=ly, seed=seed, mix=mix, mass=profile.mass, rows=rows))
+        if on_layer is not None:
+            on_layer(fits[-1])
+    return Calibration(model=geom.name, source=profile.source, step=step, mass=profile.mass, seed=seed,
+                       rows=rows, mix=mix, layers=tuple(fits))
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    import time
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sparsp.calibration",
+        description="Fit a preset's synthetic heads to a per-head density profile and write the "
+                    "fitted parameters (JSON) that `sparsp analyze --calibration` reads.")
+    parser.add_argument("profile", help="the profile: .csv as published, or .json as sparsp.density writes it")
+    parser.add_argument("--model", required=True, help="the preset whose heads are fitted")
+    parser.add_argument("--step", type=int, default=None, help="the profile's step (1-based; default: the mean)")
+    parser.add_argument("--layers", type=int, default=None, help="fit only the first N layers")
+    parser.add_argument("--rows", type=int, default=128, help="sampled query rows per head")
+    parser.add_argument("--seed", type=int, default=0, help="the workload seed")
+    parser.add_argument("--out", required=True, help="the calibration JSON to write")
+    args = parser.parse_args(argv)
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .density import read_profile
+
+    t0 = time.perf_counter()
+    try:
+        profile = read_profile(args.profile, expected=args.model)
+        with Progress(TextColumn("calibrating layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      transient=True) as progress:
+            task = progress.add_task("", total=args.layers or preset(args.model).layers)
+            cal = calibrate(args.model, profile, step=args.step, layers=args.layers, seed=args.seed,
+                            rows=args.rows, on_layer=lambda _: progress.advance(task))
+        cal.write(args.out)
+    except (OSError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print("| layer | heads within tolerance | unreachable | worst head (kind): target → verified |")
+    print("|---|---|---|---|")
+    for r in cal.summary_rows():
+        print(f"| {r['layer']} | {100 * r['within']:.0f} % | {len(r['unreachable'])} | {r['worst_head']} "
+              f"({r['worst_kind']}): {r['worst_target']:.4f} → {r['worst_density']:.4f} |")
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,422 @@
+"""Hardware profiles: links, contention, kernel rates, fixed costs.
+
+What the cost model prices a call with: ``strategy="auto"``, the chunk rules and
+``sparsp simulate`` read the same profiles.
+
+A profile describes one box: how many GPUs, whether they copy peer to peer (``peer_access``)
+or stage every payload through pinned host memory, which paths those copies share, how fast
+the attention kernel runs per head dim, and what one attention call costs before any payload
+moves. Every figure and its source is in ``docs/simulate.md``; the two ``h200x2-*`` profiles
+are this project's own measurements (``bench/results/``, docs/performance.md), the four
+``pcie*-8gpu-*`` ones come from public specifications.
+
+Bandwidths are GB/s (10⁹ bytes/s) per direction; times are milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+BENCH_FABRICS = ("nvlink", "host")  # the fabric names `sparsp bench` writes into its rows
+
+
+def _positive(owner: str, name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        want = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"{owner}.{name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransportFigure:
+    """How one transport (``SparspConfig.transport``) uses the fabric."""
+
+    name: str
+    """Transport name as ``sparsp bench`` writes it: ``ipc``, ``host`` or ``nccl``."""
+    efficiency: float = 1.0
+    """Share of the fabric's modelled bandwidth this transport reaches (1.0 = the copy-engine
+    path the profile's capacities describe; NCCL's copy kernels reach less)."""
+    latency_ms: float = 0.1
+    """Fixed cost of one message (publish, fetch handshake, copy launch), before bytes flow."""
+    loaded_efficiency: float | None = None
+    """The same share while the GPU at either end runs the attention kernel (``bench
+    transport``'s ``under_load`` rows, fitted by ``--calibrate``); None = ``efficiency``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TransportFigure.name must be a non-empty str, got {self.name!r}")
+        for attr in ("efficiency", "loaded_efficiency"):
+            value = getattr(self, attr)
+            _positive("TransportFigure", attr, value, allow_none=attr == "loaded_efficiency")
+            if value is not None and value > 1.0:
+                raise ValueError(f"TransportFigure.{attr} must lie in (0, 1], got {value!r}")
+        _positive("TransportFigure", "latency_ms", self.latency_ms, allow_zero=True)
+
+    @property
+    def under_load(self) -> float:
+        """The efficiency while a kernel runs at either end."""
+        return self.efficiency if self.loaded_efficiency is None else self.loaded_efficiency
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelFigure:
+    """Attention kernel throughput at one head dim, in TFLOP/s (4·q·k·D FLOPs per kept pair)."""
+
+    head_dim: int
+    sparse_tflops: float
+    """The block-sparse kernel the strategies run, counted on kept blocks only."""
+    dense_tflops: float
+    """The best dense kernel on one GPU (the single-GPU reference)."""
+    fa4_tflops: float | None = None
+    """FlashAttention-4's block-sparse rate where the box runs it (``kernel=auto`` picks it
+    there; ``sparse_tflops`` stays the portable kernel's): the run-time rules of
+    ``cost/chunks.py`` use it for a call that runs FA4. None: FA4 does not run here."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 1:
+            raise ValueError(f"KernelFigure.head_dim must be a positive int, got {self.head_dim!r}")
+        _positive("KernelFigure", "sparse_tflops", self.sparse_tflops)
+        _positive("KernelFigure", "dense_tflops", self.dense_tflops)
+        _positive("KernelFigure", "fa4_tflops", self.fa4_tflops, allow_none=True)
+
+    def rate(self, kernel: str | None = None) -> float:
+        """Block-sparse TFLOP/s of ``kernel`` (``fa4`` where measured; else ``sparse_tflops``)."""
+        return self.fa4_tflops if kernel == "fa4" and self.fa4_tflops is not None else self.sparse_tflops
+
+
+KERNEL_LAYOUTS = ("local", "packed", "dense")
+"""``bench kernel`` K/V layouts: ``local`` (a rank's own shard as given, ``LocalKV``), ``packed``
+(a received payload, ``KVBuffer``), ``dense`` (the dense kernel on contiguous K/V: every block)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelPoint:
+    """One ``bench kernel`` row of the strategies' block-sparse kernel at one shape: one rank's
+    queries against the whole sequence's keys, on the benchmark's own masks at one density
+    (``layout="dense"``: the same kernel family's dense row, density 1)."""
+
+    shape: str
+    """The row's shape name (a preset, or ``SQxSKxHxD``): for reports only."""
+    heads: int
+    head_dim: int
+    tokens: int
+    """Key tokens: the whole sequence (``k_rows``)."""
+    layout: str
+    density: float
+    """Kept share of the (query, key) pairs of the rank's queries over the whole sequence."""
+    tflops: float
+    """Kept-block TFLOP/s (4·q·k·D per kept pair)."""
+
+    def __post_init__(self) -> None:
+        for attr in ("heads", "head_dim", "tokens"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KernelPoint.{attr} must be a positive int, got {value!r}")
+        if self.layout not in KERNEL_LAYOUTS:
+            raise ValueError(f"KernelPoint.layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {self.layout!r}")
+        _positive("KernelPoint", "density", self.density)
+        if self.density > 1.0:
+            raise ValueError(f"KernelPoint.density must lie in (0, 1], got {self.density!r}")
+        _positive("KernelPoint", "tflops", self.tflops)
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through (x, y) points (the mean of those at one x), held constant
+    beyond the first and the last."""
+    assert points, "_interpolate needs at least one point"
+    by_x: dict[float, list[float]] = {}
+    for px, py in points:
+        by_x.setdefault(px, []).append(py)
+    xs = sorted(by_x)
+    ys = [sum(by_x[px]) / len(by_x[px]) for px in xs]
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """One box: topology, link and contention capacities, kernel rates and fixed costs."""
+
+    name: str
+    description: str = ""
+    gpus: int
+    """GPUs in the box; a simulation of more ranks is refused."""
+    peer_access: bool
+    """True: payloads go GPU→GPU directly (NVLink or PCIe P2P). False: each payload is staged
+    through pinned host memory (D2H on the sender's link, H2D on the receiver's)."""
+    link_gbps: float
+    """One GPU's link, per direction, one copy alone (NVLink pair bandwidth or PCIe x16 achieved)."""
+    duplex_gbps: float | None = None
+    """Cap on a GPU's sending plus receiving at once (PCIe reads and writes share credits and the
+    root port); None = full duplex."""
+    host_gbps: float | None = None
+    """DMA traffic one socket's host memory and root complex sustain, both directions together;
+    a host-staged payload costs it twice (written by D2H, read by H2D). None = no limit."""
+    sockets: int = 1
+    """CPU sockets; GPUs are split evenly, GPU g on socket g // (gpus / sockets)."""
+    inter_socket_gbps: float | None = None
+    """The sockets' interconnect (UPI / xGMI), per direction, shared by every payload whose
+    path crosses it. None = not a bottleneck."""
+    gpus_per_switch: int = 1
+    """GPUs behind one PCIe switch (1 = each GPU on its own root port)."""
+    switch_uplink_gbps: float | None = None
+    """A switch's uplink to the socket, per direction, shared by its GPUs' traffic that leaves it."""
+    hbm_gbps: float = 1000.0
+    """Device memory copy bandwidth (pack of payloads, mask pooling), read and write counted once."""
+    transports: tuple[TransportFigure, ...]
+    """The transports this box runs; the first is the default (``--transport`` picks another)."""
+    kernels: tuple[KernelFigure, ...]
+    """Kernel rates per head dim; a head dim not listed takes the nearest one listed."""
+    kernel_points: tuple[KernelPoint, ...] = ()
+    """Measured rates per shape, layout and density (``--calibrate`` from ``bench kernel``);
+    ``kernel_rate`` prefers them to ``kernels`` for a shape they cover."""
+    launch_ms: float = 0.1
+    """Host time of one kernel call's launch (FA4's Python and the driver; an estimate), after
+    the call's host sync: no kernel starts before the host launched it (``timeline``; the ops
+    around it are counted, ``ops.RUN_OPS``). ``cost/chunks.py`` charges it per chunk."""
+    call_ms: float = 1.0
+    """Per attention call, every strategy: host time outside the counted ops — input
+    validation, the plan's Python bookkeeping, the transport's fence. An estimate (1 ms), not
+    measured by ``bench kernel`` or ``bench transport``; the layouts it once covered are counted
+    ops of the mask phase now (``ops.MASK_OPS``)."""
+    call_after_ms: float = 0.1
+    """The part of ``call_ms`` a call spends after its host read was started: the transport's
+    fence and the read's finish (``sp_attention``). In order it precedes the run as the rest
+    does; a local-first call launches its local kernel before it, so there it runs beside that
+    kernel (``timeline``). ≈ 0.1 ms: one fence 46 µs and the read's landing to the first pack
+    83–105 µs, measured on one H200 with two ranks sharing it — not fitted. A
+    profile whose ``call_ms`` is smaller has all of it after (``call_after``)."""
+    sync_ms: float = 0.5
+    """Latency of the call's one collective, the metadata all-gather (``model.SYNCS_PER_CALL``),
+    on the device path (the host does not wait for it on NCCL); ``--calibrate`` sets it to
+    NCCL's fitted latency when the transport results have NCCL rows."""
+    op_ms: float = 0.01
+    """Host time to issue one eager PyTorch op (dispatch and launch), charged for the ops of the
+    mask phase, which the GPU waits for (``ops.MASK_OPS``, ``ops.MASK_UNIT_OPS``), and for
+    those after the host sync, which no kernel may outrun (``ops.RUN_OPS``): 10 µs, the
+    commonly quoted eager overhead per op — stated, not measured by ``bench kernel`` or
+    ``bench transport``."""
+    sources: tuple[str, ...] = ()
+    """Where the figures come from (short references; details in docs/simulate.md)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Profile.name must be a non-empty str, got {self.name!r}")
+        for attr in ("gpus", "sockets", "gpus_per_switch"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Profile.{attr} must be a positive int, got {value!r}")
+        if not isinstance(self.peer_access, bool):
+            raise ValueError(f"Profile.peer_access must be True or False, got {self.peer_access!r}")
+        if self.gpus % self.sockets:
+            raise ValueError(f"Profile.sockets={self.sockets} must divide gpus={self.gpus}")
+        if (self.gpus // self.sockets) % self.gpus_per_switch:
+            raise ValueError(f"Profile.gpus_per_switch={self.gpus_per_switch} must divide the "
+                             f"{self.gpus // self.sockets} GPUs of a socket")
+        _positive("Profile", "link_gbps", self.link_gbps)
+        _positive("Profile", "hbm_gbps", self.hbm_gbps)
+        for attr in ("duplex_gbps", "host_gbps", "inter_socket_gbps", "switch_uplink_gbps"):
+            _positive("Profile", attr, getattr(self, attr), allow_none=True)
+        for attr in ("launch_ms", "call_ms", "call_after_ms", "sync_ms", "op_ms"):
+            _positive("Profile", attr, getattr(self, attr), allow_zero=True)
+        if not self.transports or not all(isinstance(t, TransportFigure) for t in self.transports):
+            raise ValueError(f"Profile.transports must be a non-empty tuple of TransportFigure, "
+                             f"got {self.transports!r}")
+        if not self.kernels or not all(isinstance(k, KernelFigure) for k in self.kernels):
+            raise ValueError(f"Profile.kernels must be a non-empty tuple of KernelFigure, got {self.kernels!r}")
+        if not all(isinstance(k, KernelPoint) for k in self.kernel_points):
+            raise ValueError(f"Profile.kernel_points must be a tuple of KernelPoint, got {self.kernel_points!r}")
+        names = [t.name for t in self.transports]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Profile.transports names repeat: {names}")
+
+    # --- lookups ------------------------------------------------------------------------------
+    @property
+    def bench_fabric(self) -> str:
+        """The ``fabric`` value ``sparsp bench`` writes for this kind of path."""
+        return "nvlink" if self.peer_access else "host"
+
+    def transport(self, name: str | None = None) -> TransportFigure:
+        if name is None:
+            return self.transports[0]
+        for t in self.transports:
+            if t.name == name:
+                return t
+        raise ValueError(f"profile {self.name} has no transport {name!r}; it has "
+                         f"{', '.join(t.name for t in self.transports)}")
+
+    def kernel(self, head_dim: int) -> KernelFigure:
+        return min(self.kernels, key=lambda k: (abs(k.head_dim - head_dim), -k.head_dim))
+
+    def kernel_rate(self, head_dim: int, *, heads: int = 0, tokens: int = 0, layout: str = "local",
+                    density: float | None = None) -> float:
+        """Block-sparse TFLOP/s of a kernel step: from the ``kernel_points`` of this shape
+        (``heads`` × ``head_dim`` over ``tokens`` keys) in ``layout``, linear in the rank's
+        ``density`` between the measured densities and up to the dense row at 1 (a full mask
+        walks every block as the dense kernel does), constant beyond them; without points
+        for the shape and layout (or without a density), ``kernel(head_dim).sparse_tflops``."""
+        pts = [(p.density, p.tflops) for p in self.kernel_points
+               if (p.heads, p.head_dim, p.tokens) == (heads, head_dim, tokens) and p.layout in (layout, "dense")]
+        if density is None or not any(d < 1.0 for d, _ in pts):
+            return self.kernel(head_dim).sparse_tflops
+        return _interpolate(pts, density)
+
+    def socket_of(self, gpu: int) -> int:
+        return gpu // (self.gpus // self.sockets)
+
+    def switch_of(self, gpu: int) -> int:
+        return gpu // self.gpus_per_switch
+
+    @property
+    def call_after(self) -> float:
+        """``call_after_ms``, at most ``call_ms`` (ms)."""
+        return min(self.call_after_ms, self.call_ms)
+
+    # --- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "Profile":
+        doc = dict(doc)
+        try:
+            doc["transports"] = tuple(TransportFigure(**t) for t in doc["transports"])
+            doc["kernels"] = tuple(KernelFigure(**k) for k in doc["kernels"])
+            doc["kernel_points"] = tuple(KernelPoint(**k) for k in doc.get("kernel_points", ()))
+            doc["sources"] = tuple(doc.get("sources", ()))
+            return cls(**doc)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a sparsp profile: {e}") from None
+
+    def widened(self, ranks: int) -> "Profile":
+        """This box grown to hold ``ranks`` GPUs with the same per-GPU figures: whole sockets and
+        switches are added (itself when it already holds them). How ``strategy="auto"`` and the
+        validation of rows measured on more GPUs than a profile describes predict them."""
+        if ranks <= self.gpus:
+            return self
+        unit = self.sockets * self.gpus_per_switch
+        return replace(self, name=f"{self.name}-x{ranks}", gpus=unit * math.ceil(ranks / unit))
+
+    def scaled(self, factor: float) -> "Profile":
+        """Every bandwidth capacity times ``factor`` (calibration keeps their ratios)."""
+        def s(x):
+            return None if x is None else x * factor
+        return replace(self, link_gbps=self.link_gbps * factor, duplex_gbps=s(self.duplex_gbps),
+                       host_gbps=s(self.host_gbps), inter_socket_gbps=s(self.inter_socket_gbps),
+                       switch_uplink_gbps=s(self.switch_uplink_gbps))
+
+
+# --- built-in profiles ---------------------------------------------------------------------------
+#
+# 2×H200, measured here (2026-11-30). Kernel: `flex`, 409 TFLOP/s kept at d128, 392 at
+# d64; cuDNN dense 619 / 485 is the one-GPU reference. With the `sparsp[fa4]` extra, kernel=auto
+# runs FA4 instead (606.8 / 415.0 kept: the median of the FA4 local and packed rows of
+# `bench kernel` on one H200, 2026-11-30; `--calibrate` reads the newest kernel file). The built-in
+# sparse figures stay flex's: the PCIe profiles scale from them (FA4's block-sparse path is sm90 only,
+# so an L40S or an RTX PRO 6000 runs flex), and `cost/chunks.py` decides chunks at run
+# time with them for a call that runs flex; a call that runs FA4 uses ``fa4_tflops`` there.
+_H200_KERNELS = (KernelFigure(head_dim=64, sparse_tflops=392.0, dense_tflops=485.0, fa4_tflops=415.0),
+                 KernelFigure(head_dim=128, sparse_tflops=409.0, dense_tflops=619.0, fa4_tflops=606.8))
+# Fixed costs: "≈ 12 communication ops ... ≈ 6 ms of host time in collective bookkeeping" per
+# call at LTX size → 0.5 ms per small collective (one per call now; `--calibrate` takes NCCL's
+# fitted latency); call_ms and launch_ms are estimates.
+_FIXED = dict(launch_ms=0.1, call_ms=1.0, sync_ms=0.5)
+
+_H200_NVLINK = Profile(
+    name="h200x2-nvlink", description="2×H200, NV18 NVLink, peer copies on copy engines",
+    gpus=2, peer_access=True,
+    # ipc exchange, both GPUs at once: 366.7 GB/s per direction at 256 MiB; latency 0.11 ms
+    # (intercept of time versus size, transport-all-2xH200-2026-11-30.json).
+    link_gbps=367.0, hbm_gbps=4000.0,
+    transports=(TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.11),
+                # NCCL send/recv over NVLink: 170 GB/s at 256 MiB, ≈ 0.6 ms flat below 8 MiB.
+                TransportFigure(name="nccl", efficiency=170.0 / 367.0, latency_ms=0.6)),
+    kernels=_H200_KERNELS, **_FIXED,
+    sources=("2xH200 copy-engine and NCCL probes (2026-11-30)", "bench/results/transport-all-2xH200-2026-11-30.json"),
+)
+
+_H200_HOST = Profile(
+    name="h200x2-host", description="2×H200 without peer access: pinned host memory over PCIe Gen5",
+    gpus=2, peer_access=False,
+    # D2H or H2D alone 53–55 GB/s per GPU; D2H and H2D at once on one GPU 44–47 each way; both
+    # GPUs duplex at once 33.5 each way: a shared cap of 2 × 2 × 33.5 = 134 GB/s of DMA traffic.
+    link_gbps=54.0, duplex_gbps=90.0, host_gbps=134.0, hbm_gbps=4000.0,
+    transports=(TransportFigure(name="host", efficiency=1.0, latency_ms=0.27),
+                # NCCL with NCCL_P2P_DISABLE=1: 21.5 GB/s against the host transport's 34.3.
+                TransportFigure(name="nccl", efficiency=21.5 / 34.3, latency_ms=0.6)),
+    kernels=_H200_KERNELS, **_FIXED,
+    sources=("2xH200 copy-engine and NCCL probes (2026-11-30)", "bench/results/transport-all-2xH200-2026-11-30.json"),
+)
+
+
+def _kernels_from_peak(peak_bf16_tflops: float) -> tuple[KernelFigure, ...]:
+    """Kernel rates of a part from its public dense bf16 peak, at the efficiencies measured on
+    the H200 (989 TFLOP/s peak): flex 409 / 392 and cuDNN 619 / 485 at d128 / d64."""
+    h200 = 989.0
+    return tuple(KernelFigure(head_dim=k.head_dim, sparse_tflops=round(peak_bf16_tflops * k.sparse_tflops / h200, 1),
+                              dense_tflops=round(peak_bf16_tflops * k.dense_tflops / h200, 1))
+                 for k in _H200_KERNELS)
+
+
+def _pcie_box(gen: int, p2p: bool) -> Profile:
+    # PCIe x16 line rate per direction (PCI-SIG: 16 / 32 GT/s, 128b/130b): 31.5 / 63.0 GB/s; DMA
+    # achieves ≈ 80 % of it (TLP headers, flow control), 25.2 / 50.4 GB/s — the H200 box's own
+    # Gen5 link reached 54 one way (86 %). Duplex cap: the H200 ratio 90 / 54 = 1.67.
+    line = {4: 31.5, 5: 63.0}[gen]
+    link = round(0.8 * line, 1)
+    if gen == 4:  # dual AMD EPYC 7003: 8 × DDR4-3200 per socket = 204.8 GB/s, ~70 % sustained
+        gpu, peak, hbm, host, xsock = "L40S", 362.0, 864.0, 143.0, 86.0
+    else:  # dual AMD EPYC 9004: 12 × DDR5-4800 per socket = 460.8 GB/s, ~70 % sustained
+        gpu, peak, hbm, host, xsock = "RTX PRO 6000 Blackwell", 500.0, 1792.0, 322.0, 154.0
+    kind = "PCIe P2P between GPUs" if p2p else "no peer access: payloads staged in host memory"
+    transport = (TransportFigure(name="ipc", efficiency=1.0, latency_ms=0.11) if p2p
+                 else TransportFigure(name="host", efficiency=1.0, latency_ms=0.27))
+    return Profile(
+        name=f"pcie{gen}-8gpu-{'p2p' if p2p else 'nop2p'}",
+        description=f"8×{gpu} on PCIe {gen}.0 x16, dual socket (4 GPUs each), {kind}",
+        gpus=8, peer_access=p2p, link_gbps=link, duplex_gbps=round(link * 90.0 / 54.0, 1),
+        host_gbps=None if p2p else host, sockets=2, inter_socket_gbps=xsock,
+        hbm_gbps=0.8 * hbm,
+        transports=(transport, TransportFigure(name="nccl", efficiency=round(21.5 / 34.3, 3), latency_ms=0.6)),
+        kernels=_kernels_from_peak(peak), **_FIXED,
+        sources=(f"PCI-SIG PCIe {gen}.0 x16: {line} GB/s per direction",
+                 f"{gpu} datasheet: {peak:g} TFLOP/s dense bf16",
+                 "AMD EPYC 7003/9004 memory channels and xGMI links (docs/simulate.md)"),
+    )
+
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    _H200_NVLINK, _H200_HOST,
+    _pcie_box(4, True), _pcie_box(4, False), _pcie_box(5, True), _pcie_box(5, False),
+)}
+
+
+def get_profile(name_or_path: str | Path) -> Profile:
+    """A built-in profile by name, or one read from a JSON file (``simulate --calibrate`` writes
+    ``profile-<name>.json``)."""
+    if isinstance(name_or_path, str) and name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--fabric {path}: not a readable profile file: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"--fabric {path}: not a sparsp profile (a JSON object)")
+        return Profile.from_dict(doc.get("profile", doc))
+    raise ValueError(f"unknown fabric profile {str(name_or_path)!r}; choose one of {', '.join(PROFILES)} "
+                     f"or give a profile .json file")
+
+
+__all__ = ["BENCH_FABRICS", "KERNEL_LAYOUTS", "KernelFigure", "KernelPoint", "PROFILES", "Profile", "TransportFigure",
+           "get_profile"]

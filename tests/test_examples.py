@@ -1,0 +1,167 @@
+"""The example recipes (examples/wan.py, ltx_video.py, ltx2.py, hunyuan_video.py) end to end.
+
+Each family's tiny random pipeline (``examples/_tiny.py``: every component built in code from a
+small config, nothing downloaded) is built once per module, saved with ``save_pretrained`` and
+run through its recipe as a user would: ``python -m torch.distributed.run --nproc-per-node 2``
+on CPU (gloo) with ``--pretrained DIR``. The mp4 must read back (PyAV, the recipes' writer)
+with the requested frame count and size (LTX-2's with its audio stream); two runs also
+compare with the dense model (``EXTRA``). Bad input, ``--help``, ``--tiny`` and the
+one-process mode run in this process (no torchrun).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers")
+av = pytest.importorskip("av")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from _tiny import SIZES, build_pipeline  # noqa: E402
+
+SCRIPTS = {"wan": "wan.py", "ltx-video": "ltx_video.py", "ltx-2": "ltx2.py", "hunyuan-video": "hunyuan_video.py"}
+COMMON = ["--device", "cpu", "--dtype", "float32", "--steps", "2", "--block-size", "8", "--max-sequence-length", "16"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """kind -> a directory holding that family's tiny pipeline (built and saved once)."""
+    root = tmp_path_factory.mktemp("pipelines")
+    saved = {}
+
+    def get(kind):
+        if kind not in saved:
+            saved[kind] = root / kind
+            build_pipeline(kind).save_pretrained(saved[kind])
+        return saved[kind]
+
+    return get
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(script: str, args: list[str]) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(EXAMPLES / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def _read_mp4(path: Path):
+    """(frames, height, width, stream types) of an mp4."""
+    with av.open(str(path)) as box:
+        frames = [f.to_ndarray(format="rgb24") for f in box.decode(video=0)]
+        kinds = sorted(s.type for s in box.streams)
+    return len(frames), frames[0].shape[0], frames[0].shape[1], kinds
+
+
+def _quality(out: str) -> tuple[float, float]:
+    m = re.search(r"PSNR (\S+) dB, SSIM (\S+)", out)
+    assert m, out[-3000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+# Two of the runs also compare with the dense model: Wan at --cdf 1.0, where sparsp's attention
+# keeps every block and so must reproduce the unparallelized model (PSNR >= 60 dB over the
+# float frames, before the mp4's 8-bit rounding), and LTX-Video at the default threshold, whose
+# numbers only have to be finite (random weights make no meaningful picture to judge).
+EXTRA = {"wan": ["--cdf", "1.0", "--compare-dense"], "ltx-video": ["--compare-dense"]}
+
+
+@pytest.mark.parametrize("kind", list(SCRIPTS))
+def test_recipe_two_ranks_writes_the_video(kind, pretrained, tmp_path):
+    height, width, frames = SIZES[kind]
+    video = tmp_path / "out.mp4"
+    extra = EXTRA.get(kind, [])
+    out = _torchrun(SCRIPTS[kind], ["--pretrained", str(pretrained(kind)), "--height", str(height), "--width",
+                                    str(width), "--frames", str(frames), "--out", str(video), *COMMON, *extra])
+    assert "2 ranks on cpu" in out and re.search(r"sparsp: 2 steps, [\d.]+ ms/step", out), out[-3000:]
+    n, h, w, streams = _read_mp4(video)
+    assert (n, h, w) == (frames, height, width)
+    assert streams == (["audio", "video"] if kind == "ltx-2" else ["video"])
+    if "--compare-dense" in extra:
+        psnr, ssim = _quality(out)
+        if "1.0" in extra:
+            assert psnr >= 60.0 and ssim > 0.999, (psnr, ssim)
+        else:
+            assert math.isfinite(psnr) and 0.0 < ssim <= 1.0, (psnr, ssim)
+
+
+# --- in this process: one-process mode, --tiny, --help, bad input ------------------------------
+
+
+def _recipe(script: str):
+    spec = importlib.util.spec_from_file_location(f"example_{Path(script).stem}", EXAMPLES / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RECIPE
+
+
+def _run(script: str, argv: list[str]) -> int:
+    from _recipe import run
+
+    return run(_recipe(script), argv)
+
+
+def test_one_process_tiny_with_emulated_ranks(tmp_path, capsys):
+    video = tmp_path / "tiny.mp4"
+    assert _run("ltx_video.py", ["--tiny", "--device", "cpu", "--steps", "2", "--emulate-ranks", "2",
+                                 "--out", str(video)]) == 0
+    assert "1 process as 2 ranks" in capsys.readouterr().out
+    height, width, frames = SIZES["ltx-video"]
+    assert _read_mp4(video)[:3] == (frames, height, width)
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()))
+def test_help_explains_every_option(script, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(script, ["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--pretrained", "--prompt", "--height", "--width", "--frames", "--steps", "--seed", "--out",
+                   "--strategy", "--cdf", "--compare-dense", "--device", "--dtype", "--tiny"):
+        assert option in text, option
+
+
+def test_bad_input_is_one_line(pretrained, tmp_path, capsys):
+    wan = str(pretrained("wan"))
+    cases = [
+        (["--pretrained", str(tmp_path / "missing")], "wan.py: error: --pretrained .*missing: no such directory"),
+        (["--pretrained", str(tmp_path)], "no model_index.json"),
+        (["--pretrained", wan], "holds a WanPipeline, not a LTXPipeline", "ltx_video.py"),
+        (["--pretrained", wan, "--frames", "10"], r"--frames 10: Wan needs frames = 4k \+ 1 .*try 9"),
+        (["--pretrained", wan, "--height", "50"], "--height 50 is not a multiple of 16"),
+        (["--pretrained", wan, "--cdf", "1.5"], r"--cdf must be in \[0, 1\]"),
+        (["--pretrained", wan, "--out", "x.avi"], "give a FILE.mp4"),
+        (["--pretrained", wan, "--strategy", "allgather"], "strategy='allgather' is not one of"),
+        (["--pretrained", wan, "--emulate-ranks", "64", "--height", "48", "--width", "64", "--frames", "9",
+          "--block-size", "8"], "36 video tokens = 5 blocks of 8, fewer than the 64 ranks"),
+    ]
+    for case in cases:
+        argv, pattern = case[0], case[1]
+        script = case[2] if len(case) > 2 else "wan.py"
+        out = [] if "--out" in argv else ["--out", str(tmp_path / "v.mp4")]
+        code = _run(script, [*argv, "--device", "cpu", *out])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (argv, err)
+        # one line of error after the loading bars, if any, and no traceback
+        assert "Traceback" not in err and re.search(pattern, err.splitlines()[-1]), (argv, err)
