@@ -16,6 +16,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+from sparsp.bench import args as bench_args
 from sparsp.bench import attention, common, measure
 from sparsp.plan import Shapes
 
@@ -91,15 +92,15 @@ def test_config_option_typed_from_the_field(capsys):
     benchmark sets itself are refused by name."""
     import argparse
 
-    assert common.config_arg("drain_chunks=1") == ("drain_chunks", 1)
-    assert common.config_arg("drain-chunks=auto") == ("drain_chunks", None)
-    assert common.config_arg("local_first=on") == ("local_first", True)
-    assert common.config_arg("local_first=none") == ("local_first", None)
-    assert common.config_arg("cuda_graphs=off") == ("cuda_graphs", False)
-    assert common.config_arg("cdf_threshold=0.5,0.75") == ("cdf_threshold", (0.5, 0.75))
-    assert common.config_arg("sim_threshold=0.3") == ("sim_threshold", 0.3)
-    assert common.config_arg("local_transport=host") == ("local_transport", "host")
-    assert common.config_arg("timeout_s=30") == ("timeout_s", 30)
+    assert bench_args.config_arg("drain_chunks=1") == ("drain_chunks", 1)
+    assert bench_args.config_arg("drain-chunks=auto") == ("drain_chunks", None)
+    assert bench_args.config_arg("local_first=on") == ("local_first", True)
+    assert bench_args.config_arg("local_first=none") == ("local_first", None)
+    assert bench_args.config_arg("cuda_graphs=off") == ("cuda_graphs", False)
+    assert bench_args.config_arg("cdf_threshold=0.5,0.75") == ("cdf_threshold", (0.5, 0.75))
+    assert bench_args.config_arg("sim_threshold=0.3") == ("sim_threshold", 0.3)
+    assert bench_args.config_arg("local_transport=host") == ("local_transport", "host")
+    assert bench_args.config_arg("timeout_s=30") == ("timeout_s", 30)
     for bad, message in (("prefetch", "expected KEY=VALUE"),
                          ("nope=1", "unknown SparspConfig field 'nope'"),
                          ("prefetch=0", "prefetch='0': prefetch must be an int >= 1"),
@@ -107,9 +108,9 @@ def test_config_option_typed_from_the_field(capsys):
                          ("cuda_graphs=maybe", "cuda_graphs='maybe': expected bool"),
                          ("local_transport=peers", "local_transport must be None or one of")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
-            common.config_arg(bad)
+            bench_args.config_arg(bad)
     p = argparse.ArgumentParser()
-    attention.add_arguments(p)
+    bench_args.add_attention(p)
     args = p.parse_args(["--config", "drain_chunks=1", "--config", "local_first=off",
                          "--config", "drain_chunks=4"])
     assert common.config_overrides(args.config, reserved=attention.RESERVED) == {
@@ -136,7 +137,7 @@ def test_input_sets_cycle_the_timed_calls():
     call = attention.cycling([(1, 2), (3, 4), (5, 6)], lambda a, b: seen.append(a + b) or a)
     assert [call() for _ in range(7)] == [1, 3, 5, 1, 3, 5, 1] and seen == [3, 7, 11, 3, 7, 11, 3]
     p = argparse.ArgumentParser()
-    attention.add_arguments(p)
+    bench_args.add_attention(p)
     assert p.parse_args([]).input_sets == 1 and p.parse_args(["--input-sets", "4"]).input_sets == 4
     for bad in ("0", "-2", "two"):
         with pytest.raises(SystemExit):

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .args import ATTENTION_RESERVED, FABRICS, add_attention, check_names  # noqa: F401
+from .args import ATTENTION_RESERVED, check_names
 from .common import (config_overrides, init_distributed, median, time_interleaved,
                      time_ms, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
@@ -70,7 +70,6 @@ from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept
 COPY_ENGINE = {"nvlink": "ipc", "host": "host"}  # sparsp's own transport on each fabric
 SPLIT = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms")
 RESERVED = ATTENTION_RESERVED
-add_arguments = add_attention  # the verb's arguments live in the torch-free ``args``
 
 
 def _env_text(row: dict, sep: str, end: str = "", first: str = "") -> str:

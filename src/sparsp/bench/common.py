@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .args import add_config_argument, config_arg  # noqa: F401  (the bench modules' and tests' names)
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:

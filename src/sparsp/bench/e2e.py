@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_OUT, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, E2E_TINY_OUT, add_e2e,
+from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_OUT, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, E2E_TINY_OUT,
                    check_names, refuse)
 from .backends import CANDIDATES, BackendFailed, attention_flops, pick_fastest
 from .common import (config_overrides, init_distributed, median, save_figure, time_ms,
@@ -70,7 +70,6 @@ def default_strategies() -> list[str]:
     return [*ONE_GPU, *DIFFUSERS, *sparse]
 
 
-add_arguments = add_e2e  # the verb's arguments live in the torch-free ``args``
 
 
 class _AttentionTimer:

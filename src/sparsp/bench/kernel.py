@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from .args import KERNEL_SHAPES, add_kernel
+from .args import KERNEL_SHAPES
 
 PRESET_SHAPES = KERNEL_SHAPES
-add_arguments = add_kernel  # the verb's arguments live in the torch-free ``args``
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,6 @@ from .common import init_distributed, median, result_path, save_figure, write_re
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
 LOAD_ORDERS = {"exchange-first": (EXCHANGE_FIRST,), "attention-first": (ATTENTION_FIRST,),
                "both": (EXCHANGE_FIRST, ATTENTION_FIRST)}
-add_arguments = add_transport  # the verb's arguments live in the torch-free ``args``
 DEFAULT_TRANSPORTS = {"nvlink": ("nccl", "ipc"), "host": ("nccl", "host")}
 
 
@@ -403,5 +402,5 @@ if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m sparsp.bench.transp
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
+    add_transport(parser)
     run(parser.parse_args())
