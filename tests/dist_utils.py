@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import math
 import os
 import queue
@@ -32,6 +33,19 @@ import torch
 import torch.multiprocessing as mp
 
 _GRACE_S = 15.0  # how long the other ranks may keep running after one has failed
+
+
+class AutoLog(logging.Handler):
+    """The ``sparsp auto:`` lines logged at INFO, in ``lines`` (a spawned rank's own handler:
+    pytest's log capture does not reach other processes)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        if record.levelno == logging.INFO and record.getMessage().startswith("sparsp auto:"):
+            self.lines.append(record.getMessage())
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from dist_utils import run_distributed, structured_inputs
+from dist_utils import AutoLog, run_distributed, structured_inputs
 
 from sparsp.cost import KernelFigure, Profile, TransportFigure
 from sparsp.strategies.auto import MARGIN
@@ -43,16 +43,6 @@ def _masks(kind: str, B: int, H: int, lens, bs: int) -> torch.Tensor:
     else:
         raise ValueError(kind)
     return m.expand(B, H, N, N).contiguous()
-
-
-class _Count(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.info = []
-
-    def emit(self, record):
-        if record.getMessage().startswith("sparsp auto:") and record.levelno == logging.INFO:
-            self.info.append(record.getMessage())
 
 
 @contextlib.contextmanager
@@ -87,7 +77,7 @@ def _auto_worker(rank, world, H, cases):
     from sparsp import SparspConfig, sp_attention
     from sparsp.strategies import auto, close_transports
 
-    count = _Count()
+    count = AutoLog()
     logging.getLogger("sparsp").addHandler(count)
     logging.getLogger("sparsp").setLevel(logging.DEBUG)
     B, D, bs = 2, 16, 16
@@ -113,7 +103,7 @@ def _auto_worker(rank, world, H, cases):
             assert "ulysses" not in chosen.predicted_ms
         out.append((chosen.strategy, chosen.predicted_ms))
     close_transports()
-    return out, count.info
+    return out, count.lines
 
 
 def test_auto_chooses_the_same_on_every_rank_and_runs_it():

@@ -146,3 +146,66 @@ def test_dense_hunyuan_gets_no_text_mask_when_every_token_is_valid(valid_text):
         model(**inputs)
     assert len(seen) == 2
     assert all((mask is None) == (valid_text is None) for mask in seen), seen
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--step", "3"], "--step applies to --density-profile only"),
+    (["--calibration", "c.json"], "--calibration applies to --density-profile only"),
+    (["--density-profile", "p.csv", "--tiny"], "--tiny cannot apply"),
+    (["--density-profile", "p.csv", "--latent", "3", "8", "8"], "--latent cannot apply"),
+    (["--density-profile", "p.csv", "--weights", "random"], "--weights random cannot apply"),
+])
+def test_density_profile_options_that_cannot_apply(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        _settled("--device", "cpu", *argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and match in err, err
+
+
+def test_a_density_profile_run_has_calibrated_weights_and_its_own_file_name():
+    from sparsp.bench.e2e import _result_name
+
+    args = _settled("--device", "cpu", "--density-profile", "dir/sparsity_x.csv", "--step", "4")
+    assert args.weights == "synthetic-structure"
+    assert _result_name(args) == "wan2.1-14b-sparsity_x-step4"
+    assert _result_name(_settled("--device", "cpu", "--density-profile", "p.csv")) == "wan2.1-14b-p-stepmean"
+    assert _result_name(_settled("--device", "cpu")) == "wan2.1-14b"
+
+
+def test_calibrated_qk_follow_each_layer():
+    """``_synthetic_qk`` with a calibration: each layer its own fitted heads (the generator's q/k
+    of that layer's parameters), cached per layer; a layer past the fit raises; without a
+    calibration every layer shares one draw."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from sparsp import calibration as C
+    from sparsp.bench.e2e import _rope_for, _synthetic_qk
+    from sparsp.density import DensityProfile
+    from sparsp.geometry import preset
+    from sparsp.integrations.models import TINY, build_transformer
+    from sparsp.workloads import token_qk
+
+    model = build_transformer("wan", config=TINY["wan"], seed=0, dtype=torch.float32, device="cpu")
+    heads, dim = model.config.num_attention_heads, model.config.attention_head_dim
+    geom = dataclasses.replace(preset("wan2.1-1.3b", width=128, height=128, frames=5), heads=heads, head_dim=dim,
+                               layers=2, rope=None)
+    geom = dataclasses.replace(geom, rope=_rope_for(model))
+    grid = [[[0.05, 0.4][layer]] * heads for layer in range(2)]
+    cal = C.calibrate(geom, DensityProfile(source="toy", steps=1, layers=2, heads=heads, densities=[grid]), rows=32)
+    layout = SimpleNamespace(geometry=geom, attn_tokens=torch.arange(geom.num_tokens), cache={})
+    like = torch.empty(1, geom.num_tokens, heads, dim)
+    qk = _synthetic_qk(model, 0, cal)
+    q0, k0 = qk(layout, like, 0)
+    q1, _ = qk(layout, like, 1)
+    assert qk(layout, like, 0)[0] is q0  # made once per geometry and layer
+    want, _ = token_qk(geom, seed=cal.seed, heads=cal.head_params()[1], mix=cal.mix, layer=1,
+                       tokens=layout.attn_tokens)
+    assert torch.equal(q1, want) and not torch.equal(q0, q1)
+    with pytest.raises(ValueError, match="the calibration has 2 layers"):
+        qk(layout, like, 2)
+    plain = _synthetic_qk(model, 0)
+    layout.cache.clear()
+    assert torch.equal(plain(layout, like, 0)[0], plain(layout, like, 1)[0])

@@ -197,7 +197,8 @@ def test_work_knows_its_order():
     a profile: in order (no figures to decide from); ``Work.local_first`` is always a bool."""
     from sparsp import SparspConfig
     from sparsp.cost.model import CHECK_FINITE, LOCAL_FIRST, SIMILARITY
-    from sparsp.cost.ops import EARLY_OPS, issue_ops, run_ops
+    from sparsp.cost.balance import balanced_heads
+    from sparsp.cost.ops import EARLY_OPS, HEAD_ORDER_OPS, issue_ops, run_ops
 
     default = SparspConfig()  # the cost model's assumptions are the config's defaults
     assert LOCAL_FIRST is default.local_first is None  # automatic
@@ -212,7 +213,13 @@ def test_work_knows_its_order():
         assert auto.local_first is False and auto == off, s
         assert (w.host_ops, w.finish_ops) == (off.host_ops, off.finish_ops), s  # the same before the run
         rule = strategy_spec(s).byte_rule if strategy_spec(s).sparse else "dense"
-        assert off.run_ops == (run_ops(rule, 2),) * 2 and off.issue_ops == (issue_ops(rule, 2),) * 2, s
+        # ulysses reorders its heads where these random masks unbalance them (``HEAD_ORDER_OPS``)
+        moved = s == "ulysses" and balanced_heads(torch.einsum("hqk->h", masks.long()).tolist(), 2) != tuple(
+            range(GEOM.heads))
+        before, after = HEAD_ORDER_OPS if moved else (0, 0)
+        first, last, tail = run_ops(rule, 2)
+        assert off.run_ops == ((first + before, last + before, tail + after),) * 2, s
+        assert off.issue_ops == (issue_ops(rule, 2) + before,) * 2, s
         assert not off.early_ops, s
         if w.local_first:
             assert w.run_ops == (run_ops(rule, 2, True),) * 2 and w.early_ops == (EARLY_OPS,) * 2, s
@@ -461,11 +468,12 @@ def test_validation_rows_from_an_attention_file(tmp_path):
             dict(ROW, fabric="host", strategy="sparsp", transport="nccl", ranks=4),  # a 4-GPU row
             dict(ROW, fabric="nvlink", strategy="sparsp", transport="ipc", local_first=True),  # a newer row
             dict(ROW, fabric="nvlink", strategy="ulysses", transport="nccl", local_first=True),  # in order all the same
+            dict(ROW, fabric="nvlink", strategy="ulysses", transport="nccl", head_order="density"),  # a newer row
             dict(ROW, fabric="nvlink", strategy="sparsp", transport="tcp"),  # no such transport
             dict(ROW, fabric="nvlink", strategy="sparsp", transport="ipc", local_first="yes")]  # not a bool
     cache = MaskCache()
     out, notes = validate([_attention_file(tmp_path, rows)], cache=cache)
-    assert len(out) == 5 and len(notes) == 2
+    assert len(out) == 6 and len(notes) == 2
     assert any("no transport 'tcp'" in n for n in notes)
     assert any("local_first must be true or false, got 'yes'" in n for n in notes)
     geom = geometry("ltx-video")
@@ -475,10 +483,12 @@ def test_validation_rows_from_an_attention_file(tmp_path):
         # rows of more GPUs than the 2×H200 profile holds: the same box widened to G GPUs
         profile = PROFILES[f"h200x2-{row['fabric']}"].widened(G)
         assert profile.gpus >= G and (G > 2) == (profile is not PROFILES[f"h200x2-{row['fabric']}"])
-        # each row in its own order: rows without the field ran in order
+        # each row in its own order: rows without the field ran in order; ulysses rows without
+        # ``head_order`` ran contiguous head groups
         lf = row.get("local_first", False)
-        want = simulate_one(cache.get(geom, 0.9), geom, row["strategy"], G, profile,
-                            placement=row["placement"], transport=row["transport"], local_first=lf)["predicted_ms"]
+        heads = tuple(range(geom.heads)) if row["strategy"] == "ulysses" and "head_order" not in row else None
+        want = simulate_one(cache.get(geom, 0.9), geom, row["strategy"], G, profile, placement=row["placement"],
+                            transport=row["transport"], local_first=lf, head_order=heads)["predicted_ms"]
         assert v["predicted_ms"] == want and v["measured_ms"] == row["median_ms"] and v["ranks"] == G
         assert v["local_first"] == (lf and row["strategy"] != "ulysses")
         assert v["error"] == pytest.approx(want / row["median_ms"] - 1, abs=1e-4)
@@ -782,7 +792,7 @@ def test_host_ops_follow_the_code():
                                               ("ulysses", 1, False), ("ulysses", 1, True)]
     got = dict(zip(jobs, count(2, jobs)))
     kinds = {"ring": ("dense", "dense"), "ring-sparse": ("sparse", "full-shards"), "sparsp": ("direct", "direct"),
-             "ring-relay": ("relay", "relay"), "ulysses": ("sparse", "all-to-all")}
+             "ring-relay": ("relay", "relay"), "ulysses": ("all-to-all", "all-to-all")}
     for (s, u, lf), g in got.items():
         kind, rule = kinds[s]
         early = lf and s != "ulysses"  # ulysses runs in order whatever the config says
@@ -797,6 +807,13 @@ def test_host_ops_follow_the_code():
             assert run_ops(g) == model.run_ops(rule, 2, early), where
             assert issue_ops(g) == model.issue_ops(rule, 2, early), where
     assert len(got[("ulysses", 1, True)]["kernels"]) == 1  # whole-block slices: one kernel call
+    # at G = 4 the counting geometry's heads are reordered by density (ulysses' balanced order)
+    (g4,) = count(4, [("ulysses", 1, False)])
+    before, after = model.HEAD_ORDER_OPS
+    first, last, tail = model.run_ops("all-to-all", 4)
+    assert run_ops(g4) == (first + before, last + before, tail + after)
+    assert issue_ops(g4) == model.issue_ops("all-to-all", 4) + before
+    assert eager_ops("all-to-all", g4) == model.mask_ops("all-to-all", 4, graphed=False)
     one = dict(zip((False, True), count(1, [("sparsp", 1, False), ("sparsp", 1, True)])))
     for lf, g in one.items():  # a group of one: the local kernel is the call's only one
         assert (eager_ops("direct", g), graphed_ops("direct", g)) == (model.mask_ops("direct", 1, graphed=False),

@@ -9,7 +9,8 @@ relay ring's bytes over direct routing. Masks come from the synthetic generator
 (``--density-profile``, ``sparsp.calibration``: then also bytes and per-rank imbalance for
 every layer, and a plot of both across layers) or from a recorded trace (``--trace``). A
 head-sharded strategy (``ulysses``) is skipped, with a note, where the heads do not divide by
-G, as it cannot run there.
+G, as it cannot run there; where it runs, its balance is also given with its heads assigned to
+ranks by density (``cost.balance``), as it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from . import demand, masks as masks_mod, placement as placement_mod
+from .cost.balance import balanced_heads, head_balance, max_over_mean
 from .geometry import VideoGeometry, preset
 from .strategies import comm_bytes, strategy_names
 from .strategies.registry import strategies_where, strategy_spec
@@ -163,24 +165,36 @@ def runnable(strategies, heads: int, ranks: int) -> tuple[tuple[str, ...], list[
     return tuple(keep), skipped
 
 
-def compute_balance(m: torch.Tensor, pl, strategy: str) -> float:
+def compute_balance(m: torch.Tensor, pl, strategy: str, head_orders=None) -> float:
     """Attention work of the busiest rank over the mean (1.0: balanced), from ``m`` (bool
     [layers, heads, nB, nB]). Work is the token pairs a rank's kernel computes: every pair of a
     dense strategy, the kept pairs of a sparse one; a sequence-sharded strategy computes its
     own query blocks for every head, a head-sharded one (``ulysses``) every query block of its
-    H/G heads, so the heads' different densities decide its balance."""
+    H/G heads, so the heads' different densities decide its balance. ``head_orders``: per
+    layer, a head-sharded strategy's heads in rank order (``cost.balance.balanced_heads``);
+    None: contiguous head groups."""
     spec = strategy_spec(strategy)
     lengths = pl.geometry.block_lengths().double()
-    pairs = lengths[:, None] * lengths[None, :]
-    kept = m.double() if spec.sparse else torch.ones_like(m, dtype=torch.float64)
-    work = (kept * pairs).sum(dim=(0, 3))  # [heads, nQ]
     G = pl.ranks
-    if spec.heads_divisible:
-        per_rank = work.sum(dim=1).reshape(G, -1).sum(dim=1)
-    else:
-        per_rank = torch.zeros(G, dtype=torch.float64).index_add_(0, pl.owner.long(), work.sum(dim=0))
-    mean = per_rank.mean().item()
-    return round(per_rank.max().item() / mean, 4) if mean > 0 else 1.0
+    per_rank = torch.zeros(G, dtype=torch.float64)
+    for i, layer in enumerate(m):  # one layer at a time: a whole model's masks in float64 would not fit
+        kept = layer.double() if spec.sparse else torch.ones_like(layer, dtype=torch.float64)
+        work = (kept @ lengths) * lengths  # [heads, nQ]: token pairs per query block
+        if spec.heads_divisible:
+            per_head = work.sum(dim=1)
+            if head_orders is not None:
+                per_head = per_head[list(head_orders[i])]
+            per_rank += per_head.reshape(G, -1).sum(dim=1)
+        else:
+            per_rank.index_add_(0, pl.owner.long(), work.sum(dim=0))
+    return max_over_mean(per_rank.tolist())
+
+
+def head_orders(m: torch.Tensor, ranks: int) -> list[tuple[int, ...]]:
+    """Per layer of ``m`` (bool [layers, heads, nB, nB]): the balanced head order of a
+    head-sharded strategy at G = ``ranks`` (``cost.balance.balanced_heads`` of each head's kept
+    blocks)."""
+    return [balanced_heads(layer.sum(dim=(1, 2)).tolist(), ranks) for layer in m]
 
 
 def notes(doc: dict) -> list[str]:
@@ -195,6 +209,12 @@ def notes(doc: dict) -> list[str]:
             f"the kernel, each rank computes whole heads (compute max/mean: the heads' densities differ), "
             f"and it runs only where G divides the heads; the sequence-sharded strategies overlap their "
             f"transfers with the kernel and shrink with the mask. `sparsp simulate` predicts the time.")
+        for r in doc["results"]:
+            if r["strategy"] == s and "balanced_compute_max_over_mean" in r:
+                lines.append(f"  {s}, cdf {r['cdf']:.2f}, {r['placement']}: compute max/mean "
+                             f"{r['compute_max_over_mean']:.2f}x with contiguous heads, "
+                             f"{r['balanced_compute_max_over_mean']:.2f}x with heads given to ranks by density "
+                             f"(cost.balance: how ulysses runs)")
     return lines
 
 
@@ -218,8 +238,21 @@ def calibration_lines(doc: dict) -> list[str]:
         groups.setdefault((r["cdf"], r["placement"]), []).append(r)
     for (cdf, pname), rows in groups.items():
         recv = ", ".join(f"{r['strategy']} {r['recv_max_over_mean']:.2f}x" for r in rows)
-        lines.append(f"cdf {cdf:.2f}, {pname}: busiest rank / mean over the model: kept blocks "
-                     f"{rows[0]['kept_max_over_mean']:.2f}x; received bytes {recv}")
+        seq = [r for r in rows if "balanced_kept_max_over_mean" not in r]
+        kept = f"kept blocks {seq[0]['kept_max_over_mean']:.2f}x; " if seq else ""
+        lines.append(f"cdf {cdf:.2f}, {pname}: busiest rank / mean over the model: {kept}received bytes {recv}")
+        for r in rows:
+            if "balanced_kept_max_over_mean" in r:
+                lines.append(f"  {r['strategy']}: kept blocks of the busiest rank / mean "
+                             f"{r['kept_max_over_mean']:.2f}x with contiguous heads, "
+                             f"{r['balanced_kept_max_over_mean']:.2f}x with heads given to ranks by density "
+                             f"(how ulysses runs)")
+    layers = [r for r in doc.get("per_layer", []) if "balanced_kept_max_over_mean" in r]
+    if layers:
+        worst = max(layers, key=lambda r: r["kept_max_over_mean"])
+        lines.append(f"  {worst['strategy']}'s most unbalanced layer: {worst['layer']} (cdf {worst['cdf']:.2f}): "
+                     f"rank {worst['densest_rank']} holds the densest heads, {worst['kept_max_over_mean']:.2f}x "
+                     f"the mean; balanced {worst['balanced_kept_max_over_mean']:.2f}x")
     return lines
 
 
@@ -257,7 +290,9 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
     task = progress.add_task("bytes per strategy", total=steps) if progress else None
     results, stats = [], []
     by_layer: dict[tuple, list] = {}  # (cdf, placement, strategy) -> bytes of each layer
+    head_sharded = [s for s in strategies if strategy_spec(s).heads_divisible]
     for cdf, m in masks_by_cdf.items():
+        orders = head_orders(m, cfg.ranks) if head_sharded else None
         dens = masks_mod.density(m)
         stats.append({
             "cdf": cdf, "density": dens,
@@ -275,6 +310,8 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
                     "bytes_per_rank": b["per_rank"], "density": dens,
                     "compute_max_over_mean": compute_balance(m, pl, strategy),
                 })
+                if strategy in head_sharded:  # the same bytes; heads given to ranks by density
+                    results[-1]["balanced_compute_max_over_mean"] = compute_balance(m, pl, strategy, orders)
                 _advance(progress, task)
     # ``reduction_vs_ring``: against the dense baseline (registered ``baseline``), if analysed
     baseline = next((s for s in strategies_where(baseline=True) if s in strategies), None)
@@ -296,36 +333,52 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
     return doc
 
 
-def _max_over_mean(x: torch.Tensor) -> float:
-    mean = x.double().mean().item()
-    return round(x.double().max().item() / mean, 4) if mean > 0 else 1.0
-
-
 def _per_layer(masks_by_cdf, placements, strategies, by_layer) -> tuple[list, list]:
     """Per layer, cdf, placement and strategy: the bytes (``by_layer``, already counted) and the
-    per-rank imbalance (max/mean) of the kept blocks (of the query blocks a rank owns, over
-    heads) and of the received bytes; and the same imbalances of the whole model (kept blocks
-    and bytes summed over the layers)."""
+    per-rank imbalance (max/mean) of the kept blocks and of the received bytes; and the same
+    imbalances of the whole model (kept blocks and bytes summed over the layers). A
+    sequence-sharded strategy's kept blocks on a rank are those of the query blocks it owns,
+    over heads; a head-sharded one's (``ulysses``) those of its H/G heads, over every query
+    block — contiguous head groups (its ``densest_rank``: the rank whose heads are densest)
+    and, beside them (``balanced_*``, ``head_order``), heads given to ranks by density
+    (``cost.balance``)."""
     rows, model = [], []
     for cdf, m in masks_by_cdf.items():
         kept_q = m.sum(dim=(1, 3)).double()  # [layers, nQ]: kept blocks per query block, over heads
+        kept_h = m.sum(dim=(2, 3)).tolist()  # [layers][heads]: kept blocks per head
         for pname, pl in placements.items():
             kept = torch.zeros(m.shape[0], pl.ranks, dtype=torch.float64).index_add_(1, pl.owner.long(), kept_q)
+            seq = [[int(x) for x in row] for row in kept.tolist()]
+            heads = None
             for strategy in strategies:
                 per_rank = torch.tensor([b["per_rank"] for b in by_layer[(cdf, pname, strategy)]],
                                         dtype=torch.float64)  # [layers, G]
+                sharded = strategy_spec(strategy).heads_divisible
+                if sharded and heads is None:
+                    heads = [head_balance(k, pl.ranks) for k in kept_h]
+                mine = [h["kept_per_rank"] for h in heads] if sharded else seq
                 for layer, b in enumerate(by_layer[(cdf, pname, strategy)]):
-                    rows.append({
+                    row = {
                         "layer": layer, "cdf": cdf, "placement": pname, "strategy": strategy,
                         "density": masks_mod.density(m[layer:layer + 1]),
                         "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
-                        "kept_max_over_mean": _max_over_mean(kept[layer]),
-                        "recv_max_over_mean": _max_over_mean(per_rank[layer]),
-                    })
-                model.append({"cdf": cdf, "placement": pname, "strategy": strategy,
-                              "kept_max_over_mean": _max_over_mean(kept.sum(0)),
-                              "recv_max_over_mean": _max_over_mean(per_rank.sum(0)),
-                              "bytes_total": int(per_rank.sum().item())})
+                        "kept_per_rank": mine[layer], "kept_max_over_mean": max_over_mean(mine[layer]),
+                        "densest_rank": mine[layer].index(max(mine[layer])),
+                        "recv_max_over_mean": max_over_mean(per_rank[layer].tolist()),
+                    }
+                    if sharded:
+                        row.update({k: heads[layer][k] for k in
+                                    ("balanced_kept_per_rank", "balanced_kept_max_over_mean", "head_order")})
+                    rows.append(row)
+                total = [sum(col) for col in zip(*mine)]
+                entry = {"cdf": cdf, "placement": pname, "strategy": strategy,
+                         "kept_per_rank": total, "kept_max_over_mean": max_over_mean(total),
+                         "recv_max_over_mean": max_over_mean(per_rank.sum(0).tolist()),
+                         "bytes_total": int(per_rank.sum().item())}
+                if sharded:
+                    even = [sum(col) for col in zip(*(h["balanced_kept_per_rank"] for h in heads))]
+                    entry.update(balanced_kept_per_rank=even, balanced_kept_max_over_mean=max_over_mean(even))
+                model.append(entry)
     rows.sort(key=lambda r: (r["layer"], r["cdf"]))
     return rows, model
 

@@ -182,10 +182,14 @@ class Calibration:
 
 
 def read_calibration(path: str | Path, *, geometry: VideoGeometry | str | None = None,
-                     source: str | None = None, step: int | None | str = "any") -> Calibration:
+                     source: str | None = None, step: int | None | str = "any",
+                     chosen_layers: bool = False) -> Calibration:
     """A calibration from its JSON form; ``geometry`` (a preset name or geometry: its name and
     heads), ``source`` and ``step`` (when given; None is the mean over steps) must match what
-    it was fitted for. Every fault is a one-line ``ValueError`` naming the file."""
+    it was fitted for. Its layers must run 0, 1, ... (``head_params()[i]`` is layer i); with
+    ``chosen_layers`` any increasing layer indices will do (a fit of chosen layers, as ``bench
+    attention --layer`` writes it; look a layer up by its ``LayerFit.layer``). Every fault is a
+    one-line ``ValueError`` naming the file."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -207,7 +211,9 @@ def read_calibration(path: str | Path, *, geometry: VideoGeometry | str | None =
                 for h in ly["heads"])) for ly in doc["layers"]),
         )
         for i, ly in enumerate(cal.layers):
-            if ly.layer != i:
+            if chosen_layers and (ly.layer < 0 or i and ly.layer <= cal.layers[i - 1].layer):
+                raise ValueError(f"layer {ly.layer} at position {i}; layers must increase from 0 or more")
+            if not chosen_layers and ly.layer != i:
                 raise ValueError(f"layer {ly.layer} at position {i}; layers must run 0, 1, ...")
             if [h.head for h in ly.heads] != list(range(len(ly.heads))):
                 raise ValueError(f"layer {i}: heads must run 0, 1, ...")

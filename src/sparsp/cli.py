@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .geometry import PRESETS
-from .inputs import HelpFormatter
+from .inputs import HelpFormatter, add_density_profile_arguments
 from .names import PLACEMENTS
 
 
@@ -107,15 +107,9 @@ def _analyze_arguments(p) -> None:
     p.add_argument("--trace", type=Path, default=None,
                    help="a sparsp trace (.pt, written by `sparsp trace`) with real masks to analyse "
                         "instead of synthetic ones")
-    p.add_argument("--density-profile", type=Path, default=None, metavar="FILE",
-                   help="a per-(step, layer, head) density profile (.csv as published, or sparsp's .json) "
-                        "whose layers and heads match --model: the synthetic heads are calibrated to it, and "
-                        "bytes and per-rank imbalance are reported for every layer (not with --trace)")
-    p.add_argument("--step", type=int, default=None,
-                   help="the profile's step to calibrate to (1-based; default: the mean over steps)")
-    p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
-                   help="reuse fitted parameters (JSON) instead of fitting; default: fit them and write "
-                        "DIR/calibration.json")
+    add_density_profile_arguments(
+        p, use="the synthetic heads are calibrated to it, and bytes and per-rank imbalance are reported "
+               "for every layer (not with --trace)", fitted="DIR/calibration.json")
     p.add_argument("--layers", type=int, default=None,
                    help=f"synthetic layers to generate and sum (default: {d['layers']}), or with --trace "
                         "the trace's first N layers (default: all of them), or with --density-profile the "

@@ -88,3 +88,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if action.default is None:
             return action.help or ""
         return super()._get_help_string(action)
+
+
+def add_density_profile_arguments(p: argparse.ArgumentParser, *, use: str, fitted: str) -> None:
+    """``--density-profile FILE``, ``--step S`` and ``--calibration FILE``, as every verb that
+    takes a real model's per-head densities spells them (``sparsp.density``,
+    ``sparsp.calibration``). ``use``: what the verb does with the calibrated heads; ``fitted``:
+    where a fit made without ``--calibration`` is written."""
+    p.add_argument("--density-profile", type=Path, default=None, metavar="FILE",
+                   help="a per-(step, layer, head) density profile (.csv as published, or sparsp's .json) "
+                        f"whose layers and heads match --model: {use}")
+    p.add_argument("--step", type=int, default=None,
+                   help="with --density-profile: the profile's step (1-based; default: the mean over steps)")
+    p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                   help="with --density-profile: fitted heads to reuse (python -m sparsp.calibration's JSON, "
+                        f"or an earlier run's), about a minute per layer of a full preset to fit; default: "
+                        f"fit them now and write {fitted}")

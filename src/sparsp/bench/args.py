@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..geometry import PRESETS
-from ..inputs import HelpFormatter
+from ..inputs import HelpFormatter, add_density_profile_arguments
 from ..names import TRACE_MODELS
 from ..units import parse_size
 
@@ -29,6 +29,13 @@ CPU_FABRIC = "gloo"
 ATTENTION_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--model", "transport": "the rows",
                       "kernel": "--kernel", "timeout_s": "the benchmark (300 s)"}
 """``SparspConfig`` fields ``bench attention`` sets itself (``--config`` may not)."""
+LAYER_PICKS = ("densest", "median", "sparsest")
+"""``bench attention --layer`` names: a profile's layer by its mean density over heads (at
+``--step``, or over every step); ``median`` is the lower median of the layers' means."""
+PROFILE_DIR = "density-profile"
+"""The folder under ``bench attention --out`` that its ``--density-profile`` results and fits
+go to: whatever looks up a preset's results in ``--out`` (``sparsp simulate --validate``, the
+report's file globs) never meets rows of another workload."""
 E2E_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--block-size", "transport": "--transport",
                 "kernel": "--kernel"}
 """``SparspConfig`` fields ``bench e2e`` sets from its own flags (``--config`` may not)."""
@@ -66,6 +73,21 @@ def check_names(verb: str, flag: str, given, known) -> None:
     for name in given:
         if name not in known:
             refuse(verb, f"{flag}: unknown name {name!r}; registered: {', '.join(known)}")
+
+
+def layer_arg(text: str) -> int | str:
+    """One ``bench attention --layer`` value: a 0-based layer index or one of ``LAYER_PICKS``."""
+    t = text.strip().lower()
+    if t in LAYER_PICKS:
+        return t
+    try:
+        value = int(t)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a 0-based layer index or one of {', '.join(LAYER_PICKS)}, "
+                                         f"got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -171,7 +193,8 @@ def add_attention(p) -> None:
                    help="time each row's iterations back to back (default: interleaved, one "
                         "iteration of every row of a cdf in turn, each round starting one row "
                         "later, so drift and what ran just before reach all rows alike)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the synthetic workload's seed (default 0; with --calibration the file's, so not with it)")
     p.add_argument("--input-sets", type=positive_int, default=1, metavar="N",
                    help="cycle the timed calls of every row through N input sets (seeds seed … "
                         "seed+N−1): the mask and its demand change from call to call as a "
@@ -180,7 +203,36 @@ def add_attention(p) -> None:
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="write, per row and rank, torch.profiler tables of one call (ops by device "
                         "and by host time) and a gzipped Chrome trace into DIR")
+    add_density_profile_arguments(
+        p, use=f"rows per --layer, each on q/k of synthetic heads calibrated to that layer; results go to "
+               f"OUT/{PROFILE_DIR}/", fitted=f"the asked layers' fit to OUT/{PROFILE_DIR}/")
+    p.add_argument("--layer", nargs="+", type=layer_arg, default=None, metavar="L",
+                   help="with --density-profile (and needed by it): the layers to run, each a 0-based index or "
+                        f"{', '.join(LAYER_PICKS)} (by the layers' mean density at --step, or over steps)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def check_attention(args) -> None:
+    """Refuse (``refuse``: one line, exit 2) ``bench attention`` options that cannot apply
+    together, before anything starts: the profile's flags without ``--density-profile``, and
+    with it what would not measure the profile's layers."""
+    given = {"--layer": args.layer, "--step": args.step, "--calibration": args.calibration}
+    if args.density_profile is None:
+        for flag, value in given.items():
+            if value is not None:
+                refuse("attention", f"{flag} applies with --density-profile only")
+        return
+    if args.layer is None:
+        refuse("attention", f"--density-profile needs --layer: 0-based layer indices or {', '.join(LAYER_PICKS)}")
+    if args.text:
+        refuse("attention", "--text cannot apply with --density-profile: a profile gives the densities of the "
+                            "video tokens only")
+    if args.input_sets != 1:
+        refuse("attention", "--input-sets cannot apply with --density-profile: the calibrated heads are fitted to "
+                            "one seed's draws, other seeds' heads would not have the profile's densities")
+    if args.calibration is not None and args.seed is not None:
+        refuse("attention", "--seed cannot apply with --calibration: the heads were fitted with the file's seed, "
+                            "which the run uses")
 
 
 def add_e2e(p) -> None:
@@ -197,8 +249,12 @@ def add_e2e(p) -> None:
                    help=f"sparsp block size in tokens (default: {E2E_BLOCK_SIZE}; --block-size "
                         f"{E2E_TINY_BLOCK_SIZE} with --tiny unless given, so the tiny model has blocks "
                         "enough for every rank)")
-    p.add_argument("--weights", default="random", choices=["random", "synthetic-structure"],
-                   help="random: the model's own q/k; synthetic-structure: synthetic video q/k into sparsp attention")
+    p.add_argument("--weights", default=None, choices=["random", "synthetic-structure"],
+                   help="random (default): the model's own q/k; synthetic-structure: synthetic video q/k "
+                        "into sparsp attention (implied by --density-profile)")
+    add_density_profile_arguments(
+        p, use="each layer's sparsp attention gets q/k of synthetic heads calibrated to that layer; the "
+               "result file carries the profile's name", fitted="the model's layers' fit into --out")
     p.add_argument("--fabric", default=None, choices=FABRICS,
                    help=f"GPUs only: nvlink (default): peer copies; host: NCCL_P2P_DISABLE=1 and sparsp's "
                         f"host transport. A CPU run's rows say {CPU_FABRIC}")

@@ -49,6 +49,17 @@ many messages its last round's payload came (``sparsp``; else None).
 ``--config drain_chunks=1 --config local_first=on`` (docs/configuration.md); the row's
 ``config`` holds what was set. The ablation rows' own settings win over it.
 
+``--density-profile FILE --layer L [L ...]`` measures chosen layers of a real model instead:
+each layer's q/k come from synthetic heads calibrated to that layer's per-head densities in the
+profile (``sparsp.calibration``; at ``--step``, or the mean over steps), and every row carries
+its ``layer``, how it was asked for (``layer_pick``: ``densest``, ``median``, ``sparsest`` by
+the layers' mean density, or None for an index) and the layer's mean density in the profile
+(``profile_density``). Without ``--calibration FILE`` the asked layers alone are fitted first
+(on the CPU of every rank, rank 0 printing its progress) and the fit is written next to the
+results, for a later run's ``--calibration``. Such a run's files go to ``OUT/density-profile/``
+(``attention-<model>-<profile>-step<S|mean>-<machine>-<date>.json``, ``"workload":
+"density-profile"`` in the file and its rows), apart from the preset's results.
+
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
 """
@@ -57,12 +68,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .args import ATTENTION_RESERVED, check_names
+from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, refuse
 from .common import (config_overrides, init_distributed, median, time_interleaved,
                      time_ms, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
@@ -70,6 +83,109 @@ from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept
 COPY_ENGINE = {"nvlink": "ipc", "host": "host"}  # sparsp's own transport on each fabric
 SPLIT = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms")
 RESERVED = ATTENTION_RESERVED
+PROFILE_WORKLOAD = "density-profile"
+"""The ``workload`` of a ``--density-profile`` run's file and rows (a preset's rows have none)."""
+
+
+@dataclass(frozen=True)
+class LayerWorkload:
+    """One layer of a density profile as ``--density-profile`` runs it: its calibrated heads
+    (``workloads.HeadParams``, with the seed and mix they were fitted on) and what the rows
+    report of it."""
+
+    layer: int
+    pick: str | None  # the ``LAYER_PICKS`` name it was asked by; None: by its index
+    density: float  # the layer's mean density over its heads in the profile (at the step)
+    within: float  # share of its heads whose fit is within tolerance
+    heads: object  # workloads.HeadParams
+    seed: int
+    mix: object  # workloads.HeadMix
+
+    def row_fields(self) -> dict:
+        return {"workload": PROFILE_WORKLOAD, "layer": self.layer, "layer_pick": self.pick,
+                "profile_density": round(self.density, 4), "heads_within": round(self.within, 4)}
+
+
+def resolve_layers(profile, asked, step: int | None = None) -> list[tuple[int, str | None]]:
+    """(layer, name it was asked by or None) of every ``--layer`` value, in the order asked and
+    each layer once: an index as given, a ``LAYER_PICKS`` name by the layers' mean densities
+    over heads (``DensityProfile.layer_means`` at ``step``, or over every step; ties go to the
+    lower index; ``median``: the lower median). ``ValueError`` for an index the profile lacks."""
+    means = profile.layer_means(step)
+    order = sorted(range(profile.layers), key=lambda i: (means[i], i))
+    picks = {"sparsest": order[0], "median": order[(len(order) - 1) // 2],
+             "densest": max(range(profile.layers), key=lambda i: (means[i], -i))}
+    out: list[tuple[int, str | None]] = []
+    for value in asked:
+        if isinstance(value, str):
+            layer, name = picks[value], value
+        elif not 0 <= value < profile.layers:
+            raise ValueError(f"--layer {value}: {profile.source} has layers 0 to {profile.layers - 1}")
+        else:
+            layer, name = value, None
+        if layer not in [i for i, _ in out]:
+            out.append((layer, name))
+    return out
+
+
+def profile_name(model: str, profile: Path, step: int | None) -> str:
+    """The model part of a ``--density-profile`` run's file names: the preset, the profile's
+    file stem and the step (``mean``: the mean over steps)."""
+    return f"{model}-{Path(profile).stem}-step{'mean' if step is None else step}"
+
+
+def profile_workloads(args, geom, *, verbose: bool = True, rows: int = 128) -> tuple[list[LayerWorkload], dict]:
+    """The ``--layer`` layers of ``--density-profile`` with their calibrated heads (read from
+    ``--calibration``, else fitted now with ``rows`` query rows per head and, where
+    ``verbose``, written to ``OUT/density-profile/``), and the result file's fields saying
+    where they came from. Any fault of the files or the layers is refused in one line."""
+    from ..calibration import CALIBRATION_MIX, Calibration, calibrate_layer, read_calibration
+    from ..density import read_profile
+
+    try:
+        profile = read_profile(args.density_profile, expected=geom)
+        grid = profile.mean_over_steps() if args.step is None else profile.step(args.step)
+        layers = resolve_layers(profile, args.layer, args.step)
+        means = profile.layer_means(args.step)
+        written = None
+        if args.calibration is not None:
+            cal = read_calibration(args.calibration, geometry=geom, source=profile.source, step=args.step,
+                                   chosen_layers=True)
+            have = [ly.layer for ly in cal.layers]
+            missing = [i for i, _ in layers if i not in have]
+            if missing:
+                raise ValueError(f"--calibration {args.calibration}: no fit of layer {', '.join(map(str, missing))} "
+                                 f"(it holds {', '.join(map(str, have))})")
+        else:
+            seed = 0 if args.seed is None else args.seed
+            fits = {}
+            for n, (i, name) in enumerate(layers, 1):
+                t0 = time.perf_counter()
+                if verbose:
+                    print(f"calibrating layer {i}{f' ({name})' if name else ''} of {geom.name} to "
+                          f"{profile.source}, {n}/{len(layers)} ...", flush=True)
+                fits[i] = calibrate_layer(geom, grid[i], layer=i, seed=seed, mix=CALIBRATION_MIX,
+                                          mass=profile.mass, rows=rows)
+                if verbose:
+                    print(f"  layer {i}: {100 * fits[i].share_within():.0f} % of heads within tolerance "
+                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            cal = Calibration(model=geom.name, source=profile.source, step=args.step, mass=profile.mass,
+                              seed=seed, rows=rows, mix=CALIBRATION_MIX,
+                              layers=tuple(fits[i] for i in sorted(fits)))
+            if verbose:
+                name = profile_name(geom.name, args.density_profile, args.step)
+                written = cal.write(Path(args.out) / PROFILE_DIR / (
+                    f"calibration-{name}-layer{'_'.join(str(i) for i in sorted(fits))}.json"))
+                print(f"wrote {written} (pass it as --calibration next time)", flush=True)
+    except (OSError, ValueError) as e:
+        refuse("attention", str(e))
+    fits = {ly.layer: ly for ly in cal.layers}
+    workloads = [LayerWorkload(layer=i, pick=name, density=means[i], within=fits[i].share_within(),
+                               heads=fits[i].params(), seed=cal.seed, mix=cal.mix) for i, name in layers]
+    extra = {"workload": PROFILE_WORKLOAD, "density_profile": str(args.density_profile), "source": profile.source,
+             "step": args.step, "calibration": str(written or args.calibration),
+             "layers": [w.layer for w in workloads]}
+    return workloads, extra
 
 
 def _env_text(row: dict, sep: str, end: str = "", first: str = "") -> str:
@@ -90,12 +206,28 @@ def cycling(sets: list, fn):
     return call
 
 
-def make_inputs(geom, placement, rank: int, device, dtype, seed: int):
-    """This rank's placed slice of synthetic q, k (model RoPE structure) and random v."""
+def write_rows(rows: list[dict], model: str, args, extra: dict | None) -> Path:
+    """Write (or extend) the run's result file: the preset's in ``--out``, or, for a
+    ``--density-profile`` run (``extra``: its file fields), one named after the profile and
+    step in ``OUT/density-profile/``, where nothing that looks up a preset's results goes."""
+    if extra is None:
+        return write_result("attention", model, rows, args.out)
+    return write_result("attention", profile_name(model, args.density_profile, args.step), rows,
+                        Path(args.out) / PROFILE_DIR, extra=extra)
+
+
+def make_inputs(geom, placement, rank: int, device, dtype, seed: int, workload: LayerWorkload | None = None):
+    """This rank's placed slice of synthetic q, k (model RoPE structure) and random v;
+    ``workload``: one profile layer's calibrated heads instead of the drawn ones (the q/k of its
+    layer index, seed and mix)."""
     from ..workloads import token_qk
 
     tokens = placement.perm[placement.token_slice(rank)]
-    q, k = token_qk(geom, seed=seed, tokens=tokens, device=device, dtype=torch.float32)
+    if workload is None:
+        q, k = token_qk(geom, seed=seed, tokens=tokens, device=device, dtype=torch.float32)
+    else:
+        q, k = token_qk(geom, seed=workload.seed, tokens=tokens, device=device, dtype=torch.float32,
+                        layer=workload.layer, heads=workload.heads, mix=workload.mix)
     g = torch.Generator(device=device).manual_seed(seed + 17 + rank)
     v = torch.randn(q.shape, generator=g, device=device, dtype=torch.float32)
     return tuple(x.to(dtype).contiguous() for x in (q, k, v))
@@ -170,30 +302,41 @@ def main(args) -> int:
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+    check_attention(args)
     check_strategies(args)
     overrides = config_overrides(args.config, reserved=RESERVED)
+    geom = preset(args.model)
+    if not args.text:
+        geom = replace(geom, text_tokens=0)
+    workloads, extra = [None], None  # None: the preset's synthetic heads, one set of rows
+    if args.density_profile is not None:
+        # read and fitted before the process group starts: a bad file ends every rank with one
+        # line, and no rank waits for a peer while the heads are fitted
+        workloads, extra = profile_workloads(args, geom, verbose=os.environ.get("RANK", "0") == "0")
+        args.seed = workloads[0].seed  # the seed the heads were fitted with
+    elif args.seed is None:
+        args.seed = 0
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed()
     if device.type != "cuda":
         raise SystemExit("bench attention needs CUDA GPUs (run it under torchrun on a GPU machine)")
     console = Console() if rank == 0 else None
-    geom = preset(args.model)
-    if not args.text:
-        geom = replace(geom, text_tokens=0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gbps = args.link_gbps or link_gbps(args.fabric, args.out)
     if gbps is None:
         raise SystemExit(f"no 256 MiB transport row for fabric {args.fabric} in {args.out}; run "
                          "`sparsp bench transport` first or pass --link-gbps")
-    rows, inputs, dense = [], {}, None
+    rows, dense = [], None
     one_gpu = dist.new_group([0]) if world > 1 else None
-    for cdf in args.cdf:
+    for n, (workload, cdf) in enumerate((w, c) for w in workloads for c in args.cdf):
+        if n % len(args.cdf) == 0:
+            inputs = {}  # a new layer (or the preset's one): the last layer's inputs go
         timed = []  # (row without its times, the call): timed together below
         for strategy, kind, transport, ablation in _configs(args, world, geom.heads):
             if kind not in inputs:  # every placement's inputs stay: the rows are timed together
                 pl = make_placement(kind, geom, world)
-                inputs[kind] = (pl, [make_inputs(geom, pl, rank, device, dtype, args.seed + i)
+                inputs[kind] = (pl, [make_inputs(geom, pl, rank, device, dtype, args.seed + i, workload)
                                      for i in range(args.input_sets)])
             pl, sets = inputs[kind]
             q, k, v = sets[0]
@@ -222,6 +365,7 @@ def main(args) -> int:
             split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
             stem = None if args.profile is None else args.profile / (
                 f"{geom.name}-{args.fabric}-{strategy}-{t.name}-{kind}-cdf{cdf}"
+                + ("" if workload is None else f"-layer{workload.layer}")
                 + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "")
                 + "".join(f"-{key}{value}" for key, value in overrides.items()) + f"-r{rank}")
             syncs, colls = count_syncs_and_collectives(call, stem)
@@ -244,10 +388,11 @@ def main(args) -> int:
                    "cuda_graphs": cfg.cuda_graphs, "local_first_config": cfg.local_first,
                    "local_first": split["local_first"], "drain_chunks": split["drain_chunks"],
                    "auto_choice": chosen if strategy == AUTO else None, "config": overrides or None,
-                   "input_sets": args.input_sets}
+                   "head_order": "density",  # a head-sharded strategy's heads: by density (ulysses)
+                   "input_sets": args.input_sets, **({} if workload is None else workload.row_fields())}
             timed.append((row, call))
         if not args.no_1gpu:  # timed with the rows above: the comparison the targets make
-            timed += _one_gpu_rows(args, geom, cdf, dtype, device, rank, one_gpu, dense, gbps)
+            timed += _one_gpu_rows(args, geom, cdf, dtype, device, rank, one_gpu, dense, gbps, workload)
         calls = [call for _, call in timed]
         if args.sequential:
             all_times = [time_ms(c, warmup=args.warmup, iters=args.iters, device=device) for c in calls]
@@ -261,20 +406,26 @@ def main(args) -> int:
                        efficiency=round(row["bound_ms"] / med, 3))
             rows.append(row)
             if console:
-                console.print(f"{row['strategy']:12s} {row['placement']:10s} {row['transport']:5s} "
+                console.print(("" if workload is None else f"layer {workload.layer:<3d} ")
+                              + f"{row['strategy']:12s} {row['placement']:10s} {row['transport']:5s} "
                               + _env_text(row, " ", " ")
                               + f"cdf {cdf}: {med:.2f} ms (bound {row['bound_ms']:.2f}, eff "
                               f"{row['efficiency']:.2f}); split "
                               + ", ".join(f"{key[:-3]} {row[key]:.1f}" for key in SPLIT)
                               + f"; {row['host_syncs']} syncs, {row['collectives']} collectives")
     if rank == 0:
-        path = write_result("attention", geom.name, rows, args.out)
-        table = Table(title=f"{geom.name}, {world} ranks, fabric {args.fabric}")
-        for c in ("strategy", "transport", "placement", "ablation", "cdf", "median ms", "bound ms",
-                  "eff", "mask", "compute", "merge", "exposed", "syncs", "coll", "GiB max"):
+        path = write_rows(rows, geom.name, args, extra)
+        table = Table(title=f"{geom.name}, {world} ranks, fabric {args.fabric}"
+                      + ("" if extra is None else f", {extra['source']} step {args.step or 'mean'}"))
+        layered = extra is not None
+        for c in (("layer", "profile density") if layered else ()) + (
+                "strategy", "transport", "placement", "ablation", "cdf", "median ms", "bound ms",
+                "eff", "mask", "compute", "merge", "exposed", "syncs", "coll", "GiB max"):
             table.add_column(c)
         for r in rows:
-            table.add_row(r["strategy"], r["transport"], r["placement"],
+            table.add_row(*((f"{r['layer']}" + (f" ({r['layer_pick']})" if r["layer_pick"] else ""),
+                             f"{r['profile_density']:.3f}") if layered else ()),
+                          r["strategy"], r["transport"], r["placement"],
                           r["ablation"] or _env_text(r, " "),
                           str(r["cdf"]), f"{r['median_ms']:.2f}", f"{r['bound_ms']:.2f}",
                           f"{r['efficiency']:.2f}", f"{r['mask_ms']:.1f}", f"{r['compute_ms']:.1f}",
@@ -331,7 +482,7 @@ def _split(q, k, v, strategy, cfg, transport, PhaseTimer, device):
     return split, round(float(d[0] / d[1]), 4), kept_flops(mask, sh), strategy
 
 
-def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps) -> list[tuple]:
+def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps, workload=None) -> list[tuple]:
     """``1gpu-dense`` and ``1gpu-sparse`` over the whole sequence, on rank 0: (row without its
     times, call) for each, timed with the strategies' rows. Every rank gets the same number of
     entries (the timing is collective); on the other ranks the row is None and the call does
@@ -344,11 +495,11 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps) -> l
     if rank != 0:
         return [(None, lambda: None), (None, lambda: None)]
     pl = make_placement("contiguous", geom, 1)
-    q, k, v = make_inputs(geom, pl, 0, device, dtype, args.seed)
+    q, k, v = make_inputs(geom, pl, 0, device, dtype, args.seed, workload)
     qh, kh = q.transpose(1, 2), k.transpose(1, 2)
     flops = 4.0 * qh.shape[0] * qh.shape[1] * qh.shape[2] * kh.shape[2] * qh.shape[3]
     _, name = dense_tflops(q, k, v, args.kernel)
-    dense_row = _one_row(geom, args, cdf, "1gpu-dense", name, flops / (dense[0] * 1e9), 1.0, gbps, dense)
+    dense_row = _one_row(geom, args, cdf, "1gpu-dense", name, flops / (dense[0] * 1e9), 1.0, gbps, dense, workload)
     cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl",
                        kernel=args.kernel, timeout_s=300.0)
     # the primary strategy on a group of one: the whole sequence, the strategies' kernel and
@@ -360,11 +511,11 @@ def _one_gpu_rows(args, geom, cdf, dtype, device, rank, group, dense, gbps) -> l
     whole = meta.block_mask(cfg)
     sparse_row = _one_row(geom, args, cdf, "1gpu-sparse", args.kernel,
                           kept_flops(whole, meta.shapes) / (dense[0] * 1e9),
-                          float(whole.float().mean()), gbps, dense)
+                          float(whole.float().mean()), gbps, dense, workload)
     return [(dense_row, dense_call(q, k, v, name)), (sparse_row, sparse)]
 
 
-def _one_row(geom, args, cdf, strategy, kernel, c_ms, density, gbps, dense) -> dict:
+def _one_row(geom, args, cdf, strategy, kernel, c_ms, density, gbps, dense, workload=None) -> dict:
     """A one-GPU row; ``median_ms``, ``min_ms``, ``iters`` and ``efficiency`` come with its times."""
     return {"model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads, "head_dim": geom.head_dim,
             "ranks": 1, "fabric": args.fabric, "cdf": cdf, "strategy": strategy, "transport": "none",
@@ -373,7 +524,7 @@ def _one_row(geom, args, cdf, strategy, kernel, c_ms, density, gbps, dense) -> d
             **{key: 0.0 for key in SPLIT}, "transfer_ms": 0.0, "pack_side_ms": 0.0, "host_syncs": None, "collectives": 0,
             "link_gbps": round(gbps, 2), "dense_tflops": round(dense[0], 1), "dense_kernel": dense[1],
             "compute_bound_ms": round(c_ms, 3), "transfer_bound_ms": 0.0, "bound_ms": round(c_ms, 3),
-            "efficiency": None, "ablation": None}
+            "efficiency": None, "ablation": None, **({} if workload is None else workload.row_fields())}
 
 
 def plot(path: Path) -> Path:
@@ -402,7 +553,8 @@ def plot(path: Path) -> Path:
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.scatter(xs, [r["median_ms"] for r in rs], marker="_", s=400, color="k", label="median", zorder=3)
         ax.scatter(xs, [r["bound_ms"] for r in rs], marker="v", color="g", label="bound", zorder=3)
-        labels = [f"{r['strategy']}\n{r['transport']}" + (f"\n{r['ablation']}" if r.get("ablation") else "")
+        labels = [(f"layer {r['layer']}\n" if r.get("layer") is not None else "")
+                  + f"{r['strategy']}\n{r['transport']}" + (f"\n{r['ablation']}" if r.get("ablation") else "")
                   + _env_text(r, "\n", first="\n") for r in rs]
         ax.set_xticks(list(xs), labels, fontsize=6, rotation=60, ha="right")
         ax.set(ylabel="ms per attention call", title=f"{rows[0]['model']}, {fab}")

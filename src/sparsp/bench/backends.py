@@ -30,6 +30,12 @@ def pick_fastest(candidates, measure: Callable[[str], dict]) -> tuple[str, list[
     figures, or an exception) and return the fastest by ``step_ms`` with every try:
     ``{"backend", **figures}`` or ``{"backend", "error"}``. ``RuntimeError`` listing the errors
     when none runs."""
+    return fastest(try_each(candidates, measure))
+
+
+def try_each(candidates, measure: Callable[[str], dict]) -> list[dict]:
+    """``pick_fastest``'s tries, without the pick: ``{"backend", **figures}`` or
+    ``{"backend", "error"}`` per candidate."""
     tried = []
     for name in candidates:
         try:
@@ -37,6 +43,12 @@ def pick_fastest(candidates, measure: Callable[[str], dict]) -> tuple[str, list[
         except Exception as e:  # a backend that cannot run here is a finding, not a failure
             text = str(e) if isinstance(e, BackendFailed) else f"{type(e).__name__}: {e}"
             tried.append({"backend": name, "error": " ".join(text.split())[:300]})
+    return tried
+
+
+def fastest(tried: list[dict]) -> tuple[str, list[dict]]:
+    """The fastest of ``tried`` by ``step_ms``, and ``tried``; ``RuntimeError`` listing the
+    errors when none ran."""
     ran = [t for t in tried if "error" not in t]
     if not ran:
         raise RuntimeError("no dense attention backend ran: " + "; ".join(f"{t['backend']}: {t['error']}"

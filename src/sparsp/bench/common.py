@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..timing import call_ms
+
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -45,21 +47,7 @@ def time_ms(fn, *, warmup: int, iters: int, device: torch.device) -> list[float]
     times = []
     for _ in range(iters):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        t = torch.tensor([ms], dtype=torch.float64, device=device)
+        t = torch.tensor([call_ms(fn, device)], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
     return times

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..timing import times_ms
 from .args import KERNEL_SHAPES
 
 PRESET_SHAPES = KERNEL_SHAPES
@@ -100,27 +100,6 @@ def random_masks(shape: Shape, densities, bs: int, seed: int) -> dict[str, torch
     gen = torch.Generator().manual_seed(seed + 1)
     n_q, n_k = math.ceil(shape.q_rows / bs), math.ceil(shape.k_rows / bs)
     return {f"random {p:g}": torch.rand(shape.heads, n_q, n_k, generator=gen) < p for p in densities}
-
-
-def time_ms(fn, *, warmup: int, iters: int, device: torch.device) -> list[float]:
-    """Per-iteration time in ms of ``fn`` on one device (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def _dense_calls(q, k, v, device) -> dict[str, object]:
@@ -198,7 +177,7 @@ def bench_shape(shape: Shape, args, device, dtype, kernel_names: list[str], prog
 
     def measure(row: dict, fn, flops: float) -> None:
         try:
-            ms = statistics.median(time_ms(fn, warmup=args.warmup, iters=args.iters, device=device))
+            ms = statistics.median(times_ms(fn, warmup=args.warmup, iters=args.iters, device=device))
         except Exception as e:  # one kernel failing must not lose the other rows
             errors.append({**row, "error": f"{type(e).__name__}: {e}"})
             print(f"{shape.name} {row['kernel']} {row.get('mask')}: {type(e).__name__}: {e}")

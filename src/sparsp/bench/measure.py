@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..timing import times_ms
 from .common import median
 
 
@@ -70,7 +71,7 @@ def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
     best, name = 0.0, "none"
     for label, fn in _dense_candidates(q, k, v):
         try:
-            ms = _time_local(fn)
+            ms = median(times_ms(fn, warmup=3, iters=10, device=q.device))
         except RuntimeError:
             continue
         if flops / ms / 1e9 > best:
@@ -81,20 +82,6 @@ def dense_tflops(q, k, v, kernel: str) -> tuple[float, str]:
 def dense_call(q, k, v, name: str):
     """The dense kernel ``name`` (one of ``dense_tflops``' candidates) on these tensors."""
     return dict(_dense_candidates(q, k, v))[name]
-
-
-def _time_local(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return median(times)
 
 
 def count_syncs_and_collectives(fn, profile_to: Path | None = None) -> tuple[int, int]:

@@ -36,10 +36,11 @@ import torch
 from ..demand import head_split
 from ..placement import Placement
 from ..wire import HEADER_SLOTS, summary_size
+from .balance import balanced_heads, contiguous_heads
 from .chunks import pair_cost, profile_fabric, read_fraction, transfer_hides, unit_count
 from .figures import Blocks, Demand, measure
-from .ops import (EARLY_OPS, FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, MASK_CUT_OPS,
-                  MASK_UNIT_OPS, finish_ops, issue_ops, mask_ops, run_ops)
+from .ops import (EARLY_OPS, FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, HEAD_ORDER_OPS,
+                  MASK_CUT_OPS, MASK_UNIT_OPS, finish_ops, issue_ops, mask_ops, run_ops)
 from .profiles import Profile
 
 
@@ -231,17 +232,18 @@ def gather_bytes(d: Demand, *, head_dim: int, sparse: bool) -> tuple[int, ...]:
 
 def build_work(masks: torch.Tensor, placement: Placement, spec: StrategyFacts, *, head_dim: int,
                dtype_bytes: int = 2, profile: Profile | None = None, transport: str | None = None,
-               local_first: bool | None = LOCAL_FIRST) -> Work:
+               local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None) -> Work:
     """Per-rank, per-round work of the strategy ``spec`` for masks bool [heads, nB, nB]
-    (original order); ``profile``/``transport``/``local_first``: see ``work``."""
+    (original order); ``profile``/``transport``/``local_first``/``head_order``: see ``work``."""
     schedule_of(spec)  # a byte rule the model does not know: ValueError before any work
     d = measure(masks, Blocks.of(placement), relay=spec.byte_rule == "relay")
     return work(spec, d, head_dim=head_dim, dtype_bytes=dtype_bytes, profile=profile, transport=transport,
-                local_first=local_first)
+                local_first=local_first, head_order=head_order)
 
 
 def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2, profile: Profile | None = None,
-         transport: str | None = None, graphed: bool = True, local_first: bool | None = LOCAL_FIRST) -> Work:
+         transport: str | None = None, graphed: bool = True, local_first: bool | None = LOCAL_FIRST,
+         head_order: tuple[int, ...] | None = None) -> Work:
     """Per-rank, per-round work of the strategy ``spec`` for a measured ``Demand``.
 
     Hardware-independent but for two decisions the code makes from the machine's figures
@@ -254,7 +256,12 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
     ``graphed``: the plan stage is a CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the
     default); False counts it eagerly. ``local_first``: the call's ``SparspConfig.local_first``
     (default, the config's: None, automatic); only a strategy registered ``local_first`` runs
-    local first (``Work.local_first``, always a bool)."""
+    local first (``Work.local_first``, always a bool). ``head_order``: the ``all-to-all``
+    schedule's heads in rank order (rank r computes ``head_order[first_r : first_r + H_r]``;
+    ``cost.balance.balanced_heads``); None: what ``ulysses`` runs, heads given to ranks by
+    their kept pairs (``balanced_heads`` of ``d.head_pairs``; contiguous groups where the heads
+    do not divide). It moves only the compute: every rank still receives H/G heads of every
+    token."""
     strategy = spec.name
     schedule = schedule_of(spec)
     early = resolve_local_first(local_first, spec, d, profile, transport, head_dim=head_dim,
@@ -276,8 +283,17 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
     if schedule == "all-to-all":
         split = head_split(d.heads, G)
         first = [sum(split[:r]) for r in range(G)]
+        if head_order is not None:
+            order = tuple(head_order)
+        elif d.heads % G == 0:  # as ``ulysses`` runs: heads given to ranks by their kept pairs
+            order = balanced_heads(d.head_pairs, G)
+        else:
+            order = contiguous_heads(d.heads)
+        if sorted(order) != list(range(d.heads)):
+            raise ValueError(f"head_order {order} is not a permutation of {d.heads} heads")
+        mine = [sum(d.head_pairs[h] for h in order[first[r]:first[r] + split[r]]) for r in range(G)]
         row = head_dim * dtype_bytes * d.batch
-        flops = tuple((4.0 * head_dim * sum(d.head_pairs[first[r]:first[r] + split[r]]),) for r in range(G))
+        flops = tuple((4.0 * head_dim * mine[r],) for r in range(G))
         recv = tuple(tuple(3 * tokens[(r - k) % G] * split[r] * row for k in range(1, G)) for r in range(G))
         back = tuple(tuple(tokens[r] * split[(r - k) % G] * row for k in range(1, G)) for r in range(G))
         whole = bool(d.block_size) and all(t % d.block_size == 0 for t in tokens[:-1])
@@ -296,8 +312,11 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
                                  + BH * tokens[r] * head_dim * (ULYSSES_INPUT_BYTES + ULYSSES_PIECE_BYTES * (G - 1) / G)),)
                           for r in range(G))
             launches = tuple((G * G,) for _ in range(G))
-        density = tuple(sum(d.head_pairs[first[r]:first[r] + split[r]]) / max(1, d.batch * split[r] * sum(tokens) ** 2)
-                        for r in range(G))
+        density = tuple(mine[r] / max(1, d.batch * split[r] * sum(tokens) ** 2) for r in range(G))
+        if order != contiguous_heads(d.heads):  # the heads reordered before the run, back after it
+            before, after = HEAD_ORDER_OPS
+            host["run_ops"] = tuple((a + before, b + before, c + after) for a, b, c in host["run_ops"])
+            host["issue_ops"] = tuple(i + before for i in host["issue_ops"])
         return Work(strategy, schedule, G, flops, launches, recv, back, masking,
                     merge_bytes=merge, gather_bytes=gathered, heads=d.heads, tokens=sum(tokens),
                     density=density, **host)

@@ -11,7 +11,7 @@ at G = 2, 3, 4, 6 unless its comment says otherwise. ``Profile.op_ms`` prices on
 from __future__ import annotations
 
 __all__ = ["EARLY_OPS", "FINISH_OPS", "FINISH_UNIT_OPS", "GRAPHED_MASK_CUT_OPS", "GRAPHED_MASK_OPS",
-           "GRAPHED_MASK_UNIT_OPS", "LOCAL_FIRST_RUN_OPS", "MASK_CUT_OPS", "MASK_OPS", "MASK_UNIT_OPS",
+           "GRAPHED_MASK_UNIT_OPS", "HEAD_ORDER_OPS", "LOCAL_FIRST_RUN_OPS", "MASK_CUT_OPS", "MASK_OPS", "MASK_UNIT_OPS",
            "ONE_RANK_GRAPHED_MASK_OPS", "ONE_RANK_LOCAL_FIRST_RUN_OPS", "ONE_RANK_MASK_OPS",
            "ONE_RANK_RUN_OPS", "RUN_OPS", "finish_ops", "issue_ops", "mask_ops", "run_ops"]
 
@@ -25,14 +25,14 @@ __all__ = ["EARLY_OPS", "FINISH_OPS", "FINISH_UNIT_OPS", "GRAPHED_MASK_CUT_OPS",
 # the same in both orders (``SparspConfig.local_first`` moves what comes after the read). The
 # call's profiler ranges (``groups.marker``) issue no op unless a profiler records.
 MASK_OPS = {"dense": (50, 0, 0), "sparse": (98, 15, 0), "direct": (107, 119, 0),
-            "relay": (135, 63, 4)}
+            "relay": (135, 63, 4), "all-to-all": (123, 17, 0)}
 # The same on CUDA, where the sparse strategies replay the stage from the gathered rows to the
 # counts as one CUDA graph per geometry (``strategies/captured.py``, the default): the stage's
 # ops become one graph launch, which reads the gathered rows in place; what remains is the
 # summaries kernel (replayed from its own graph: one launch) and the all-gather before it and
 # the read's start after it. Dense strategies compute no mask and run no graph.
 GRAPHED_MASK_OPS = {"dense": (50, 0, 0), "sparse": (5, 0, 0), "direct": (5, 0, 0),
-                    "relay": (5, 0, 0)}
+                    "relay": (5, 0, 0), "all-to-all": (5, 0, 0)}
 # The same counts for a ``direct`` strategy on a group of one (the one-GPU reference of ``bench
 # attention``'s ``1gpu-sparse`` row: a plan without peers): 94 eager, 5 graphed.
 ONE_RANK_MASK_OPS, ONE_RANK_GRAPHED_MASK_OPS = {"direct": 94}, {"direct": 5}
@@ -72,6 +72,12 @@ LOCAL_FIRST_RUN_OPS = {"dense": ((37, 0, 0), (72, 0, 0), (9, 57, 0), (25, 0, 0))
                        "direct": ((12, 0, 0), (28, 0, 0), (-23, 39, 0), (25, 0, 0)),
                        "relay": ((12, 0, 0), (76, 0, 0), (-45, 87, 0), (25, 0, 0))}
 ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 2)}  # no fetch, no remote kernel: the output's ops
+# The all-to-all with its heads reordered by density (``strategies/ulysses.py``, where the
+# balanced order is not the contiguous one): before its first fetch, the order's index tensor
+# and q's, k's, v's and the mask's heads in that order (5 ops); after its last kernel, the
+# inverse order and the output's heads put back (2). Counted at G = 3, 4, 6, where the counting
+# geometry's heads are reordered (at G = 2 they are not).
+HEAD_ORDER_OPS = (5, 2)
 # A ``direct`` strategy cuts a payload into head-group units before the sync (``cost/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): the units' selections
 # are stacked and laid out by one set of kernels (``packing.prepare`` on [U, B·H, n]), and a

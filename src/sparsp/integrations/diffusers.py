@@ -27,9 +27,10 @@ parts of the model see one new local sequence length per geometry, which dynamo 
 with its automatic dynamic shapes (one recompilation when the second size arrives, then a
 dynamic graph), far from the recompile limit.
 
-With ``group=None`` and one process (or ``emulate_ranks=G``) nothing is communicated: the
-whole placed sequence stays in the process and attention runs under the masks that G ranks
-would compute (``reference.reference_sp_attention``), so a user sees what sparsity alone does.
+Without a process group (or with ``emulate_ranks=G``) nothing is communicated: the whole
+placed sequence stays in the process and attention runs under the masks that G ranks would
+compute (``reference.reference_sp_attention``), so a user sees what sparsity alone does. A
+process group of one runs ``sp_attention`` on it: the fast one-GPU path.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class TokenLayout:
     text_order: torch.Tensor  # text ids ← cat of every rank's text ids
     attn_tokens: torch.Tensor  # original token id of every token of the attention sequence
     cache: dict = field(default_factory=dict)
+    identity: bool = False  # a group of one in the model's own order: nothing to cut, permute or gather
 
     def on(self, name: str, device) -> torch.Tensor:
         """An index tensor on ``device`` (moved once, kept)."""
@@ -118,7 +120,7 @@ class Runtime:
         # sparsp trace / bench: called with the block mask bool [H, N, N] (batch element 0) of
         # every attention call of the single-process mode
         self.on_mask = None
-        # bench e2e --weights synthetic-structure: (layout, q) -> (q, k) of the attention sequence
+        # bench e2e --weights synthetic-structure: (layout, q, layer) -> (q, k) of the attention sequence
         self.qk_override = None
 
     def describe(self) -> str:
@@ -159,8 +161,10 @@ class Runtime:
                                     for r in range(self.ranks)])
             lens = pl.tokens_per_rank
             attn_tokens = pl.perm
+        identity = self.ranks == 1 and bool((pl.perm == torch.arange(len(pl.perm))).all())
         return TokenLayout(geom, pl, video_ids, attn_index, lens, [len(x) for x in vids],
-                           torch.argsort(torch.cat(vids)), [len(x) for x in tids], torch.cat(tids), attn_tokens)
+                           torch.argsort(torch.cat(vids)), [len(x) for x in tids], torch.cat(tids), attn_tokens,
+                           identity=identity)
 
     # --- tensors ------------------------------------------------------------------------------
     def split(self, x: torch.Tensor, spec: Split, what: str) -> torch.Tensor:
@@ -175,11 +179,15 @@ class Runtime:
                 return x
             raise ValueError(f"sparsp: {what} (shape {tuple(x.shape)}) has no {lay.geometry.video_tokens} "
                              f"entries along dim {spec.dim} for the video tokens of {lay.geometry.describe()}")
+        if lay.identity:
+            return x
         return x.index_select(spec.dim, lay.on("video_ids", x.device))
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole video along ``dim`` in original order, from every rank's part."""
         lay = self.current
+        if lay.identity:
+            return x
         if self.distributed:
             x = torch.cat(self._all_gather(x, dim, lay.video_parts), dim=dim)
             return x.index_select(dim, lay.on("video_order", x.device))
@@ -187,6 +195,8 @@ class Runtime:
 
     def _all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> list[torch.Tensor]:
         """Every rank's ``x`` (``sizes[r]`` entries along ``dim``), padded for the collective."""
+        if self.ranks == 1:  # a group of one: nothing to gather
+            return [x]
         x = x.movedim(dim, 0).contiguous()
         pad = max(sizes)
         buf = torch.zeros((pad, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -197,21 +207,22 @@ class Runtime:
 
     # --- attention ----------------------------------------------------------------------------
     @torch.compiler.disable
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """Self-attention of the held video tokens (then all text tokens, HunyuanVideo):
-        (B, n_video + n_text, H, D) in, same out."""
+        (B, n_video + n_text, H, D) in, same out. ``layer``: the calling processor's layer
+        (``sp_attention(layer=)``; ``qk_override`` receives it too)."""
         lay = self.current
         text = lay.geometry.text_tokens
         if q.shape[1] != len(lay.video_ids) + text:
             raise ValueError(f"sparsp: attention got {q.shape[1]} tokens, expected "
                              f"{len(lay.video_ids)} video + {text} text tokens")
-        if text:
+        if text and not lay.identity:
             idx = lay.on("attn_index", q.device)
             q, k, v = (t.index_select(1, idx) for t in (q, k, v))
         if self.qk_override is not None:
-            q, k = self.qk_override(lay, q)
-        out = self._attention(q.contiguous(), k.contiguous(), v.contiguous(), lay)
-        if not text:
+            q, k = self.qk_override(lay, q, layer)
+        out = self._attention(q.contiguous(), k.contiguous(), v.contiguous(), lay, layer)
+        if not text or lay.identity:
             return out
         full = torch.empty((q.shape[0], len(lay.video_ids) + text, *q.shape[2:]), dtype=out.dtype, device=out.device)
         full.index_copy_(1, lay.on("attn_index", q.device), out)
@@ -221,11 +232,11 @@ class Runtime:
             full[:, nv:].index_copy_(1, lay.on("text_order", q.device), torch.cat(parts, dim=1))
         return full
 
-    def _attention(self, q, k, v, lay: TokenLayout) -> torch.Tensor:
+    def _attention(self, q, k, v, lay: TokenLayout, layer: int | None = None) -> torch.Tensor:
         if self.distributed:
             from ..strategies import sp_attention
 
-            return sp_attention(q, k, v, group=self.group, strategy=self.strategy, config=self.config)
+            return sp_attention(q, k, v, group=self.group, strategy=self.strategy, config=self.config, layer=layer)
         from .reference import reference_sp_attention, split_block_mask
 
         out, mask = reference_sp_attention(q, k, v, lens=lay.lens, strategy=self.strategy, config=self.config,
@@ -367,8 +378,10 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
         transformer: a Diffusers ``HunyuanVideoTransformer3DModel``, ``WanTransformer3DModel``,
             ``LTXVideoTransformer3DModel`` or ``LTX2VideoTransformer3DModel`` — the same model
             (same weights) on every rank of ``group``, called with the same inputs.
-        group: the process group (``None``: the default group). With no process group, or one
-            process, ``parallelize`` installs the single-process sparse processor.
+        group: the process group (``None``: the default group). A group of one process runs
+            ``sp_attention`` on it (one GPU: the sparse kernel where the mask pays, else the
+            dense one). With no process group (``torch.distributed`` not initialised),
+            ``parallelize`` installs the single-process sparse processor (the reference).
         config: thresholds, block size, transport, kernel (``SparspConfig``).
         strategy: any registered strategy (``sparsp.strategies.registry.strategy_names()``;
             ``ring`` is the dense baseline).
@@ -400,10 +413,12 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
         if isinstance(emulate_ranks, bool) or not isinstance(emulate_ranks, int) or emulate_ranks < 1:
             raise ValueError(f"emulate_ranks must be a positive int, got {emulate_ranks!r}")
         distributed, ranks, rank = False, emulate_ranks, 0
-    elif dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    elif dist.is_available() and dist.is_initialized():
+        # any process group, one process included (``sp_attention`` on one GPU: its kernels, mask
+        # and choice of the dense kernel, ``strategies/one_gpu.py``)
         distributed, ranks, rank = True, dist.get_world_size(group), dist.get_rank(group)
     elif group is not None:
-        raise ValueError("group was given but torch.distributed is not initialised (or has one process)")
+        raise ValueError("group was given but torch.distributed is not initialised")
     else:
         distributed, ranks, rank = False, 1, 0
     attn = _modules(transformer, plan.self_attention)
@@ -423,10 +438,13 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
              rt.describe(), len(attn), heads, head_dim)
     # 3. Processors: video self-attention (and LTX-2's video-K/V attention); originals kept.
     proc_cls = PROCESSORS[plan.processor]
-    for name, module in attn.items():
+    for layer, (name, module) in enumerate(attn.items()):  # layer: its place in named_modules order
         rt.originals[name] = module.processor
-        module.set_processor(proc_cls(rt))
-    for name, module in _modules(transformer, plan.video_kv_attention).items():
+        module.set_processor(proc_cls(rt, layer=layer))
+    # attention over the sharded video keys (LTX-2's audio queries); one rank holds them all, so
+    # there the model's own processor serves, on its fused kernel
+    kv_modules = _modules(transformer, plan.video_kv_attention) if not (distributed and ranks == 1) else {}
+    for name, module in kv_modules.items():
         rt.originals[name] = module.processor
         module.set_processor(VideoKVProcessor(rt))
     log.info("sparsp: installed %s processors on %d modules", proc_cls.__name__, len(rt.originals))

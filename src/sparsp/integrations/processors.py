@@ -20,15 +20,20 @@ import torch
 
 
 class SparspProcessor:
-    """Base: holds the model's runtime; subclasses implement ``__call__`` like Diffusers'."""
+    """Base: holds the model's runtime and, for a self-attention processor, its layer: the
+    position of its module among the model's self-attention modules (``parallelize``), which
+    each attention call passes on (``Runtime.attend(..., layer=)``: ``strategy="auto"`` logs
+    its choice per layer). Subclasses implement ``__call__`` like Diffusers'."""
 
     kind = ""
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, layer: int | None = None) -> None:
         self.runtime = runtime
+        self.layer = layer
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.runtime.describe()})"
+        where = "" if self.layer is None else f", layer {self.layer}"
+        return f"{type(self).__name__}({self.runtime.describe()}{where})"
 
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,7 +58,7 @@ class WanSelfProcessor(SparspProcessor):
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = _rotate_pairs(q, *rotary_emb), _rotate_pairs(k, *rotary_emb)
-        out = self.runtime.attend(q, k, v).flatten(2, 3).type_as(q)
+        out = self.runtime.attend(q, k, v, layer=self.layer).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -98,7 +103,7 @@ class LTXSelfProcessor(SparspProcessor):
                 q = _ltx_rope(attn, q, query_rotary_emb)
                 k = _ltx_rope(attn, k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
             q, k, vh = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-            out = self.runtime.attend(q, k, vh).flatten(2, 3).to(q.dtype)
+            out = self.runtime.attend(q, k, vh, layer=self.layer).flatten(2, 3).to(q.dtype)
             if perturbation_mask is not None:
                 out = torch.lerp(v, out, perturbation_mask)
         out = _gated(attn, out, gate_logits)
@@ -166,7 +171,7 @@ class HunyuanJointProcessor(SparspProcessor):
             if attn.norm_added_k is not None:
                 tk = attn.norm_added_k(tk)
             q, k, v = torch.cat([q, tq], dim=1), torch.cat([k, tk], dim=1), torch.cat([v, tv], dim=1)
-        out = self.runtime.attend(q, k, v).flatten(2, 3).to(q.dtype)
+        out = self.runtime.attend(q, k, v, layer=self.layer).flatten(2, 3).to(q.dtype)
         video, text = out[:, :n_video], out[:, n_video:]
         if getattr(attn, "to_out", None) is not None:
             video = attn.to_out[1](attn.to_out[0](video))

@@ -1,6 +1,7 @@
 """``sparsp simulate``: the cost model (``sparsp.cost``) swept over strategies and G on a profile.
 
-``job``: the ``sparsp simulate`` run (sweep over G, validation, JSON + PNG); ``calibrate``: a
+``job``: the ``sparsp simulate`` run (sweep over G, validation, JSON + PNG); ``layers``: with
+a density profile, the whole model's step, layer by layer on calibrated masks; ``calibrate``: a
 profile fitted to ``bench transport`` and ``bench kernel`` results; ``opcount``: recounts the
 host's op counts the model charges (``cost.ops``); ``cli``: the command line. ``model``,
 ``profiles`` and ``timeline`` are the cost model's modules as this package has always named

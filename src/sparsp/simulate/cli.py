@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..inputs import add_density_profile_arguments
+
 DESCRIPTION = (
     "Predict, on the CPU, the per-rank and per-round timing of every sequence-parallel strategy "
     "on a fabric profile, from the exact demand of `sparsp analyze` (synthetic masks) and a cost "
@@ -14,6 +16,10 @@ DESCRIPTION = (
     "path. Prints a table; writes DIR/simulate.json and PNGs of "
     "latency and speedup versus G. Profiles: h200x2-nvlink, h200x2-host (measured), "
     "pcie4-8gpu-p2p/-nop2p, pcie5-8gpu-p2p/-nop2p (public specifications), or a profile .json. "
+    "With --density-profile, the WHOLE MODEL's step instead: every layer on its own masks, calibrated "
+    "to a real model's per-head densities as in `sparsp analyze --density-profile`, summed over the "
+    "layers per strategy, for `auto` (its per-layer picks) and for ulysses with heads given to ranks "
+    "by density; on every built-in profile unless --fabric names some. "
     "Method and sources: docs/simulate.md."
 )
 
@@ -24,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="sequence-parallel degrees G")
-    p.add_argument("--fabric", default="pcie4-8gpu-nop2p",
-                   help=f"profile name ({', '.join(PROFILE_NAMES)}) or a profile .json file")
+    p.add_argument("--fabric", nargs="+", default=None, metavar="PROFILE",
+                   help=f"profile name ({', '.join(PROFILE_NAMES)}) or a profile .json file (default: "
+                        f"pcie4-8gpu-nop2p); with --density-profile several, or `all` (every built-in "
+                        f"profile: the default there), a profile of fewer GPUs than G skipped at that G")
     p.add_argument("--cdf", type=float, nargs="+", default=[0.9], help="CDF thresholds")
     p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
                    help="strategies (default: every registered one; an unknown name is refused with "
@@ -45,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "strategies registered local_first launch it before the read "
                         "where the code's rule would (not over nccl; the first round moves in less "
                         "time than the local kernel computes)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic masks")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic masks (with --density-profile: of a calibration fitted now)")
     p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
                    help="bench transport (and bench kernel) results to fit the profile to: "
                         "transports alone and under load, kernel rates per head dim and per shape "
@@ -54,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bench attention results whose multi-GPU strategy rows to predict, never "
                         "fitted on (no file: the newest attention-*.json per model and machine in "
                         "bench/results)")
+    add_density_profile_arguments(
+        p, use="predict the whole model's step, each layer on masks calibrated to it (not with "
+               "--validate or --text)", fitted="DIR/calibration.json")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --density-profile: the model's first N layers (default: all of them)")
     p.add_argument("--out", type=Path, default=Path("results/simulate"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -71,8 +85,21 @@ def check_files(args) -> None:
     from ..names import PROFILE_NAMES
     from .calibrate import read_result
 
-    fabric = args.fabric
-    if fabric not in PROFILE_NAMES and (fabric.endswith(".json") or Path(fabric).exists()):
+    for fabric in args.fabric or ():
+        if fabric != "all":
+            _check_profile_file(fabric, PROFILE_NAMES)
+    for path in args.calibrate or ():
+        read_result(path, ("transport", "kernel"), "--calibrate")
+    for path in args.validate or ():
+        read_result(path, ("attention",), "--validate")
+    if getattr(args, "calibration", None) is not None:
+        read_json(args.calibration, "--calibration", what="sparsp calibration (JSON)")
+
+
+def _check_profile_file(fabric: str, names) -> None:
+    from ..inputs import read_json
+
+    if fabric not in names and (fabric.endswith(".json") or Path(fabric).exists()):
         doc = read_json(fabric, "--fabric", what="sparsp profile (JSON)")
         if not isinstance(doc, dict):
             raise ValueError(f"--fabric {fabric}: not a sparsp profile: the JSON is a {type(doc).__name__}, "
@@ -86,10 +113,6 @@ def check_files(args) -> None:
             Profile.from_dict(doc.get("profile", doc))
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"--fabric {fabric}: {' '.join(str(e).split())}") from None
-    for path in args.calibrate or ():
-        read_result(path, ("transport", "kernel"), "--calibrate")
-    for path in args.validate or ():
-        read_result(path, ("attention",), "--validate")
 
 
 def check_combinations(args) -> None:
@@ -129,8 +152,16 @@ def main(args) -> int:
             args.calibrate = discover_calibration()
         check_files(args)
         check_combinations(args)
+        fabrics = tuple(args.fabric or (("all",) if args.density_profile is not None else ()))
+        if args.density_profile is None and (len(fabrics) > 1 or "all" in fabrics):
+            raise ValueError(f"--fabric {' '.join(fabrics)}: several profiles need --density-profile "
+                             f"(the one-call sweep takes one profile)")
         cfg = SimulateConfig(
-            model=args.model, ranks=tuple(args.ranks), fabric=args.fabric, cdf=tuple(args.cdf),
+            model=args.model, ranks=tuple(args.ranks), cdf=tuple(args.cdf),
+            fabric=fabrics[0] if len(fabrics) == 1 and fabrics[0] != "all" else "pcie4-8gpu-nop2p",
+            fabrics=fabrics if args.density_profile is not None else (),
+            density_profile=args.density_profile, step=args.step, calibration=args.calibration,
+            layers=args.layers, out=args.out,
             strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
             text=args.text, dtype=args.dtype, prefetch=1 if args.prefetch is None else args.prefetch,
             seed=args.seed,
@@ -138,18 +169,28 @@ def main(args) -> int:
             validate=None if args.validate is None else tuple(args.validate),
             **({"local_first": False} if args.no_local_first else {}),  # else the config's default
         )
+        run, write = simulate, write_outputs
+        if cfg.density_profile is not None:  # the whole model's step
+            from .layers import simulate_model, write_model
+
+            run, write = simulate_model, write_model
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
-            doc = simulate(cfg, progress)
+            doc = run(cfg, progress)
     except (ValueError, OSError) as e:
         return _error(e)
     except (KeyError, TypeError, IndexError) as e:  # a result file whose rows lack a field
         files = ", ".join(map(str, [*(args.calibrate or ()), *(args.validate or ())])) or "the inputs"
         return _error(f"a row of {files} lacks a field or has a value of the wrong type: "
                       f"{type(e).__name__}: {e}")
-    print_tables(doc, console)
+    if doc.get("mode") == "model":
+        from .layers import print_model
+
+        print_model(doc, console)
+    else:
+        print_tables(doc, console)
     try:
-        paths = write_outputs(doc, args.out, plots=not args.no_plots)
+        paths = write(doc, args.out, plots=not args.no_plots)
     except OSError as e:
         return _error(f"cannot write to --out {args.out}: {e}")
     console.print("wrote " + ", ".join(str(p) for p in paths))

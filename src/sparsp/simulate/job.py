@@ -29,6 +29,7 @@ from ..cost.profiles import Profile, get_profile
 from ..cost.timeline import bottleneck, timeline
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
+from ..cost.balance import contiguous_heads
 from .model import build_work
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
@@ -65,6 +66,21 @@ class SimulateConfig:
     validate: tuple[Path, ...] | None = None
     """``bench attention`` result files to predict; () = discover ``bench/results/attention-*.json``;
     None = no validation."""
+    density_profile: Path | None = None
+    """A per-(step, layer, head) density profile (``sparsp.density``) matching the preset: the
+    whole model's step is predicted, each layer on its own calibrated masks (``simulate.layers``)."""
+    step: int | None = None
+    """With ``density_profile``: the profile's step (1-based); None: the mean over steps."""
+    calibration: Path | None = None
+    """With ``density_profile``: fitted parameters to reuse (``sparsp.calibration`` JSON);
+    None: fit them now (and write ``out``/calibration.json)."""
+    layers: int | None = None
+    """With ``density_profile``: the model's first N layers; None: all of them."""
+    fabrics: tuple[str, ...] = ()
+    """With ``density_profile``: the profiles to predict on (names, profile JSON files, or
+    ``all``: every built-in one); empty: ``fabric`` alone."""
+    out: Path | None = None
+    """Where a calibration fitted now is written (``density_profile``)."""
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -88,6 +104,30 @@ class SimulateConfig:
             raise ValueError(f"--prefetch must be an int >= 1, got {self.prefetch!r}")
         if self.local_first is not None and not isinstance(self.local_first, bool):
             raise ValueError(f"local_first must be None (automatic), True or False, got {self.local_first!r}")
+        if self.density_profile is None:
+            for name, value in (("--step", self.step), ("--calibration", self.calibration),
+                                ("--layers", self.layers), ("several --fabric", self.fabrics or None)):
+                if value is not None:
+                    raise ValueError(f"{name} needs --density-profile")
+        else:
+            if self.validate is not None:
+                raise ValueError("--validate cannot apply with --density-profile: it predicts bench attention "
+                                 "rows, measured on synthetic masks; drop one of them")
+            if self.text:
+                raise ValueError("--text cannot apply with --density-profile: the calibrated masks are those of "
+                                 "`sparsp analyze`, on the preset's whole sequence; drop --text")
+            if self.calibrate and len(self.fabric_names()) > 1:
+                raise ValueError("--calibrate fits one profile: give one --fabric with it")
+            if self.layers is not None and self.layers < 1:
+                raise ValueError(f"--layers must be >= 1, got {self.layers}")
+
+    def fabric_names(self) -> tuple[str, ...]:
+        """The profiles asked for: ``fabrics`` (``all``: every built-in one), else ``fabric``."""
+        from ..names import PROFILE_NAMES
+
+        names = self.fabrics or (self.fabric,)
+        out = tuple(dict.fromkeys(n for f in names for n in (PROFILE_NAMES if f == "all" else (f,))))
+        return out
 
 
 def geometry(model: str, text: bool = False) -> VideoGeometry:
@@ -138,41 +178,54 @@ def bottleneck_label(compute_ms: float, exposed_ms: float, fixed_ms: float) -> s
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
                  placement: str = "auto", transport: str | None = None, prefetch: int = 1,
                  dtype_bytes: int = 2, chunking: Profile | None = None,
-                 local_first: bool | None = LOCAL_FIRST) -> dict:
+                 local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None) -> dict:
     """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
 
     ``chunking``: the profile a chunking strategy decides its drain units from, and an automatic
     ``local_first`` its order (``cost/chunks.py`` reads the profile ``env.profile()`` names, else the
     built-in 2×H200 profile of the path); default ``profile``, the machine's own.
     ``local_first``: the calls' ``SparspConfig.local_first`` (the row's ``local_first`` says
-    whether ``strategy`` then runs local first)."""
+    whether ``strategy`` then runs local first). ``head_order``: a head-sharded strategy's heads
+    in rank order (``cost.model.work``; None: by density, as it runs)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
     work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
-                      profile=chunking or profile, transport=transport, local_first=local_first)
-    kw = dict(transport=transport, head_dim=geom.head_dim, prefetch=prefetch)
+                      profile=chunking or profile, transport=transport, local_first=local_first,
+                      head_order=head_order)
+    return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)
+
+
+def row_of(work, profile: Profile, *, placement: str, transport: str | None, prefetch: int, head_dim: int,
+           rounds: bool = True, savings: bool = True) -> dict:
+    """A ``Work`` scheduled on ``profile`` → its JSON row (``simulate_one``); ``rounds``: with
+    the slowest rank's task-by-task rounds; ``savings``: with what each cost, made free, would
+    save (``savings_ms``: the timeline again per cost)."""
+    strategy, G, kind = work.strategy, work.ranks, placement
+    kw = dict(transport=transport, head_dim=head_dim, prefetch=prefetch)
     tl = timeline(work, profile, **kw)
-    _, savings = bottleneck(work, profile, tl, **kw)
     r = tl.critical_rank
     compute = tl.busy(r, "compute")
     fixed = tl.busy(r, "fixed")
     exposed = max(0.0, tl.finish[r] - compute - fixed)
     label = bottleneck_label(compute, exposed, fixed)
-    rounds = [{"kind": t.kind, "round": t.round, "phase": t.phase, "from": t.sender, "bytes": int(t.nbytes),
-               "start_ms": round(t.start, 4), "end_ms": round(t.end, 4)}
-              for t in sorted((t for t in tl.tasks if t.rank == r), key=lambda t: (t.start, t.end))]
     per_rank = work.bytes_per_rank
-    return {
+    row = {
         "strategy": strategy, "ranks": G, "placement": kind,
         "transport": profile.transport(transport).name, "local_first": work.local_first,
         "predicted_ms": round(tl.latency_ms, 4), "bottleneck": label,
-        "savings_ms": {k: round(v, 4) for k, v in savings.items()},
         "critical_rank": r, "compute_ms": round(compute, 4), "fixed_ms": round(fixed, 4),
         "transfer_ms": round(tl.busy(r, "transfer"), 4),
         "exposed_ms": round(exposed, 4),
         "finish_ms": [round(f, 4) for f in tl.finish],
-        "bytes_max_rank": max(per_rank), "bytes_total": sum(per_rank), "rounds": rounds,
+        "bytes_max_rank": max(per_rank), "bytes_total": sum(per_rank),
     }
+    if savings:
+        row["savings_ms"] = {k: round(v, 4) for k, v in bottleneck(work, profile, tl, **kw)[1].items()}
+    if rounds:
+        row["rounds"] = [{"kind": t.kind, "round": t.round, "phase": t.phase, "from": t.sender,
+                          "bytes": int(t.nbytes), "start_ms": round(t.start, 4), "end_ms": round(t.end, 4)}
+                         for t in sorted((t for t in tl.tasks if t.rank == r), key=lambda t: (t.start, t.end))]
+    return row
 
 
 def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile,
@@ -193,6 +246,8 @@ def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile,
 
 def simulate(cfg: SimulateConfig, progress=None) -> dict:
     """Run the sweep (and calibration, validation) → the ``simulate.json`` document."""
+    if cfg.density_profile is not None:
+        raise ValueError("a density profile's whole-model step is simulate.layers.simulate_model's")
     t0 = time.perf_counter()
     profile = get_profile(cfg.fabric)
     calibration = None
@@ -366,6 +421,16 @@ def row_local_first(row: dict) -> bool:
     return value
 
 
+def row_head_order(row: dict, heads: int) -> tuple[int, ...] | None:
+    """The head order a ``bench attention`` row's head-sharded strategy ran: by density (None,
+    the model's default) where the row says ``head_order: "density"``; rows written before
+    ``ulysses`` balanced its heads ran contiguous head groups."""
+    value = row.get("head_order")
+    if value not in (None, "density"):
+        raise ValueError(f"head_order must be \"density\" or absent, got {value!r}")
+    return None if value == "density" else contiguous_heads(heads)
+
+
 def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     if row["model"] not in PRESETS:
         raise ValueError(f"unknown model {row['model']!r}")
@@ -384,7 +449,7 @@ def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
     return simulate_one(masks, geom, row["strategy"], G, profile.widened(G),
                         placement=row.get("placement", "auto"), transport=row["transport"],
                         chunking=get_profile(f"h200x2-{row['fabric']}").widened(G),
-                        local_first=row_local_first(row))
+                        local_first=row_local_first(row), head_order=row_head_order(row, geom.heads))
 
 
 # --- outputs -----------------------------------------------------------------------------------

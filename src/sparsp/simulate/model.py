@@ -40,18 +40,19 @@ def schedule_of(strategy: str | StrategyFacts) -> str:
 
 def build_work(masks: torch.Tensor, placement: Placement, strategy: str | StrategyFacts, *, head_dim: int,
                dtype_bytes: int = 2, profile: Profile | None = None, transport: str | None = None,
-               local_first: bool | None = LOCAL_FIRST) -> Work:
+               local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None) -> Work:
     """``cost.model.build_work`` of a strategy name or its facts."""
     return _model.build_work(masks, placement, spec_of(strategy), head_dim=head_dim, dtype_bytes=dtype_bytes,
-                             profile=profile, transport=transport, local_first=local_first)
+                             profile=profile, transport=transport, local_first=local_first,
+                             head_order=head_order)
 
 
 def work(strategy: str | StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
          profile: Profile | None = None, transport: str | None = None, graphed: bool = True,
-         local_first: bool | None = LOCAL_FIRST) -> Work:
+         local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None) -> Work:
     """``cost.model.work`` of a strategy name or its facts."""
     return _model.work(spec_of(strategy), d, head_dim=head_dim, dtype_bytes=dtype_bytes, profile=profile,
-                       transport=transport, graphed=graphed, local_first=local_first)
+                       transport=transport, graphed=graphed, local_first=local_first, head_order=head_order)
 
 
 def resolve_local_first(setting: bool | None, strategy: str | StrategyFacts, d: Demand, profile: Profile | None,

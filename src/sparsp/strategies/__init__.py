@@ -59,6 +59,7 @@ def sp_attention(
     group=None,
     strategy: str = "sparsp",
     config: SparspConfig = SparspConfig(),
+    layer: int | None = None,
     _global_mask: torch.Tensor | None = None,
     _timer=None,
 ) -> torch.Tensor:
@@ -72,13 +73,18 @@ def sp_attention(
     ``block_mask`` when every slice but the last is a whole number of blocks).
     ``strategy="ring"`` is the dense baseline and ignores the thresholds; ``strategy="auto"``
     picks one per call from the call's own mask and a machine profile (``strategies/auto.py``).
-    ``_global_mask``
+    ``layer``: the index of the model layer this call attends for (an int >= 0; None: not
+    said). Only what is reported uses it: ``auto`` logs its choice once per geometry and layer
+    (layers of one geometry differ in how dense their masks are, so each may take another
+    strategy); the result does not depend on it. ``_global_mask``
     (bool [B, H, N, N], N = global blocks) replaces the CDF mask — for tests; ``_timer``
     (a ``base.PhaseTimer``) times the phases — for benchmarks.
     """
     validate(q, k, v, group, strategy, config)
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+        raise ValueError(f"layer must be an int >= 0 or None, got {layer!r}")
     transport = get_transport(config.transport, group, q.device, config.timeout_s, config.local_transport)
-    request = Request(q, k, v, group, strategy, config, transport, _global_mask, _timer)
+    request = Request(q, k, v, group, strategy, config, transport, _global_mask, _timer, layer=layer)
     with torch.no_grad():
         meta = request.gather()  # every rank's header and summaries, one all-gather
         call, staged = request.stage(meta)  # the mask, the payloads' selections, the counts to read

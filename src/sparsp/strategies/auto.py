@@ -37,7 +37,10 @@ mask) costs a lookup there instead of building and rounding its ``Demand`` again
 figures, shapes (the same object: the group's cached ones) and settings equal the previous
 call's takes that call's decision after one list comparison, before any key is built. The
 choice and its predicted times are logged once per geometry on the ``sparsp`` logger (and at
-debug level whenever they change); ``last_decision()`` returns the latest one.
+debug level whenever they change); a call that names its layer (``sp_attention(layer=...)``,
+as the Diffusers processors do) is logged once per geometry and layer, since the layers of one
+model differ in how dense their masks are and so in what pays. ``last_decision()`` returns the
+latest one.
 ``SPARSP_PROFILE`` naming a JSON file is read once per value.
 
 A denoising loop gives every layer a new mask each step, so exact figures rarely repeat there:
@@ -116,7 +119,7 @@ _widened: dict[tuple, object] = {}  # (SPARSP_PROFILE, ipc?, ranks) → the wide
 _logged: dict[tuple, str] = {}
 _blocks: dict[tuple, object] = {}
 _last: Decision | None = None
-_repeat: tuple | None = None  # (figures, shapes, settings, decision) of the last call decided
+_repeat: tuple | None = None  # (figures, shapes, settings, decision, layer) of the last call decided
 
 
 def use_profile(profile=None) -> None:
@@ -234,20 +237,31 @@ def figures(mask: torch.Tensor, sh: Shapes) -> torch.Tensor:
     return demand_figures(mask.reshape(B * H, N, N), _blocks_of(sh, mask.device), batch=B)
 
 
+def head_pairs(host: list[int], sh: Shapes) -> list[int]:
+    """Kept token pairs per head, from ``figures`` read on the host (what a head-sharded
+    strategy balances its ranks by, ``ulysses``)."""
+    G = sh.world_size
+    return host[2 * G * G: 2 * G * G + sh.heads]
+
+
 def _cached(cache: OrderedDict, key, make):
     """``cache[key]``, made by ``make()`` when missing; least recently used out past
     ``_CACHE_SIZE`` entries."""
     return lru_get(cache, key, make, _CACHE_SIZE)
 
 
-def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, transport) -> str:
+def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, transport,
+                layer: int | None = None) -> str:
     """The strategy for this call (same on every rank) from ``figures`` read on the host; see
-    the module docstring."""
+    the module docstring. ``layer``: the model layer of the call (None: not said), for the log."""
     global _last, _repeat
     token = ("set", id(_profile)) if _profile is not None else ("env", env_profile() or "")
     settings = (transport.name, q.dtype, config.prefetch, config.local_first, token, id(group))
-    if _repeat is not None and _repeat[1] is sh and _repeat[2] == settings and _repeat[0] == host:
-        _last = _repeat[3]  # the same figures as the last call of this geometry: its decision
+    if _repeat is not None and _repeat[1] is sh and _repeat[2] == settings and _repeat[4] == layer \
+            and _repeat[0] == host:
+        # the same figures as the last call of this geometry (and layer: another layer may
+        # still owe its log line): its decision
+        _last = _repeat[3]
         return _last.strategy
     H, G = sh.heads, sh.world_size
     names = candidates(H, G)
@@ -258,13 +272,14 @@ def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, tra
     decision, density = _cached(_exact, key, lambda: _decision(host, sh, q, config, transport, names,
                                                                id(group)))
     _last = decision
-    _repeat = (list(host), sh, settings, decision)
-    geometry = (id(group), sh, q.dtype, q.device)
+    _repeat = (list(host), sh, settings, decision, layer)
+    geometry = (id(group), sh, q.dtype, q.device, layer)
     if _logged.get(geometry) != decision.strategy:
         level = logging.INFO if geometry not in _logged else logging.DEBUG
         _logged[geometry] = decision.strategy
-        log.log(level, "sparsp auto: %s for G=%d, %d tokens, %dx%d heads, density %.3f "
-                "(predicted ms: %s; profile %s, transport %s)", decision.strategy, G, sum(sh.seq_lens), H,
+        log.log(level, "sparsp auto: %s for %sG=%d, %d tokens, %dx%d heads, density %.3f "
+                "(predicted ms: %s; profile %s, transport %s)", decision.strategy,
+                "" if layer is None else f"layer {layer}, ", G, sum(sh.seq_lens), H,
                 sh.head_dim, density, ", ".join(f"{s} {t:.3g}" for s, t in decision.predicted_ms.items()),
                 decision.profile, decision.transport)
     return decision.strategy

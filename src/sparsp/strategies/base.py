@@ -190,6 +190,8 @@ class Call:
         # geometry's first call, read once here: a call's plan and its run see the same figures
         self.drain_figures: dict = self._geo.drain or {}
         self.kept_by: dict[int, int] = {}
+        self.dense_kernel = None  # a group of one whose mask does not pay: ``one_gpu.choose``'s kernel
+        self.head_work: list[int] | None = None  # kept work per head, read on the host (head-sharded runs)
 
     def without_plan(self, spec) -> "Call":
         """This call run by ``spec``, a strategy without a plan (auto's choice after the host
@@ -397,6 +399,10 @@ class Call:
         if self._local_done:
             return
         self._local_done = True
+        if self.dense_kernel is not None:  # one rank, a mask that keeps too much: the dense kernel
+            with self.phase("compute"):
+                self.final = self.dense_kernel(self.q, self.k, self.v, self.scale).contiguous()
+            return
         if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
         self._fold()
@@ -550,7 +556,10 @@ class Call:
         self.transport.reserve(sh.capacity_rows * 2 * sh.head_dim * self.q.element_size())
         with record_function("sparsp.run"):
             try:
-                spec.run(self)
+                if self.dense_kernel is not None:  # one rank, the dense kernel: no strategy to run
+                    self.attend_local()
+                else:
+                    spec.run(self)
                 self.finish()  # the last merge, written as the output
             finally:  # the compute stream after the side stream's packs and transfers, also
                 self.join()  # when the run raised: nothing of the call stays unordered

@@ -38,12 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from .. import _triton
 from ..caches import captured_on_second_sight, per_geometry
 from ..groups import marker as record_function  # a no-op unless a profiler records
 from ..plan import TAIL, Metadata, Staged, gather_metadata, remask
-from .auto import AUTO, PLANNED, choose_from, figures
+from .auto import AUTO, PLANNED, choose_from, figures, head_pairs
+from . import one_gpu
 from .base import Call, PhaseTimer
 from .registry import StrategySpec, strategy_spec
 
@@ -96,7 +98,10 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
             full_mask = meta.block_mask(config)
     call = Call(q, k, v, shapes, config, group, transport, full_mask=full_mask)
     selections = spec.plan(call) if spec.plan is not None else {}
-    tail = figures(full_mask, shapes) if auto else None
+    # auto's figures ride with the counts; a head-sharded strategy balances its ranks by the
+    # kept pairs per head among them (``auto.head_pairs``)
+    sharded = spec.heads_divisible and full_mask is not None and shapes.world_size > 1
+    tail = figures(full_mask, shapes) if auto or sharded else None
     staged = meta.stage(selections, call.kept_counts(), tail=tail)
     # the kernels' block lists: mask + ids known before the sync
     call.local_lists()
@@ -176,6 +181,7 @@ class Request:
     transport: object  # Transport
     global_mask: torch.Tensor | None = None  # tests: replaces the CDF mask
     timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
+    layer: int | None = None  # the model layer it attends for: auto logs its choice per layer
 
     def __post_init__(self) -> None:
         self.auto = self.strategy == AUTO
@@ -183,6 +189,9 @@ class Request:
         self.computed = (self.auto or self.planned.sparse) and self.global_mask is None and not self.config.dense
         self.graphed = eligible(self.q, self.planned, self.config, self.computed)
         self.early = self.config.local_first is not False and self.planned.local_first  # Call.attend_local_early
+        # one rank picks its kernel from the mask it reads (``one_gpu``): no kernel before the read
+        self.alone = self.q.device.type in one_gpu.DEVICES and dist.get_world_size(self.group) == 1
+        self.early = self.early and not self.alone
         self.error: str | None = None  # the stage's, raised once the read confirmed the shapes
         self._mask_phase = None  # the timer's "mask" phase while it is open
 
@@ -247,11 +256,15 @@ class Request:
         spec = self.planned
         if self.auto:  # the choice, from the figures of the same host read
             spec = strategy_spec(choose_from(resolved[1][TAIL], call.shapes, self.q, self.group, self.config,
-                                             self.transport))
+                                             self.transport, layer=self.layer))
             if spec.name != self.planned.name:
                 call = call.without_plan(spec)
         call.timer = self.timer
         call.set_resolved(*resolved)
+        if spec.heads_divisible and call.full_mask is not None and call.world > 1:
+            call.head_work = head_pairs(resolved[1][TAIL], call.shapes)  # read with the counts (``stage``)
+        if one_gpu.applies(call, self.computed):
+            call.dense_kernel = one_gpu.choose(call, self.layer)
         return call, spec
 
     def _close_mask_phase(self) -> None:

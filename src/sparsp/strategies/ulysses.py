@@ -6,6 +6,14 @@ the call's whole mask (``plan.gather_metadata``) restricted to its heads, with t
 per-slice blocks as the other strategies, so all five agree. Bytes: 3 · (other tokens) · H/G ·
 D in, (my tokens) · (other heads) · D back (the ``all-to-all`` byte rule).
 
+Heads go to ranks by density: the heads of one layer differ in how much of the mask they keep
+(real models: by an order of magnitude), and a rank that computes whole heads waits for the
+densest group. Each call orders its heads by ``cost.balance.balanced_heads`` of their kept token pairs
+(``auto.figures``, read on the host with the call's counts; every rank holds the same mask, so every rank derives
+the same order): rank r computes the r-th group of that order. Attention per head is
+independent, so the order changes which rank computes a head, not its output; where balancing
+gains nothing the contiguous order (rank r: heads [r·H/G, (r+1)·H/G)) stays and no head moves.
+
 When every slice but the last is a whole number of blocks (``sparsp.placement`` cuts at blocks),
 the slices' blocks are the whole sequence's blocks: the received Q, K and V land in place in
 full-sequence tensors (one message per tensor and peer), and ONE kernel call over the whole
@@ -19,6 +27,7 @@ import itertools
 
 import torch
 
+from ..cost.balance import balanced_heads, contiguous_heads
 from ..kernels import KVBuffer, LocalKV, kernel_indices, update_out_and_lse
 from ..packing import layout, pack
 from .base import Call
@@ -64,49 +73,61 @@ def _whole_blocks(sh) -> bool:
                    description="all-to-all of Q, K, V to head shards, output back; block-sparse "
                                "on the full sequence")
 def run(call: Call) -> None:
-    if _whole_blocks(call.shapes):
-        _run_whole(call)
-    else:
-        _run_slices(call)
+    H = call.shapes.heads
+    order = None
+    if call.head_work is not None:
+        order = balanced_heads(call.head_work, call.world)
+        order = None if order == contiguous_heads(H) else order
+    q, k, v, mask = call.q, call.k, call.v, call.full_mask
+    if order is not None:  # this call's heads in rank order: rank r computes the r-th group
+        idx = torch.tensor(order, device=q.device)
+        q, k, v = (x.index_select(2, idx) for x in (q, k, v))
+        mask = mask.index_select(1, idx)
+    final = (_run_whole if _whole_blocks(call.shapes) else _run_slices)(call, q, k, v, mask)
+    if order is not None:  # back to the caller's head order
+        final = final.index_select(2, torch.argsort(idx))
+    call.final = final
 
 
-def _run_whole(call: Call) -> None:
-    """Q, K, V of this rank's heads for every token, landed in place; one kernel call."""
+def _run_whole(call: Call, q, k, v, full_mask) -> torch.Tensor:
+    """Q, K, V of this rank's heads for every token, landed in place; one kernel call. The
+    output, (B, S_r, H, D) in the heads' order of ``q``."""
     r, G, sh = call.rank, call.world, call.shapes
     B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
     hp = H // G
     heads, toks = _spans(sh, G)
-    inputs = (call.q, call.k, call.v)
-    full = [torch.empty(B, toks[-1].stop, hp, D, dtype=call.q.dtype, device=call.q.device) for _ in inputs]
+    inputs = (q, k, v)
+    full = [torch.empty(B, toks[-1].stop, hp, D, dtype=q.dtype, device=q.device) for _ in inputs]
     for t, x in zip(full, inputs):  # this rank's own tokens of its heads
         t[:, toks[r]] = x[:, :, heads[r]]
     _exchange(call, {p: [x[:, :, heads[p]] for x in inputs] for p in range(G) if p != r},
               {p: [t[:, toks[p]] for t in full] for p in range(G) if p != r})
     kv = LocalKV(full[1], full[2], bs)
-    mask = (call.full_mask[:, heads[r]] if call.full_mask is not None else
-            torch.ones(B, hp, kv.num_blocks, kv.num_blocks, dtype=torch.bool, device=call.q.device))
+    mask = (full_mask[:, heads[r]] if full_mask is not None else
+            torch.ones(B, hp, kv.num_blocks, kv.num_blocks, dtype=torch.bool, device=q.device))
     with call.phase("compute"):
         kv_num, kv_idx = kernel_indices(mask, kv.block_ids(), kv.num_blocks)
         o, _ = call.kernel(full[0].permute(0, 2, 1, 3), kv, kv_num, kv_idx, scale=D**-0.5)
     # the kernel may return fp32 (the torch kernel on the CPU): the exchange sends q's dtype
-    out = o.transpose(1, 2).to(call.q.dtype)  # (B, S, hp, D): every token of this rank's heads
-    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=call.q.dtype, device=call.q.device)
+    out = o.transpose(1, 2).to(q.dtype)  # (B, S, hp, D): every token of this rank's heads
+    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=q.dtype, device=q.device)
     final[:, :, heads[r]] = out[:, toks[r]]
     _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},
               {p: [final[:, :, heads[p]]] for p in range(G) if p != r})
-    call.final = final
+    return final
 
 
-def _run_slices(call: Call) -> None:
+def _run_slices(call: Call, q, k, v, full_mask) -> torch.Tensor:
     """Slices that end in short blocks: each slice's K/V packed once, one kernel call per
-    (query slice, key slice), merged by LSE."""
+    (query slice, key slice), merged by LSE. The output, as ``_run_whole``'s."""
     r, G, sh = call.rank, call.world, call.shapes
     B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
     hp = H // G
     head_spans, toks = _spans(sh, G)
     heads = head_spans[r]
-    qkv = torch.stack([call.q, call.k, call.v], dim=3)  # (B, S_r, H, 3, D)
-    got = {p: torch.empty(B, sh.seq_lens[p], hp, 3, D, dtype=call.q.dtype, device=call.q.device)
+    dtype = q.dtype
+    qkv = torch.stack([q, k, v], dim=3)  # (B, S_r, H, 3, D)
+    got = {p: torch.empty(B, sh.seq_lens[p], hp, 3, D, dtype=dtype, device=q.device)
            for p in range(G) if p != r}
     _exchange(call, {p: [qkv[:, :, head_spans[p]]] for p in range(G) if p != r},
               {p: [got[p]] for p in got})
@@ -114,7 +135,7 @@ def _run_slices(call: Call) -> None:
     q = torch.cat([got[p][:, :, :, 0] for p in range(G)], dim=1)  # (B, S, hp, D), rank order
     bounds = [(t.start, t.stop) for t in toks]
 
-    mask = None if call.full_mask is None else call.full_mask[:, heads]
+    mask = None if full_mask is None else full_mask[:, heads]
     kv = []
     for p, (c, d) in enumerate(bounds):
         n = sh.num_blocks[p]
@@ -141,9 +162,9 @@ def _run_slices(call: Call) -> None:
             with call.phase("merge"):
                 acc_o, acc_l = update_out_and_lse(acc_o, acc_l, o, l)
         out[:, :, a:b] = acc_o
-    out = out.permute(0, 2, 1, 3).to(call.q.dtype)  # (B, S, hp, D)
-    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=call.q.dtype, device=call.q.device)
+    out = out.permute(0, 2, 1, 3).to(dtype)  # (B, S, hp, D)
+    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=dtype, device=out.device)
     final[:, :, heads] = out[:, toks[r]]
     _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},
               {p: [final[:, :, head_spans[p]]] for p in range(G) if p != r})
-    call.final = final
+    return final
