@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, refuse
-from .common import (config_overrides, init_distributed, median, time_interleaved,
+from .common import (config_overrides, init_distributed, median, profile_name, time_interleaved,
                      time_ms, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 
@@ -126,12 +126,6 @@ def resolve_layers(profile, asked, step: int | None = None) -> list[tuple[int, s
         if layer not in [i for i, _ in out]:
             out.append((layer, name))
     return out
-
-
-def profile_name(model: str, profile: Path, step: int | None) -> str:
-    """The model part of a ``--density-profile`` run's file names: the preset, the profile's
-    file stem and the step (``mean``: the mean over steps)."""
-    return f"{model}-{Path(profile).stem}-step{'mean' if step is None else step}"
 
 
 def profile_workloads(args, geom, *, verbose: bool = True, rows: int = 128) -> tuple[list[LayerWorkload], dict]:

@@ -87,6 +87,13 @@ def result_path(kind: str, model: str, out_dir: Path) -> Path:
     return Path(out_dir) / f"{kind}-{model}-{machine_name()}-{date}.json"
 
 
+def profile_name(model: str, profile, step: int | None) -> str:
+    """The model part of a ``--density-profile`` run's file names (``bench attention``,
+    ``bench e2e``): the preset, the profile's file stem and the step (``mean``: the mean over
+    steps), so nothing that looks for the preset's own results finds it."""
+    return f"{model}-{Path(profile).stem}-step{'mean' if step is None else step}"
+
+
 def write_result(kind: str, model: str, rows: list[dict], out_dir: Path, extra: dict | None = None,
                  merge: bool = True) -> Path:
     """Write (or extend, for a second fabric's run) ``<kind>-<model>-<machine>-<date>.json``."""

@@ -63,7 +63,7 @@ from ..timing import times_ms
 from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_OUT, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, E2E_TINY_OUT,
                    check_names, refuse)
 from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
-from .common import (config_overrides, init_distributed, median, save_figure, time_ms,
+from .common import (config_overrides, init_distributed, median, profile_name, save_figure, time_ms,
                      write_result)
 
 RESERVED = E2E_RESERVED
@@ -553,11 +553,8 @@ def _what_ran(row: dict) -> str:
 
 
 def _result_name(args) -> str:
-    """The model part of the result's file name; a density profile's run carries the profile
-    and step (``attention``'s rule), so nothing looking for the preset's results finds it."""
-    if args.density_profile is None:
-        return args.model
-    return f"{args.model}-{Path(args.density_profile).stem}-step{args.step if args.step is not None else 'mean'}"
+    """The model part of the result's file name (``common.profile_name`` for a profile's run)."""
+    return args.model if args.density_profile is None else profile_name(args.model, args.density_profile, args.step)
 
 
 def _share_within(cal) -> float:
