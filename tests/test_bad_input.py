@@ -559,7 +559,42 @@ FILE_OPTIONS = {
     "simulate --validate": ("json", lambda c, f, t: _cli(c, ["simulate", "--no-plots", "--ranks", 2,
                                                            "--validate", f, "--out", t / "s"])),
     "bench.report FILES": ("json", lambda c, f, t: _report(c, [f])),
+    # a real model's per-head densities and the heads fitted to them (``sparsp.density``,
+    # ``sparsp.calibration``), read before any process group starts
+    "analyze --density-profile": ("json", lambda c, f, t: _cli(c, ["analyze", "--no-plots", "--model", "wan2.1-1.3b",
+                                                                 "--density-profile", f, "--out", t / "o"])),
+    "analyze --calibration": ("json", lambda c, f, t: _cli(c, ["analyze", "--no-plots", "--model", "wan2.1-1.3b",
+                                                             "--density-profile", _profile_csv(t), "--layers", 1,
+                                                             "--calibration", f, "--out", t / "o"])),
+    "simulate --density-profile": ("json", lambda c, f, t: _cli(c, ["simulate", "--no-plots", "--model", "wan2.1-1.3b",
+                                                                  "--density-profile", f, "--out", t / "s"])),
+    "simulate --calibration": ("json", lambda c, f, t: _cli(c, ["simulate", "--no-plots", "--model", "wan2.1-1.3b",
+                                                              "--density-profile", _profile_csv(t), "--layers", 1,
+                                                              "--calibration", f, "--out", t / "s"])),
+    "bench e2e --density-profile": ("json", lambda c, f, t: _cli(c, ["bench", "e2e", "--device", "cpu", "--model",
+                                                                   "wan2.1-1.3b", "--density-profile", f,
+                                                                   "--out", t / "b"])),
+    "bench e2e --calibration": ("json", lambda c, f, t: _cli(c, ["bench", "e2e", "--device", "cpu", "--model",
+                                                               "wan2.1-1.3b", "--density-profile", _profile_csv(t),
+                                                               "--layers", 1, "--calibration", f, "--out", t / "b"])),
+    "bench attention --density-profile": ("json", lambda c, f, t: _cli(c, ["bench", "attention", "--model",
+                                                                         "wan2.1-1.3b", "--density-profile", f,
+                                                                         "--layer", 0, "--out", t / "b"])),
+    "bench attention --calibration": ("json", lambda c, f, t: _cli(c, ["bench", "attention", "--model", "wan2.1-1.3b",
+                                                                     "--density-profile", _profile_csv(t), "--layer",
+                                                                     0, "--calibration", f, "--out", t / "b"])),
 }
+
+
+def _profile_csv(tmp_path):
+    """A valid density profile of ``wan2.1-1.3b`` (30 layers, 12 heads, 2 steps)."""
+    import random
+
+    path = tmp_path / "profile.csv"
+    rng = random.Random(0)
+    rows = [f"{s},{layer},{h},{rng.uniform(0.02, 0.5):.4f}" for s in (1, 2) for layer in range(30) for h in range(12)]
+    path.write_text("Step,Layer,Head,Sparsity\n" + "\n".join(rows) + "\n")
+    return path
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)

@@ -582,7 +582,7 @@ def _calibration(args, verbose: bool):
             print(f"calibrating {layers} layer(s) of {geom.name} to {args.density_profile} ...", flush=True)
         cal = calibrate(geom, profile, step=args.step, layers=layers, seed=args.seed)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+        refuse("e2e", " ".join(str(e).split()))
     if verbose:
         path = cal.write(Path(args.out) / f"calibration-{_result_name(args)}.json")
         print(f"wrote {path} (pass it as --calibration next time)", flush=True)
