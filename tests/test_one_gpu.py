@@ -91,6 +91,26 @@ def test_each_call_takes_the_kernel_its_mask_pays_for(alone, caplog):
     assert any("dense kernel sdpa-math" in x for x in lines) and any("sparse kernel torch" in x for x in lines)
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "ring-sparse", "ring-relay"])
+def test_every_sparse_strategy_on_one_rank_decides_alike(alone, strategy):
+    """On one rank every sparse strategy is its local kernel: the same decision per mask, and
+    the dense kernel's output where it is taken (a strategy that assembles its own output,
+    ``ulysses``, included)."""
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.integrations.reference import reference_sp_attention
+    from sparsp.strategies import one_gpu
+
+    cfg = SparspConfig(cdf_threshold=0.9, block_size=BS)
+    for _ in range(one_gpu.MEASURE_AT):
+        for name, (q, k, v) in (("sparse", structured_inputs(3, B, S, H, D)), ("dense", _uniform(4))):
+            out = sp_attention(q, k, v, strategy=strategy, config=cfg)
+            choice = one_gpu.last_choice()
+            want = _exact(q, k, v) if choice.dense else reference_sp_attention(
+                q.double(), k.double(), v.double(), lens=[S], config=cfg)
+            assert (out.double() - want).abs().max().item() < 1e-4, (name, choice)
+    assert one_gpu.last_choice().dense  # the uniform inputs' mask keeps more than it pays for
+
+
 def test_a_dense_strategy_on_one_rank_takes_the_dense_kernel(alone):
     from sparsp import SparspConfig, sp_attention
     from sparsp.strategies import one_gpu
