@@ -73,11 +73,11 @@ LOCAL_FIRST_RUN_OPS = {"dense": ((37, 0, 0), (72, 0, 0), (9, 57, 0), (25, 0, 0))
                        "relay": ((12, 0, 0), (76, 0, 0), (-45, 87, 0), (25, 0, 0))}
 ONE_RANK_LOCAL_FIRST_RUN_OPS = {"direct": (0, 0, 0, 2)}  # no fetch, no remote kernel: the output's ops
 # The all-to-all with its heads reordered by density (``strategies/ulysses.py``, where the
-# balanced order is not the contiguous one): before its first fetch, the order's index tensor
-# and q's, k's, v's and the mask's heads in that order (5 ops); after its last kernel, the
-# inverse order and the output's heads put back (2). Counted at G = 3, 4, 6, where the counting
+# balanced order is not the contiguous one): before its first fetch, q's, k's, v's and the
+# mask's heads in that order (4 ops); after its last kernel, the output's heads put back (1).
+# The order's index tensors are made once per order. Counted at G = 3, 4, 6, where the counting
 # geometry's heads are reordered (at G = 2 they are not).
-HEAD_ORDER_OPS = (5, 2)
+HEAD_ORDER_OPS = (4, 1)
 # A ``direct`` strategy cuts a payload into head-group units before the sync (``cost/chunks.py``:
 # automatically only the drain of a transfer-bound pair, into 4 units): the units' selections
 # are stacked and laid out by one set of kernels (``packing.prepare`` on [U, B·H, n]), and a

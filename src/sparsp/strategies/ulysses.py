@@ -27,6 +27,7 @@ import itertools
 
 import torch
 
+from ..caches import lru_get, per_geometry
 from ..cost.balance import balanced_heads, contiguous_heads
 from ..kernels import KVBuffer, LocalKV, kernel_indices, update_out_and_lse
 from ..packing import layout, pack
@@ -68,6 +69,9 @@ def _whole_blocks(sh) -> bool:
     return all(s % sh.block_size == 0 for s in sh.seq_lens[:-1])
 
 
+_ORDERS = per_geometry("ulysses: head orders as index tensors")
+
+
 @register_strategy("ulysses", sparse=True, heads_divisible=True, placement="contiguous",
                    byte_rule="all-to-all", color="C5",
                    description="all-to-all of Q, K, V to head shards, output back; block-sparse "
@@ -80,13 +84,23 @@ def run(call: Call) -> None:
         order = None if order == contiguous_heads(H) else order
     q, k, v, mask = call.q, call.k, call.v, call.full_mask
     if order is not None:  # this call's heads in rank order: rank r computes the r-th group
-        idx = torch.tensor(order, device=q.device)
+        idx, back = _orders(order, q.device)
         q, k, v = (x.index_select(2, idx) for x in (q, k, v))
         mask = mask.index_select(1, idx)
     final = (_run_whole if _whole_blocks(call.shapes) else _run_slices)(call, q, k, v, mask)
     if order is not None:  # back to the caller's head order
-        final = final.index_select(2, torch.argsort(idx))
+        final = final.index_select(2, back)
     call.final = final
+
+
+def _orders(order: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head order and its inverse as index tensors on ``device``, made once per order (a
+    denoising loop's calls repeat their orders: no host-to-device copy per call)."""
+    def make():
+        idx = torch.tensor(order, device=device)
+        return idx, torch.argsort(idx)
+
+    return lru_get(_ORDERS, (order, str(device)), make, 256)
 
 
 def _run_whole(call: Call, q, k, v, full_mask) -> torch.Tensor:
