@@ -29,10 +29,11 @@ By default (``--strategy`` not given) the rows are ``1gpu-dense``, ``1gpu-sparse
 
 A step's time is the slowest rank's wall time (CUDA events), median over the steps after
 ``--warmup``; ``attention_ms`` sums the video self-attention modules' time in a step (mean
-over the timed steps, slowest rank); ``per_layer_ms`` = step / layers. Random weights give near-uniform attention, so masks
-are nearly dense; ``--weights synthetic-structure`` feeds the synthetic video Q/K of
-``sparsp.workloads.token_qk`` (the model's RoPE structure) into sparsp's attention instead,
-labelled as such (dense rows are timed unchanged: their time does not depend on q/k values).
+over the timed steps, slowest rank); ``per_layer_ms`` = step / layers. Random weights give
+near-uniform attention, so masks are nearly dense; ``--weights synthetic-structure`` feeds the
+synthetic video Q/K of ``sparsp.workloads.token_qk`` (the model's RoPE structure) into sparsp's
+attention instead, labelled as such (dense rows are timed unchanged: their time does not depend
+on q/k values).
 Results: ``bench/results/e2e-<model>-<machine>-<date>.json`` (kind ``e2e``) + a PNG of step
 time per strategy. ``--tiny --device cpu`` is the CPU smoke path (gloo; under ``torchrun
 --nproc-per-node 2`` for the parallel rows): a tiny config and latent, ``--block-size 8`` unless
@@ -272,13 +273,12 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport, one,
     timer = _AttentionTimer(modules, device)
     if name in DIFFUSERS or (name == "1gpu-dense" and active):
         # What a Diffusers user runs at best: the fastest backend on this machine, measured
-        gang = world if name in DIFFUSERS else 1
-        chosen, tried = pick_fastest(CANDIDATES, lambda b, m=model, s=step: _try_backend(
-            m, b, s, timer, device, gang, min(args.steps, 2)))
-        row["other_backend"] = chosen
+        gang, tries = (world if name in DIFFUSERS else 1), min(args.steps, 2)
+        chosen, tried = pick_fastest(CANDIDATES, lambda b: _try_backend(model, b, step, timer, device, gang, tries))
+        row["other_backend"] = other = chosen
         if name == "1gpu-dense":  # sparsp's processors with the dense kernel, the rest on Diffusers' best
-            chosen, tried = fastest(tried + try_each((PROCESSOR_DENSE,), lambda b, m=model, s=step, o=chosen: _try_backend(
-                m, b, s, timer, device, gang, min(args.steps, 2), one=one, args=args, other=o)))
+            chosen, tried = fastest(tried + try_each((PROCESSOR_DENSE,), lambda b: _try_backend(
+                model, b, step, timer, device, gang, tries, one=one, args=args, other=other)))
         row["attention_backend"], row["backends_tried"] = chosen, tried
         _use_backend(model, chosen, row["other_backend"], one, args)
     for _ in range(warmup):  # here, not in time_ms, so the attention spans exclude them

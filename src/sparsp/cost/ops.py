@@ -11,8 +11,8 @@ at G = 2, 3, 4, 6 unless its comment says otherwise. ``Profile.op_ms`` prices on
 from __future__ import annotations
 
 __all__ = ["EARLY_OPS", "FINISH_OPS", "FINISH_UNIT_OPS", "GRAPHED_MASK_CUT_OPS", "GRAPHED_MASK_OPS",
-           "GRAPHED_MASK_UNIT_OPS", "HEAD_ORDER_OPS", "LOCAL_FIRST_RUN_OPS", "MASK_CUT_OPS", "MASK_OPS", "MASK_UNIT_OPS",
-           "ONE_RANK_GRAPHED_MASK_OPS", "ONE_RANK_LOCAL_FIRST_RUN_OPS", "ONE_RANK_MASK_OPS",
+           "GRAPHED_MASK_UNIT_OPS", "HEAD_ORDER_OPS", "LOCAL_FIRST_RUN_OPS", "MASK_CUT_OPS", "MASK_OPS",
+           "MASK_UNIT_OPS", "ONE_RANK_GRAPHED_MASK_OPS", "ONE_RANK_LOCAL_FIRST_RUN_OPS", "ONE_RANK_MASK_OPS",
            "ONE_RANK_RUN_OPS", "RUN_OPS", "finish_ops", "issue_ops", "mask_ops", "run_ops"]
 
 # Eager PyTorch ops the mask phase issues on the host before the call's host read is started

@@ -110,11 +110,11 @@ def choose(call, layer: int | None = None) -> DenseFn | None:
     _last = Choice(dense, rates.dense_name if dense else call.kernel_name, kept / total, sparse_ms, rates.dense_ms)
     if call.full_mask is not None and (key, dense) not in _LOGGED:
         _LOGGED[(key, dense)] = True
+        where = "" if layer is None else f"layer {layer}, "
+        kernel = f"dense kernel {rates.dense_name}" if dense else f"sparse kernel {call.kernel_name}"
         log.info("sparsp: one GPU, %s%d tokens, %dx%d heads: the mask keeps %.1f%% of the block pairs: %s "
-                 "(estimated ms: sparse %.3g, dense %.3g)", "" if layer is None else f"layer {layer}, ",
-                 sh.seq_lens[0], sh.heads,
-                 sh.head_dim, 100 * kept / total, f"dense kernel {rates.dense_name}" if dense else f"sparse kernel {call.kernel_name}",
-                 sparse_ms, rates.dense_ms)
+                 "(estimated ms: sparse %.3g, dense %.3g)", where, sh.seq_lens[0], sh.heads, sh.head_dim,
+                 100 * kept / total, kernel, sparse_ms, rates.dense_ms)
     return rates.dense_fn if dense else None
 
 
