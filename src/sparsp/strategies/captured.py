@@ -188,10 +188,10 @@ class Request:
         self.planned: StrategySpec = strategy_spec(PLANNED if self.auto else self.strategy)
         self.computed = (self.auto or self.planned.sparse) and self.global_mask is None and not self.config.dense
         self.graphed = eligible(self.q, self.planned, self.config, self.computed)
-        self.early = self.config.local_first is not False and self.planned.local_first  # Call.attend_local_early
         # one rank picks its kernel from the mask it reads (``one_gpu``): no kernel before the read
         self.alone = self.q.device.type in one_gpu.DEVICES and dist.get_world_size(self.group) == 1
-        self.early = self.early and not self.alone
+        self.early = (self.config.local_first is not False and self.planned.local_first  # Call.attend_local_early
+                      and not self.alone)
         self.error: str | None = None  # the stage's, raised once the read confirmed the shapes
         self._mask_phase = None  # the timer's "mask" phase while it is open
 
