@@ -209,12 +209,14 @@ def notes(doc: dict) -> list[str]:
             f"the kernel, each rank computes whole heads (compute max/mean: the heads' densities differ), "
             f"and it runs only where G divides the heads; the sequence-sharded strategies overlap their "
             f"transfers with the kernel and shrink with the mask. `sparsp simulate` predicts the time.")
+        seen = set()  # a head-sharded strategy's balance does not depend on the placement
         for r in doc["results"]:
-            if r["strategy"] == s and "balanced_compute_max_over_mean" in r:
-                lines.append(f"  {s}, cdf {r['cdf']:.2f}, {r['placement']}: compute max/mean "
-                             f"{r['compute_max_over_mean']:.2f}x with contiguous heads, "
-                             f"{r['balanced_compute_max_over_mean']:.2f}x with heads given to ranks by density "
-                             f"(cost.balance: how ulysses runs)")
+            if r["strategy"] == s and "balanced_compute_max_over_mean" in r and r["cdf"] not in seen:
+                seen.add(r["cdf"])
+                lines.append(f"  {s}, cdf {r['cdf']:.2f}: compute max/mean "
+                             f"{r['balanced_compute_max_over_mean']:.2f}x as it runs (heads given to ranks "
+                             f"by density, cost.balance), {r['compute_max_over_mean']:.2f}x with contiguous "
+                             f"head groups")
     return lines
 
 
