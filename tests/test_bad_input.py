@@ -25,7 +25,7 @@ from sparsp.geometry import VideoGeometry, latent_grid, preset
 from sparsp.masks import block_mask
 from sparsp.placement import Placement, contiguous, make_placement, periodic
 from sparsp.strategies import comm_bytes
-from sparsp.traces import load_trace, save_trace
+from sparsp.workloads.traces import load_trace, save_trace
 from sparsp.workloads import synthetic_masks, token_qk
 
 SMALL = VideoGeometry(frames=2, height=4, width=6, text_tokens=5, block_size=8, heads=2, head_dim=8)

@@ -132,7 +132,7 @@ def test_compute_balance_with_balanced_heads():
 def test_analyze_reports_ulysses_heads_contiguous_and_balanced(capsys, tmp_path):
     from test_calibration import _ltx_profile, _stored_calibration
 
-    from sparsp.calibration import CALIBRATION_MIX, read_calibration
+    from sparsp.workloads.calibration import CALIBRATION_MIX, read_calibration
     from sparsp.geometry import preset
     from sparsp.workloads import synthetic_masks
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparsp.bench import attention, common
-from sparsp.density import DensityProfile, write_json
+from sparsp.workloads.density import DensityProfile, write_json
 from sparsp.geometry import preset
 
 # 9 frames of 320 x 192 -> 3 x 12 x 20 = 720 tokens, 23 blocks of 32; 4 heads, 3 layers
@@ -74,7 +74,7 @@ def _preset_profile(tmp_path, model="ltx-video"):
     (["--density-profile", "{p}", "--layer", "3", "--calibration", "{p}"], "not a sparsp-calibration file"),
 ])
 def test_options_that_cannot_apply_are_refused(capsys, tmp_path, extra, match):
-    from sparsp import calibration as C
+    from sparsp.workloads import calibration as C
 
     path = _preset_profile(tmp_path)
     g = preset("ltx-video")
@@ -125,7 +125,7 @@ def _block_density(q, k) -> float:
 
 
 def test_a_layers_inputs_come_from_its_calibrated_heads(tmp_path, capsys):
-    from sparsp import calibration as C
+    from sparsp.workloads import calibration as C
     from sparsp.placement import make_placement
     from sparsp.workloads import token_qk
 

@@ -14,8 +14,8 @@ import torch
 
 from cli_utils import run_cli
 
-from sparsp import calibration as C
-from sparsp.density import DensityProfile
+from sparsp.workloads import calibration as C
+from sparsp.workloads.density import DensityProfile
 from sparsp.geometry import preset
 from sparsp.workloads import DEFAULT_MIX, HeadMix, HeadParams, score_terms, synthetic_masks, token_qk
 
@@ -143,7 +143,7 @@ LTX = preset("ltx-video")
 
 
 def _ltx_profile(tmp_path, layers=LTX.layers, heads=LTX.heads):
-    from sparsp.density import write_json
+    from sparsp.workloads.density import write_json
 
     rng = random.Random(3)
     grid = [[[round(rng.uniform(0.01, 0.6), 4) for _ in range(heads)] for _ in range(layers)] for _ in range(2)]
@@ -211,7 +211,7 @@ def test_analyze_fits_and_writes_the_calibration(capsys, tmp_path, monkeypatch):
     cal = C.read_calibration(out / "calibration.json", geometry="ltx-video", source="toy-ltx", step=1)
     assert len(cal.layers) == 1 and cal.rows == 16
     assert [h.target for h in cal.layers[0].heads] == list(DensityProfile.step(
-        __import__("sparsp.density", fromlist=["read_profile"]).read_profile(profile), 1)[0])
+        __import__("sparsp.workloads.density", fromlist=["read_profile"]).read_profile(profile), 1)[0])
     assert "calibration (fitted now, " in stdout
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparsp.geometry import VideoGeometry
-from sparsp.traces import load_trace, save_trace
+from sparsp.workloads.traces import load_trace, save_trace
 
 SMALL = VideoGeometry(frames=2, height=4, width=6, text_tokens=5, block_size=8, heads=2, head_dim=8)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsp.density import (
+from sparsp.workloads.density import (
     PROFILE_FORMAT,
     DensityProfile,
     main,
@@ -231,7 +231,7 @@ def test_imports_no_torch():
     # The profile tools run where torch is absent or slow to load; only the stdlib and the presets.
     import ast
 
-    from sparsp import density
+    from sparsp.workloads import density
 
     tree = ast.parse(Path(density.__file__).read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

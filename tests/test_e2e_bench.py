@@ -181,9 +181,9 @@ def test_calibrated_qk_follow_each_layer():
 
     import torch
 
-    from sparsp import calibration as C
+    from sparsp.workloads import calibration as C
     from sparsp.bench.e2e import _rope_for, _synthetic_qk
-    from sparsp.density import DensityProfile
+    from sparsp.workloads.density import DensityProfile
     from sparsp.geometry import preset
     from sparsp.integrations.models import TINY, build_transformer
     from sparsp.workloads import token_qk

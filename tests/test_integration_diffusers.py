@@ -232,7 +232,7 @@ def test_trace_records_real_masks_for_analyze(tmp_path):
     from sparsp.integrations.trace import record_trace
 
     try:
-        from sparsp.traces import load_trace
+        from sparsp.workloads.traces import load_trace
     except ImportError:
         from sparsp.workloads import load_trace
 

@@ -11,7 +11,7 @@ import pytest
 from cli_utils import run_cli
 from test_calibration import _ltx_profile, _stored_calibration
 
-from sparsp.calibration import CALIBRATION_MIX, read_calibration
+from sparsp.workloads.calibration import CALIBRATION_MIX, read_calibration
 from sparsp.cost import Blocks, get_profile, measure, timeline
 from sparsp.cost.balance import rank_loads
 from sparsp.geometry import preset

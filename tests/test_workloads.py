@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sparsp import masks as M
 from sparsp.geometry import Rope, VideoGeometry, preset
-from sparsp.traces import Trace, load_trace, save_trace
+from sparsp.workloads.traces import Trace, load_trace, save_trace
 from sparsp.workloads import DEFAULT_MIX, KINDS, HeadMix, head_kinds, pooled_qk, synthetic_masks, token_qk
 
 CDFS = (0.85, 0.9, 0.95)

@@ -5,8 +5,8 @@ For each CDF threshold and placement, the exact bytes every strategy moves per a
 evenly each strategy spreads the kept attention work over the ranks, and three plots: bytes
 versus G, the sharing curve (how many local query blocks read each remote K block) and the
 relay ring's bytes over direct routing. Masks come from the synthetic generator
-(``sparsp.workloads``), from the generator calibrated to a per-head density profile
-(``--density-profile``, ``sparsp.calibration``: then also bytes and per-rank imbalance for
+(``sparsp.workloads.synthetic``), from the generator calibrated to a per-head density profile
+(``--density-profile``, ``sparsp.workloads.calibration``: then also bytes and per-rank imbalance for
 every layer, and a plot of both across layers) or from a recorded trace (``--trace``). A
 head-sharded strategy (``ulysses``) is skipped, with a note, where the heads do not divide by
 G, as it cannot run there; where it runs, its balance is also given with its heads assigned to
@@ -53,12 +53,12 @@ class AnalyzeConfig:
     out: Path | None = None
     plots: bool = True
     density_profile: Path | None = None
-    """A per-(step, layer, head) density profile (``sparsp.density``) whose layers and heads match
-    the preset: the synthetic heads are calibrated to it (``sparsp.calibration``)."""
+    """A per-(step, layer, head) density profile (``sparsp.workloads.density``) whose layers and heads match
+    the preset: the synthetic heads are calibrated to it (``sparsp.workloads.calibration``)."""
     step: int | None = None
     """The profile's step (1-based) to calibrate to; None: the mean over steps."""
     calibration: Path | None = None
-    """Fitted parameters to reuse (``sparsp.calibration`` JSON); None: fit them now and write
+    """Fitted parameters to reuse (``sparsp.workloads.calibration`` JSON); None: fit them now and write
     them to ``out``/calibration.json."""
     calibration_rows: int = 128
     """Sampled query rows per head when fitting."""
@@ -97,7 +97,7 @@ def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
     from . import workloads
 
     if cfg.trace is not None:
-        from .traces import load_trace
+        from .workloads.traces import load_trace
 
         trace = load_trace(cfg.trace)
         have = trace.masks.shape[0]
@@ -115,8 +115,8 @@ def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
 def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
     """Masks of the generator calibrated to ``cfg.density_profile`` (fitted now, or read from
     ``cfg.calibration``), where they came from, and the calibration's summary."""
-    from . import calibration as cal_mod, workloads
-    from .density import read_profile
+    from .workloads import calibration as cal_mod, synthetic as workloads
+    from .workloads.density import read_profile
 
     profile = read_profile(cfg.density_profile, expected=geom)
     if cfg.step is not None:

@@ -92,8 +92,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def add_density_profile_arguments(p: argparse.ArgumentParser, *, use: str, fitted: str) -> None:
     """``--density-profile FILE``, ``--step S`` and ``--calibration FILE``, as every verb that
-    takes a real model's per-head densities spells them (``sparsp.density``,
-    ``sparsp.calibration``). ``use``: what the verb does with the calibrated heads; ``fitted``:
+    takes a real model's per-head densities spells them (``sparsp.workloads.density``,
+    ``sparsp.workloads.calibration``). ``use``: what the verb does with the calibrated heads; ``fitted``:
     where a fit made without ``--calibration`` is written."""
     p.add_argument("--density-profile", type=Path, default=None, metavar="FILE",
                    help="a per-(step, layer, head) density profile (.csv as published, or sparsp's .json) "
@@ -101,6 +101,6 @@ def add_density_profile_arguments(p: argparse.ArgumentParser, *, use: str, fitte
     p.add_argument("--step", type=int, default=None,
                    help="with --density-profile: the profile's step (1-based; default: the mean over steps)")
     p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
-                   help="with --density-profile: fitted heads to reuse (python -m sparsp.calibration's JSON, "
+                   help="with --density-profile: fitted heads to reuse (python -m sparsp.workloads.calibration's JSON, "
                         f"or an earlier run's), about a minute per layer of a full preset to fit; default: "
                         f"fit them now and write {fitted}")

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m sparsp.cli bench attention --model hunyuan-video --fabric nvlink
     torchrun --nproc-per-node 2 -m sparsp.cli bench attention --fabric host   # NCCL_P2P_DISABLE=1
 
-Inputs are the synthetic video Q/K of ``sparsp.workloads`` (V random) at the model's full
+Inputs are the synthetic video Q/K of ``sparsp.workloads.synthetic`` (V random) at the model's full
 geometry, placed as each strategy runs by default (its registration). Every strategy uses the
 same kernel. Per row:
 
@@ -51,7 +51,7 @@ many messages its last round's payload came (``sparsp``; else None).
 
 ``--density-profile FILE --layer L [L ...]`` measures chosen layers of a real model instead:
 each layer's q/k come from synthetic heads calibrated to that layer's per-head densities in the
-profile (``sparsp.calibration``; at ``--step``, or the mean over steps), and every row carries
+profile (``sparsp.workloads.calibration``; at ``--step``, or the mean over steps), and every row carries
 its ``layer``, how it was asked for (``layer_pick``: ``densest``, ``median``, ``sparsest`` by
 the layers' mean density, or None for an index) and the layer's mean density in the profile
 (``profile_density``). Without ``--calibration FILE`` the asked layers alone are fitted first
@@ -133,8 +133,8 @@ def profile_workloads(args, geom, *, verbose: bool = True, rows: int = 128) -> t
     ``--calibration``, else fitted now with ``rows`` query rows per head and, where
     ``verbose``, written to ``OUT/density-profile/``), and the result file's fields saying
     where they came from. Any fault of the files or the layers is refused in one line."""
-    from ..calibration import CALIBRATION_MIX, Calibration, calibrate_layer, read_calibration
-    from ..density import read_profile
+    from ..workloads.calibration import CALIBRATION_MIX, Calibration, calibrate_layer, read_calibration
+    from ..workloads.density import read_profile
 
     try:
         profile = read_profile(args.density_profile, expected=geom)
@@ -214,7 +214,7 @@ def make_inputs(geom, placement, rank: int, device, dtype, seed: int, workload: 
     """This rank's placed slice of synthetic q, k (model RoPE structure) and random v;
     ``workload``: one profile layer's calibrated heads instead of the drawn ones (the q/k of its
     layer index, seed and mix)."""
-    from ..workloads import token_qk
+    from ..workloads.synthetic import token_qk
 
     tokens = placement.perm[placement.token_slice(rank)]
     if workload is None:

@@ -44,7 +44,7 @@ row's ``config`` holds what was set.
 
 ``--density-profile FILE`` (``--step S``, ``--calibration FILE``) gives each layer of the model
 its own heads, calibrated to that layer of a published per-head density profile
-(``sparsp.calibration``; fitted before the process group starts unless ``--calibration`` holds
+(``sparsp.workloads.calibration``; fitted before the process group starts unless ``--calibration`` holds
 them): the whole model's step on a real model's spread of densities. The result file carries
 the profile and step in its name (``e2e-<model>-<profile>-step<S|mean>-…``) and
 ``"workload": "density-profile"``.
@@ -149,10 +149,10 @@ def _attention_modules(model):
 
 def _synthetic_qk(model, seed: int, calibration=None):
     """q/k override for the runtime: the synthetic video q/k of this process's attention tokens;
-    with a ``calibration`` (``sparsp.calibration``), each layer's own calibrated heads."""
+    with a ``calibration`` (``sparsp.workloads.calibration``), each layer's own calibrated heads."""
     from dataclasses import replace
 
-    from ..workloads import token_qk
+    from ..workloads.synthetic import token_qk
 
     heads = calibration.head_params() if calibration is not None else None
 
@@ -565,8 +565,8 @@ def _share_within(cal) -> float:
 def _calibration(args, verbose: bool):
     """The calibrated heads of the model's layers (``--calibration``, else fitted now on this
     process's CPU and written into ``--out``): one ``sparsp.calibration.Calibration``."""
-    from ..calibration import calibrate, read_calibration
-    from ..density import read_profile
+    from ..workloads.calibration import calibrate, read_calibration
+    from ..workloads.density import read_profile
     from ..geometry import preset
 
     geom = preset(args.model)

@@ -86,7 +86,7 @@ def kept_flops(mask: torch.Tensor, q_rows: int, k_rows: int, bs: int, head_dim: 
 
 def own_masks(shape: Shape, cdfs, seed: int) -> dict[str, torch.Tensor]:
     """``{"cdf x": bool [H, nQ, nK]}``: synthetic masks of the shape's geometry, rank 0's rows."""
-    from ..workloads import synthetic_masks
+    from ..workloads.synthetic import synthetic_masks
 
     if not cdfs:
         return {}

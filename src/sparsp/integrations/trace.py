@@ -3,7 +3,7 @@
 Users with weights run their transformer once with hooks — the single-process sparse processor
 of ``sparsp.parallelize`` (one process, contiguous placement, so blocks are in original order)
 records the block mask of every video self-attention call — and ``sparsp analyze --trace``
-reads the file (``sparsp.traces``: bool [layers, heads, nQ, nK], original block order, batch
+reads the file (``sparsp.workloads.traces``: bool [layers, heads, nQ, nK], original block order, batch
 element 0). By default the model runs with the sparse attention it would run under sparsp at
 that threshold, so later layers see what they would see deployed; ``dense_attention=True``
 records the masks of the dense model instead.
@@ -42,7 +42,7 @@ def record_trace(transformer, inputs: dict, path: str | Path, *, cdf_threshold: 
 
     from ..config import SparspConfig
     from ..strategies.registry import strategies_where
-    from ..traces import save_trace
+    from ..workloads.traces import save_trace
     from .diffusers import parallelize, runtime_of, unparallelize
 
     if runtime_of(transformer) is not None:
@@ -143,7 +143,7 @@ def check_arguments(args) -> None:
 
 def read_embeds(path: Path, device) -> dict:
     """The ``--embeds`` file: a dict of forward arguments; ``ValueError`` naming the file."""
-    from ..traces import TRACE_FORMAT, read_torch_file
+    from ..workloads.traces import TRACE_FORMAT, read_torch_file
 
     try:
         extra = read_torch_file(path, "forward-arguments file", map_location=device)

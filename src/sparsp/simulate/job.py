@@ -67,12 +67,12 @@ class SimulateConfig:
     """``bench attention`` result files to predict; () = discover ``bench/results/attention-*.json``;
     None = no validation."""
     density_profile: Path | None = None
-    """A per-(step, layer, head) density profile (``sparsp.density``) matching the preset: the
+    """A per-(step, layer, head) density profile (``sparsp.workloads.density``) matching the preset: the
     whole model's step is predicted, each layer on its own calibrated masks (``simulate.layers``)."""
     step: int | None = None
     """With ``density_profile``: the profile's step (1-based); None: the mean over steps."""
     calibration: Path | None = None
-    """With ``density_profile``: fitted parameters to reuse (``sparsp.calibration`` JSON);
+    """With ``density_profile``: fitted parameters to reuse (``sparsp.workloads.calibration`` JSON);
     None: fit them now (and write ``out``/calibration.json)."""
     layers: int | None = None
     """With ``density_profile``: the model's first N layers; None: all of them."""
@@ -143,7 +143,7 @@ class MaskCache:
         self._masks: dict = {}
 
     def get(self, geom: VideoGeometry, cdf: float) -> torch.Tensor:
-        from ..workloads import synthetic_masks
+        from ..workloads.synthetic import synthetic_masks
 
         key = (geom, float(cdf))
         if key not in self._masks:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .geometry import MODELS, VideoGeometry
+from ..geometry import MODELS, VideoGeometry
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Trace", "load_trace", "read_torch_file", "save_trace"]
 
@@ -84,7 +84,7 @@ def read_torch_file(path: str | Path, what: str, map_location="cpu"):
     saying what is wrong: a directory, an empty file, text or other bytes that are no
     ``torch.save`` archive, a truncated archive, or one holding arbitrary Python objects.
     A missing file raises ``FileNotFoundError``."""
-    from .inputs import describe_content
+    from ..inputs import describe_content
 
     path = Path(path)
     if not path.exists():

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .geometry import VideoGeometry, preset
+from ..geometry import VideoGeometry, preset
 
 __all__ = [
     "CSV_COLUMNS",
@@ -337,7 +337,7 @@ def read_profile(path: str | Path, *, expected: str | VideoGeometry | None = Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sparsp.density",
+        prog="python -m sparsp.workloads.density",
         description="Summarise a per-head density profile (published CSV Step,Layer,Head,Sparsity "
                     "or sparsp's JSON form).")
     parser.add_argument("file", help="the profile: .csv as published, or .json as sparsp writes it")

@@ -20,8 +20,8 @@ means of cos/sin (per frequency, shared by all heads), and the mean of ``len`` i
 noises is N(0, σ²/len) — 126,720 tokens × 24 heads never exist at token level.
 Model, calibration and caveats: docs/workloads.md. ``HeadParams`` sets the heads' kinds and
 alignments from outside and ``score_terms`` gives token-level scores split by powers of a: both
-serve ``sparsp.calibration``, which fits the heads to a real model's per-head densities.
-Recorded masks (traces) are read and written by ``sparsp.traces``.
+serve ``sparsp.workloads.calibration``, which fits the heads to a real model's per-head densities.
+Recorded masks (traces) are read and written by ``sparsp.workloads.traces``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .geometry import Rope, VideoGeometry, preset
-from .masks import PooledBlocks, density, pattern_shares, select_blocks
+from ..geometry import Rope, VideoGeometry, preset
+from ..masks import PooledBlocks, density, pattern_shares, select_blocks
 
 KINDS = ("diagonal", "multi-diagonal", "column", "dense")
 # Above this many elements per tensor token_qk refuses: full-size geometries use pooled_qk.
@@ -200,7 +200,7 @@ def _generator(seed: int, layer: int, stream: int | str) -> torch.Generator:
 
 @dataclass(frozen=True, slots=True)
 class HeadParams:
-    """One layer's heads set from outside (a calibration, ``sparsp.calibration``) instead of
+    """One layer's heads set from outside (a calibration, ``sparsp.workloads.calibration``) instead of
     drawn: the kind and the alignment a of every head. The other draws (c, ρ, sinks, noise)
     still come from the seed, so the same (seed, layer, HeadParams) always gives the same q/k."""
 
@@ -451,7 +451,7 @@ def synthetic_masks(
     return out
 
 
-# --- calibration table (docs/workloads.md): python -m sparsp.workloads -----------------------------
+# --- calibration table (docs/workloads.md): python -m sparsp.workloads.synthetic -----------------------------
 
 
 def calibration_rows(model: str, cdfs: Sequence[float] = (0.85, 0.9, 0.95), *, seed: int = 0):

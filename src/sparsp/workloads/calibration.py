@@ -1,6 +1,6 @@
-"""Synthetic heads calibrated to a real per-head density profile (``sparsp.density``).
+"""Synthetic heads calibrated to a real per-head density profile (``sparsp.workloads.density``).
 
-The generator (``sparsp.workloads``) draws every head's sharpness from one range; a profile
+The generator (``sparsp.workloads.synthetic``) draws every head's sharpness from one range; a profile
 says how dense each (layer, head) of a real model is. Calibration keeps the preset's head-kind
 shares (``HeadMix``) and gives the kinds to the heads by density rank, sparsest first:
 
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from .density import DensityProfile
-from .geometry import VideoGeometry, preset
-from .workloads import HeadMix, HeadParams, score_terms
+from ..geometry import VideoGeometry, preset
+from .synthetic import HeadMix, HeadParams, score_terms
 
 CALIBRATION_FORMAT = "sparsp-calibration"
 CALIBRATION_VERSION = 1
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     parser = argparse.ArgumentParser(
-        prog="python -m sparsp.calibration",
+        prog="python -m sparsp.workloads.calibration",
         description="Fit a preset's synthetic heads to a per-head density profile and write the "
                     "fitted parameters (JSON) that `sparsp analyze --calibration` reads.")
     parser.add_argument("profile", help="the profile: .csv as published, or .json as sparsp.density writes it")
