@@ -230,7 +230,7 @@ def load_pipeline(args, recipe: Recipe, device, dtype):
     if args.tiny:  # the same seed on every rank: the same random weights everywhere
         from _tiny import build_pipeline
 
-        return build_pipeline(recipe.kind).to(device, dtype)
+        return in_eval(build_pipeline(recipe.kind).to(device, dtype))
     cls = getattr(diffusers, recipe.pipeline)
     try:
         pipe = cls.from_pretrained(args.pretrained, torch_dtype=dtype)
@@ -242,6 +242,19 @@ def load_pipeline(args, recipe: Recipe, device, dtype):
     pipe.to(device)
     if args.vae_tiling and hasattr(pipe.vae, "enable_tiling"):
         pipe.vae.enable_tiling()
+    return in_eval(pipe)
+
+
+def in_eval(pipe):
+    """``pipe`` with every component in eval mode, whatever built it: a module made from its
+    config (the tiny pipelines) starts in training mode, and the dropout of its text encoder
+    would then make two runs of the same prompt and seed differ (``--compare-dense`` would
+    measure the dropout, not sparsity)."""
+    import torch
+
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
     return pipe
 
 

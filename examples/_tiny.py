@@ -159,5 +159,6 @@ BUILDERS = {"wan": _wan, "ltx-video": _ltx_video, "ltx-2": _ltx2, "hunyuan-video
 
 
 def build_pipeline(kind: str):
-    """A tiny random pipeline of ``kind`` (fp32, CPU, eval)."""
+    """A tiny random pipeline of ``kind`` (fp32, CPU), its modules in training mode as built
+    from their configs: the recipes put every component in eval (``_recipe.in_eval``)."""
     return BUILDERS[kind]()

@@ -165,3 +165,27 @@ def test_bad_input_is_one_line(pretrained, tmp_path, capsys):
         assert code == 2, (argv, err)
         # one line of error after the loading bars, if any, and no traceback
         assert "Traceback" not in err and re.search(pattern, err.splitlines()[-1]), (argv, err)
+
+
+# --- quality figures through --tiny: what --compare-dense measures is sparsity alone -------------
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()))
+def test_tiny_dense_runs_agree_and_cdf_one_matches_dense(script, tmp_path, capsys):
+    """The tiny pipelines' modules are built in training mode; the recipe puts every component
+    in eval, so two dense runs of one seed are identical (a dropout left on made them differ by
+    30 dB) and sparsp at cdf 1.0 (every block kept) reproduces the dense model."""
+    from _recipe import build_parser, check_args, generate, load_pipeline, psnr
+    import torch
+
+    recipe = _recipe(script)
+    tiny = ["--tiny", "--device", "cpu", "--steps", "2"]
+    args = build_parser(recipe).parse_args([*tiny, "--out", str(tmp_path / "v.mp4")])
+    check_args(args, recipe)
+    pipe = load_pipeline(args, recipe, torch.device("cpu"), torch.float32)
+    first, second = (generate(args, recipe, pipe, decode=True, label="dense", show=False)[0] for _ in range(2))
+    assert psnr(first, second) == math.inf
+    assert _run(script, [*tiny, "--emulate-ranks", "2", "--cdf", "1.0", "--compare-dense",
+                         "--out", str(tmp_path / "v.mp4")]) == 0
+    db, ssim = _quality(capsys.readouterr().out)
+    assert db >= 100.0 and ssim > 0.9999, (db, ssim)
