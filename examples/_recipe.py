@@ -24,7 +24,9 @@ try a recipe anywhere. Step times are printed per step; on a GPU the first one i
 compilation of the attention kernel for the geometry.
 
 The mp4 is written with PyAV (``pip install 'sparsp[examples]'``), whose wheel carries its
-own FFmpeg libraries and H.264 encoder (libx264): nothing else to install.
+own FFmpeg libraries and H.264 encoder (libx264): nothing else to install. Everything that
+can be checked without the pipeline (options, installed packages, ``--out``, a strategy one
+process cannot run) is checked before it loads, as one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ def check_args(args, recipe: Recipe) -> None:
         raise RecipeError(f"--fps must be > 0, got {args.fps}")
     if Path(args.out).suffix.lower() != ".mp4":
         raise RecipeError(f"--out {args.out}: the video is written as mp4; give a FILE.mp4")
+    _check_before_loading(args)
     if args.emulate_ranks is not None and args.emulate_ranks < 1:
         raise RecipeError(f"--emulate-ranks must be >= 1, got {args.emulate_ranks}")
     if args.device not in (None, "cpu", "cuda"):
@@ -188,6 +191,23 @@ def check_args(args, recipe: Recipe) -> None:
     if found != recipe.pipeline:
         raise RecipeError(f"--pretrained {args.pretrained} holds a {found}, not a {recipe.pipeline}: "
                           f"use the recipe of that model family")
+
+
+def _check_before_loading(args) -> None:
+    """What would otherwise fail after loading or generating: the packages of the examples
+    extra, a strategy one process cannot run, an --out that cannot be written."""
+    from sparsp.integrations.diffusers import check_strategy
+    from sparsp.preflight import check_out_file, require
+
+    try:
+        require("examples", "diffusers", "transformers", "av", purpose="the recipe")
+        check_out_file(args.out, what="a FILE.mp4")
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    try:
+        check_strategy(args.strategy, distributed=int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    except ValueError as e:  # an unknown name, or auto in one process
+        raise RecipeError(f"{e}{' (run the recipe under torchrun)' if args.strategy == 'auto' else ''}") from None
 
 
 # --- process group and device -------------------------------------------------------------------

@@ -189,3 +189,38 @@ def test_tiny_dense_runs_agree_and_cdf_one_matches_dense(script, tmp_path, capsy
                          "--out", str(tmp_path / "v.mp4")]) == 0
     db, ssim = _quality(capsys.readouterr().out)
     assert db >= 100.0 and ssim > 0.9999, (db, ssim)
+
+
+# --- checked before loading the pipeline ----------------------------------------------------------
+
+
+def _not_loaded(*args, **kwargs):
+    raise AssertionError("the pipeline was loaded before the check")
+
+
+@pytest.mark.parametrize("case", ["out under a file", "out a directory", "auto in one process", "no diffusers",
+                                  "no av"])
+def test_recipe_checks_before_loading(case, tmp_path, capsys, monkeypatch):
+    """What used to fail after loading (auto: a 75-line traceback at the first forward) or after
+    generating (a bad --out), or with a ModuleNotFoundError: one line, exit 2, nothing loaded."""
+    import _recipe
+
+    monkeypatch.setattr(_recipe, "load_pipeline", _not_loaded)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir.mp4").mkdir()
+    argv, match = {
+        "out under a file": (["--out", str(tmp_path / "file" / "v.mp4")], "is a file, not a directory"),
+        "out a directory": (["--out", str(tmp_path / "dir.mp4")], "is a directory; give a FILE.mp4"),
+        "auto in one process": (["--strategy", "auto", "--emulate-ranks", "2"],
+                                r"strategy='auto' picks .* one process .* \(run the recipe under torchrun\)"),
+        "no diffusers": ([], r'the recipe needs diffusers, which is not installed: pip install -e "\.\[examples\]"'),
+        "no av": ([], r'the recipe needs av, which is not installed: pip install -e "\.\[examples\]"'),
+    }[case]
+    if case.startswith("no "):
+        monkeypatch.setitem(sys.modules, case[3:], None)  # the import fails as if not installed
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "v.mp4")]
+    code = _run("wan.py", ["--tiny", "--device", "cpu", *argv, *out])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert re.fullmatch(f"wan.py: error: .*{match}.*\n", err), err
+

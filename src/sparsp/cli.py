@@ -125,9 +125,9 @@ def _analyze_arguments(p) -> None:
 def _analyze_config(args):
     """The ``AnalyzeConfig`` of the arguments; ``ValueError`` for an option that cannot apply."""
     from .analysis import AnalyzeConfig
+    from .preflight import check_out_dir
 
-    if args.out.exists() and not args.out.is_dir():  # found now, not after the analysis
-        raise ValueError(f"--out {args.out} is a file; give a directory")
+    check_out_dir(args.out)  # found now, not after the analysis
     d = ANALYZE_DEFAULTS
     profile = getattr(args, "density_profile", None)
     if args.trace is not None and profile is not None:

@@ -7,8 +7,9 @@
 Supported: HunyuanVideo, Wan (2.1/2.2), LTX-Video and LTX-2 (its video self-attention); the
 split of each is declared as data in ``plans.py``. What ``parallelize`` does, in this order:
 
-1. validate everything that needs no communication (model class and config, strategy,
-   placement, heads divisible by G for ``ulysses``) — ``ValueError`` before any collective;
+1. validate everything that needs no communication (model class and config; strategy, never
+   ``auto`` without a process group; placement; heads divisible by G for ``ulysses``) —
+   ``ValueError`` before any collective;
 2. attach a ``Runtime`` (group, config, strategy, placement cache) to the model;
 3. replace the processors of the video self-attention modules (and LTX-2's video-K/V
    attention) by sparsp processors, remembering the originals;
@@ -69,6 +70,23 @@ def _strategy_spec(strategy: str):
 
         return replace(strategy_spec(PLANNED), heads_divisible=False)
     return strategy_spec(strategy)
+
+
+def check_strategy(strategy: str, *, distributed: bool):
+    """The registered facts of ``strategy`` for a model run over a process group
+    (``distributed``) or in one process (no group, or ``emulate_ranks``); ``ValueError`` for an
+    unknown name, and for ``auto`` in one process: it picks a strategy per call from the demand
+    of the group's ranks, which one process does not have. ``parallelize`` checks this first;
+    a script can call it before loading its model."""
+    from ..strategies.auto import AUTO
+    from ..strategies.registry import strategy_names
+
+    spec = _strategy_spec(strategy)
+    if strategy == AUTO and not distributed:
+        raise ValueError(f"strategy={AUTO!r} picks a strategy per call from the demand of a process group's "
+                         f"ranks; one process (no process group, or emulate_ranks) runs a fixed one: "
+                         f"{', '.join(strategy_names())}")
+    return spec
 
 
 @dataclass
@@ -384,7 +402,7 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
             ``parallelize`` installs the single-process sparse processor (the reference).
         config: thresholds, block size, transport, kernel (``SparspConfig``).
         strategy: any registered strategy (``sparsp.strategies.registry.strategy_names()``;
-            ``ring`` is the dense baseline).
+            ``ring`` is the dense baseline), or ``auto`` over a process group (``check_strategy``).
         placement: ``contiguous``, ``periodic`` or ``auto`` (the strategy's own: periodic for
             ``sparsp`` and ``ring-relay``, contiguous for the rest).
         emulate_ranks: single-process mode for a group of this size: no communication, the
@@ -403,10 +421,8 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
                              f"{attr}={getattr(transformer.config, attr)!r}")
     if not isinstance(config, SparspConfig):
         raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")
-    spec = _strategy_spec(strategy)
     if placement not in ("auto", *PLACEMENTS):
         raise ValueError(f"placement={placement!r} is not one of auto, {', '.join(PLACEMENTS)}")
-    kind = spec.placement if placement == "auto" else placement  # auto: the strategy's own (§4.3)
     if emulate_ranks is not None:
         if group is not None:
             raise ValueError("emulate_ranks runs in one process: pass group=None with it")
@@ -421,6 +437,8 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
         raise ValueError("group was given but torch.distributed is not initialised")
     else:
         distributed, ranks, rank = False, 1, 0
+    spec = check_strategy(strategy, distributed=distributed)
+    kind = spec.placement if placement == "auto" else placement  # auto: the strategy's own (§4.3)
     attn = _modules(transformer, plan.self_attention)
     if not attn:
         raise ValueError(f"{type(transformer).__name__} has no module matching {plan.self_attention}")

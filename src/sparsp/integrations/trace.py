@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ..names import TRACE_MODELS
+from ..preflight import check_out_file, require
 
 log = logging.getLogger("sparsp")
 
@@ -133,8 +134,7 @@ def check_arguments(args) -> None:
         raise ValueError("--subfolder applies only with --pretrained (the directory it names a subfolder of)")
     if args.pretrained and Path(args.pretrained).is_file():
         raise ValueError(f"--pretrained {args.pretrained}: is a file; give a Diffusers model directory or hub id")
-    if args.out.is_dir():
-        raise ValueError(f"--out {args.out} is a directory; give the trace file to write")
+    check_out_file(args.out, what="the trace file to write")
     device = args.device
     if device != "auto" and device != "cpu" and not (device == "cuda" or device.startswith("cuda:")
                                                     and device[5:].isdigit()):
@@ -176,6 +176,7 @@ def _load_pretrained(args, preset, dtype, device):
 def main(args) -> int:
     try:
         check_arguments(args)
+        require("diffusers", "diffusers", purpose="sparsp trace")
     except ValueError as e:
         return _error(e)
     import inspect
