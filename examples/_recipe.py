@@ -26,7 +26,8 @@ compilation of the attention kernel for the geometry.
 The mp4 is written with PyAV (``pip install 'sparsp[examples]'``), whose wheel carries its
 own FFmpeg libraries and H.264 encoder (libx264): nothing else to install. Everything that
 can be checked without the pipeline (options, installed packages, ``--out``, a strategy one
-process cannot run) is checked before it loads, as one line and exit status 2.
+process cannot run) is checked before it loads, as one line and exit status 2; the mp4 is
+written whole or not at all, and Ctrl-C stops with one line and exit status 130.
 """
 
 from __future__ import annotations
@@ -445,7 +446,16 @@ def to_uint8(frames):
 def write_mp4(path, frames, fps: float, *, audio=None, sample_rate: int | None = None, crf: int = 18) -> None:
     """Write ``frames`` (F, H, W, 3), float in [0, 1] or uint8, as H.264 (yuv420p) mp4, and
     ``audio`` (channels, samples), float in [-1, 1], as AAC beside it when given. yuv420p needs
-    even sides: an odd one is padded by repeating the last row or column."""
+    even sides: an odd one is padded by repeating the last row or column. The file is written
+    whole or not at all (``sparsp.preflight.staged``), also when interrupted."""
+    from sparsp.preflight import staged
+
+    path = Path(path)
+    with staged(path.parent) as temp:
+        _encode_mp4(temp / path.name, frames, fps, audio=audio, sample_rate=sample_rate, crf=crf)
+
+
+def _encode_mp4(path: Path, frames, fps: float, *, audio, sample_rate: int | None, crf: int) -> None:
     from fractions import Fraction
 
     import av
@@ -456,7 +466,6 @@ def write_mp4(path, frames, fps: float, *, audio=None, sample_rate: int | None =
     ph, pw = video.shape[1] % 2, video.shape[2] % 2
     if ph or pw:
         video = np.pad(video, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w") as box:
         stream = box.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = video.shape[2], video.shape[1]
@@ -502,6 +511,10 @@ def run(recipe: Recipe, argv=None) -> int:
         if rank == 0:
             print(f"{recipe.script}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; the mp4 is staged
+        if rank == 0:
+            print(f"{recipe.script}: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _run(args, recipe: Recipe) -> int:

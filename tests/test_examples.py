@@ -191,7 +191,7 @@ def test_tiny_dense_runs_agree_and_cdf_one_matches_dense(script, tmp_path, capsy
     assert db >= 100.0 and ssim > 0.9999, (db, ssim)
 
 
-# --- checked before loading the pipeline ----------------------------------------------------------
+# --- checked before loading the pipeline; Ctrl-C --------------------------------------------------
 
 
 def _not_loaded(*args, **kwargs):
@@ -224,3 +224,16 @@ def test_recipe_checks_before_loading(case, tmp_path, capsys, monkeypatch):
     assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
     assert re.fullmatch(f"wan.py: error: .*{match}.*\n", err), err
 
+
+def test_recipe_interrupted_leaves_no_partial_mp4(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the mp4 is being written: one line, exit 130, no file (whole or none)."""
+    class Interrupting:
+        @staticmethod
+        def from_ndarray(*args, **kwargs):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(av, "VideoFrame", Interrupting)  # the container is open: a partial file exists
+    video = tmp_path / "v.mp4"
+    assert _run("ltx_video.py", ["--tiny", "--device", "cpu", "--steps", "1", "--out", str(video)]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "ltx_video.py: interrupted"
+    assert list(tmp_path.iterdir()) == []

@@ -25,6 +25,7 @@ import torch
 from . import demand, masks as masks_mod, placement as placement_mod
 from .cost.balance import balanced_heads, head_balance, max_over_mean
 from .geometry import VideoGeometry, preset
+from .preflight import staged
 from .strategies import comm_bytes, strategy_names
 from .strategies.registry import strategies_where, strategy_spec
 
@@ -134,7 +135,11 @@ def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
         cal = cal_mod.calibrate(geom, profile, step=cfg.step, layers=n, seed=cfg.seed, rows=cfg.calibration_rows,
                                 on_layer=lambda _: _advance(progress, task))
         # Written at once, so a later failure does not lose the fit: calibrate once, load many.
-        written = cal.write(cfg.out / "calibration.json") if cfg.out is not None else None
+        written = None
+        if cfg.out is not None:
+            with staged(cfg.out) as temp:
+                cal.write(temp / "calibration.json")
+            written = cfg.out / "calibration.json"
     task = progress.add_task("calibrated masks", total=n) if progress else None
     masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=n, seed=cal.seed, mix=cal.mix,
                                       heads=cal.head_params()[:n], on_layer=lambda _: _advance(progress, task))
@@ -426,11 +431,13 @@ def _advance(progress, task) -> None:
         progress.advance(task)
 
 
-def write_outputs(doc: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "analysis.json"
-    path.write_text(json.dumps(doc, indent=1))
-    return [path] + plot(doc, out)
+def write_outputs(doc: dict, out: Path, plots: bool = True) -> list[Path]:
+    """``analysis.json`` and (``plots``) the PNGs in ``out``, all of them or none (``staged``:
+    an interrupted or failed write leaves no partial file). Returns their paths."""
+    with staged(out) as temp:
+        (temp / "analysis.json").write_text(json.dumps(doc, indent=1))
+        names = ["analysis.json"] + ([p.name for p in plot(doc, temp)] if plots else [])
+    return [out / name for name in names]
 
 
 def _source(doc: dict) -> str:

@@ -186,7 +186,7 @@ def _run_analyze(args) -> int:
     for line in calibration_lines(doc):
         console.print(line, markup=False, highlight=False)
     try:
-        paths = _write_json_only(doc, args.out) if args.no_plots else write_outputs(doc, args.out)
+        paths = write_outputs(doc, args.out, plots=not args.no_plots)
     except OSError as e:  # --out names a file, or a directory we may not write
         return _usage_error(f"cannot write to --out {args.out}: {e}")
     console.print("wrote " + ", ".join(str(p) for p in paths))
@@ -205,15 +205,6 @@ def _usage_error(error, verb: str = "analyze") -> int:
     """Report a bad argument the way argparse does: one line on stderr, exit status 2."""
     print(f"sparsp {verb}: error: {one_line(error)}", file=sys.stderr)
     return 2
-
-
-def _write_json_only(doc, out: Path):
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "analysis.json"
-    path.write_text(json.dumps(doc, indent=1))
-    return [path]
 
 
 def _add_bench(sub) -> None:
@@ -289,7 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; outputs are staged
+        print(f"sparsp {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ..names import TRACE_MODELS
-from ..preflight import check_out_file, require
+from ..preflight import check_out_file, require, staged
 
 log = logging.getLogger("sparsp")
 
@@ -66,9 +66,9 @@ def record_trace(transformer, inputs: dict, path: str | Path, *, cdf_threshold: 
         raise ValueError(f"{type(transformer).__name__} made no video self-attention call")
     stacked = torch.stack(masks)  # [layers, H, N, N]
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_trace(path, stacked, geom, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold,
-               source=source or f"sparsp trace of {type(transformer).__name__}")
+    with staged(path.parent) as temp:  # the whole file or none, also when interrupted
+        save_trace(temp / path.name, stacked, geom, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold,
+                   source=source or f"sparsp trace of {type(transformer).__name__}")
     log.info("sparsp trace: %d layers of %s, density %.3f → %s", len(masks), geom.describe(),
              stacked.float().mean().item(), path)
     return path
