@@ -202,9 +202,71 @@ def head_orders(m: torch.Tensor, ranks: int) -> list[tuple[int, ...]]:
     return [balanced_heads(layer.sum(dim=(1, 2)).tolist(), ranks) for layer in m]
 
 
+def placement_choice(results: list[dict]) -> list[dict]:
+    """Per (cdf, strategy) analysed under several placements: its default placement
+    (``StrategySpec.placement``, what ``parallelize(placement="auto")`` runs), the placement
+    that moves the fewest bytes over all ranks (the default where they tie), each placement's
+    bytes, and the default's bytes over the fewest (None where the fewest are 0)."""
+    by: dict[tuple, dict[str, int]] = {}
+    for r in results:
+        by.setdefault((r["cdf"], r["strategy"]), {})[r["placement"]] = r["bytes_total"]
+    rows = []
+    for (cdf, strategy), sizes in by.items():
+        if len(sizes) < 2:
+            continue
+        default = strategy_spec(strategy).placement
+        fewest = min(sizes, key=lambda p: (sizes[p], p != default))
+        ratio = sizes[default] / sizes[fewest] if default in sizes and sizes[fewest] else None
+        rows.append({"cdf": cdf, "strategy": strategy, "default": default, "fewest_bytes": fewest,
+                     "bytes_total": sizes, "default_over_fewest": ratio})
+    return rows
+
+
+def placement_lines(doc: dict) -> list[str]:
+    """Which placement moves the fewest bytes: per cdf for the primary strategy (with the
+    placement to pass where its default loses), one line for the others."""
+    rows = doc.get("placement_choice", [])
+    primary = strategies_where(primary=True)[0]
+    reduction = {(r["cdf"], r["placement"], r["strategy"]): r["reduction_vs_ring"] for r in doc["results"]}
+
+    def vs_ring(c, placement, suffix=" vs ring"):
+        red = reduction.get((c["cdf"], placement, c["strategy"]))
+        return "" if red is None else f" ({-100 * red:+.1f}%{suffix})"
+
+    lines = []
+    for c in (c for c in rows if c["strategy"] == primary):
+        head, fewest, default = f"placement for {primary}, cdf {c['cdf']:.2f}: ", c["fewest_bytes"], c["default"]
+        if fewest == default:
+            lines.append(f"{head}its default, {default}, moves the fewest bytes{vs_ring(c, default)}")
+            continue
+        times = "" if c["default_over_fewest"] is None else f" {c['default_over_fewest']:.2f}x as many"
+        lines.append(f"{head}{fewest} moves the fewest bytes{vs_ring(c, fewest)}, the default {default}{times}"
+                     f"{vs_ring(c, default, '')}: pass placement=\"{fewest}\" to sparsp.parallelize for this "
+                     f"workload")
+    others: dict[str, dict] = {}
+    for c in (c for c in rows if c["strategy"] != primary):
+        seen = others.setdefault(c["strategy"], {"default": c["default"], "wins": set(), "ties": True})
+        seen["wins"].add(c["fewest_bytes"])
+        seen["ties"] &= len(set(c["bytes_total"].values())) == 1
+    parts, same = [], [s for s, seen in others.items() if seen["ties"]]
+    for s, seen in ((s, seen) for s, seen in others.items() if not seen["ties"]):
+        if seen["wins"] == {seen["default"]}:
+            parts.append(f"{s} {seen['default']} (its default)")
+        else:
+            parts.append(f"{s} {' or '.join(sorted(seen['wins']))}{' by cdf' if len(seen['wins']) > 1 else ''} "
+                         f"(default {seen['default']})")
+    if same:
+        parts.append(f"{', '.join(same)}: the same under every placement")
+    if parts:
+        lines.append("fewest bytes, other strategies: " + "; ".join(parts))
+    return lines
+
+
 def notes(doc: dict) -> list[str]:
-    """Lines printed under ``analyze``'s table: strategies skipped, and what bytes alone do not say."""
+    """Lines printed under ``analyze``'s table: strategies skipped, which placement moves the
+    fewest bytes, and what bytes alone do not say."""
     lines = [f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}" for s in doc.get("skipped", [])]
+    lines += placement_lines(doc)
     head_sharded = set(strategies_where(heads_divisible=True))
     shown = {r["strategy"] for r in doc["results"]}
     for s in sorted(head_sharded & shown):
@@ -331,6 +393,7 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
         "tokens": geom.num_tokens, "blocks": geom.num_blocks, "block_size": geom.block_size,
         "layers": int(next(iter(masks_by_cdf.values())).shape[0]), "masks": source,
         "results": results, "mask_stats": stats, "skipped": skipped,
+        "placement_choice": placement_choice(results),
     }
     if calibrated:
         doc["calibration"] = calibrated[0]
