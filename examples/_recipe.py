@@ -172,11 +172,11 @@ def check_args(args, recipe: Recipe) -> None:
         raise RecipeError(f"--fps must be > 0, got {args.fps}")
     if Path(args.out).suffix.lower() != ".mp4":
         raise RecipeError(f"--out {args.out}: the video is written as mp4; give a FILE.mp4")
-    _check_before_loading(args)
     if args.emulate_ranks is not None and args.emulate_ranks < 1:
         raise RecipeError(f"--emulate-ranks must be >= 1, got {args.emulate_ranks}")
     if args.device not in (None, "cpu", "cuda"):
         raise RecipeError(f"--device must be cuda or cpu, got {args.device}")
+    _check_before_loading(args)
     if args.tiny:
         return
     d = Path(args.pretrained)
