@@ -33,10 +33,9 @@ where Triton is importable and a row fits (``MAX_COLS`` blocks); elsewhere the t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import env
 from ._triton import runs, tl, triton
 
 MAX_COLS = 16384
@@ -107,7 +106,7 @@ def select(scores: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
     rows = B * H * nQ
     if rows == 0:
         return out
-    if scores.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if scores.device.type != "cuda" and not env.triton_interpret():
         raise RuntimeError("cdf_select runs CPU tensors in Triton's interpreter only: set "
                            "TRITON_INTERPRET=1 before Triton is imported")
     block = triton.next_power_of_2(nK)

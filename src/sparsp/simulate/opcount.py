@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import queue
 import socket
 import time
@@ -314,7 +313,7 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
     from .. import SparspConfig
     from ..strategies import close_transports
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # a counting rank needs no intra-op threads: G of them share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -344,7 +343,6 @@ def count(world: int, jobs: list[tuple[str, int, bool]], timeout_s: float = 300.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, name=f"rank{r}", args=(r, world, port, jobs, out))
