@@ -22,15 +22,14 @@ import torch
 
 from ..analysis import DTYPE_BYTES
 from ..geometry import PRESETS, VideoGeometry, preset
-from ..placement import make_placement
+from ..cost.balance import contiguous_heads
 from ..cost.figures import pair_flops
-from ..cost.model import LOCAL_FIRST, SCHEDULES
+from ..cost.model import LOCAL_FIRST, SCHEDULES, build_work
 from ..cost.profiles import Profile, get_profile
 from ..cost.timeline import bottleneck, timeline
+from ..placement import make_placement
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
-from ..cost.balance import contiguous_heads
-from .model import build_work
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
 
@@ -189,7 +188,7 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     in rank order (``cost.model.work``; None: by density, as it runs)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
-    work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
+    work = build_work(masks, pl, strategy_spec(strategy), head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
                       profile=chunking or profile, transport=transport, local_first=local_first,
                       head_order=head_order)
     return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)

@@ -30,7 +30,7 @@ import torch
 from ..analysis import DTYPE_BYTES, AnalyzeConfig, load_masks
 from ..cost.balance import balanced_heads, contiguous_heads, max_over_mean, rank_loads
 from ..cost.figures import Blocks, measure
-from ..cost.model import SCHEDULES
+from ..cost.model import SCHEDULES, work
 from ..cost.profiles import get_profile
 from ..geometry import preset
 from ..placement import make_placement
@@ -38,7 +38,6 @@ from ..strategies.auto import AUTO, PLANNED, candidates, decide
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate
 from .job import modelled, placement_for, row_of
-from .model import work
 
 SUMMED = ("predicted_ms", "compute_ms", "fixed_ms", "transfer_ms", "exposed_ms", "bytes_total")
 """Row fields the model's row sums over the layers."""
@@ -151,7 +150,7 @@ def _layer_rows(cfg, layer, kept_h, kept_q, geom, G, profiles, strategies, dtype
                 # order (cost.balance on the layer's kept pairs per head), the model's default
                 variants = [(False, contiguous_heads(H)), (True, balanced_heads(d.head_pairs, G))]
             for balanced, order in variants:
-                w = work(s, d, head_dim=hd, dtype_bytes=dtype_bytes, profile=prof, transport=transport,
+                w = work(spec, d, head_dim=hd, dtype_bytes=dtype_bytes, profile=prof, transport=transport,
                          local_first=cfg.local_first, head_order=order)
                 row = {**base, **row_of(w, prof, placement=kind, transport=transport, prefetch=cfg.prefetch,
                                         head_dim=hd, rounds=False, savings=False)}
