@@ -380,7 +380,7 @@ def test_work_bytes_and_flops_match_demand(G, kind):
 
 
 def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl", 0.5, 15.0)),
-                    loaded=(("host", 0.4, 24.0), ("nccl", 0.6, 9.0))):
+                    loaded=(("host", 0.4, 24.0), ("nccl", 0.6, 9.0)), machine="2xH200"):
     """Rows of exact ``latency + bytes / GB/s`` per transport: single exchanges alone (``fits``),
     pipelined ones (never fitted) and exchanges under an attention kernel (``loaded``)."""
     rows = []
@@ -399,7 +399,7 @@ def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl",
             rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": b / ms / 1e6, "under_load": True,
                          "median_ms": ms, "attention_slowdown": 0.01 * (e % 3 - 1)})
     path = tmp_path / "transport.json"
-    path.write_text(json.dumps({"kind": "transport", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "transport", "machine": machine, "rows": rows}))
     return path
 
 
@@ -409,7 +409,7 @@ def _kernel_file(tmp_path):
     rows.append({"kernel": "cudnn", "head_dim": 128, "density": 1.0, "ms": 1.0, "tflops_kept": 500.0,
                  "vs_cudnn": 1.0, "vs_best_dense": 1.0})
     path = tmp_path / "kernel.json"
-    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "kernel", "machine": "1xH200", "rows": rows}))
     return path
 
 
@@ -509,11 +509,13 @@ def test_cli_end_to_end(tmp_path, capsys):
     attn = _attention_file(tmp_path, [dict(ROW, fabric="host", strategy="ring", transport="nccl",
                                            placement="contiguous")])
     out = tmp_path / "out"
+    transport = _transport_file(tmp_path, machine="8xRTXPRO6000BlackwellServerEdition")
     rc = main(["simulate", "--model", "ltx-video", "--ranks", "2", "4", "--fabric", "pcie5-8gpu-nop2p",
-               "--calibrate", str(_transport_file(tmp_path)), "--validate", str(attn), "--out", str(out)])
+               "--fit-profile", str(transport), "--validate", str(attn), "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "pcie5-8gpu-nop2p-calibrated" in printed and "validation" in printed
+    assert f"fitting pcie5-8gpu-nop2p to {transport} (transport, 8xRTXPRO6000BlackwellServerEdition)" in printed
     doc = json.loads((out / "simulate.json").read_text())
     assert {(r["strategy"], r["ranks"]) for r in doc["results"]} == {(s, G) for s in strategy_names() for G in (2, 4)}
     assert doc["local_first"] is None  # the config's default: automatic
@@ -553,7 +555,7 @@ def test_cli_no_local_first_simulates_in_order(tmp_path):
     (["--cdf", "1.5"], "--cdf values must lie in [0, 1], got 1.5"),
     (["--transport", "tcp"], "profile pcie4-8gpu-nop2p has no transport 'tcp'"),
     (["--prefetch", "0"], "--prefetch must be an int >= 1, got 0"),
-    (["--calibrate", "/nonexistent/transport.json"], "--calibrate /nonexistent/transport.json: no such file"),
+    (["--fit-profile", "/nonexistent/transport.json"], "--fit-profile /nonexistent/transport.json: no such file"),
     (["--fabric", "h200x2-nvlink", "--ranks", "4"], "exceeds the 2 GPUs of profile h200x2-nvlink"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
@@ -836,7 +838,7 @@ def _fa4_kernel_file(tmp_path):
             row("flex", 128, "local", 0.2, 400.0), row("cudnn", 128, "dense", 1.0, 500.0),
             row("flex", 64, "local", 0.6, 350.0), row("flex", 64, "packed", 0.6, 330.0)]  # no fa4 at d64
     path = tmp_path / "kernel-fa4.json"
-    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "kernel", "machine": "1xH200", "rows": rows}))
     return path
 
 
@@ -867,7 +869,7 @@ def _shape_kernel_file(tmp_path):
                  row(shape, heads, keys, "flex", "local", "cdf 0.9", 0.2, 50 * scale),  # not the kernel auto runs
                  row(shape, heads, keys, "cudnn", "dense", "dense", 1.0, 500 * scale)]
     path = tmp_path / "kernel-shapes.json"
-    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "kernel", "machine": "1xH200", "rows": rows}))
     return path
 
 

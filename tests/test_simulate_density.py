@@ -140,7 +140,7 @@ def test_ulysses_balanced_heads_beside_contiguous(run):
 @pytest.mark.parametrize("extra, message", [
     (["--validate"], "--validate cannot apply with --density-profile"),
     (["--text"], "--text cannot apply with --density-profile"),
-    (["--calibrate", "T.json"], "--calibrate fits one profile: give one --fabric with it"),
+    (["--fit-profile", "T.json"], "--fit-profile fits one profile: give one --fabric with it"),
     (["--layers", "0"], "--layers must be >= 1, got 0"),
     (["--layers", "29"], "--layers 29: ltx-video has 28 layers"),
     (["--step", "3"], "step 3 outside 1..2"),

@@ -1,9 +1,9 @@
-"""The ``sparsp simulate`` job: sweep G per strategy on a profile, calibrate, validate, write.
+"""The ``sparsp simulate`` job: sweep G per strategy on a profile, fit it, validate, write.
 
 Masks are ``sparsp analyze``'s (``workloads.synthetic_masks``, same seed) on the geometry the
 attention benchmark runs (video tokens only unless ``text``), and every strategy runs with the
-placement it registered for the benchmarks (``placement="auto"``). ``--calibrate`` fits a
-profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
+placement it registered for the benchmarks (``placement="auto"``). ``--fit-profile`` fits a
+machine profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
 strategy row of ``bench attention`` results with the 2×H200 profiles (widened to the row's G,
 ``Profile.widened``), each in its own order (its ``local_first``; rows written before the flag
 existed ran in order), and never fits on them.
@@ -60,8 +60,9 @@ class SimulateConfig:
     as ``Call.local_first_pays`` decides; True: always —; False: every strategy in order
     (``--no-local-first``)."""
     seed: int = 0
-    calibrate: tuple[Path, ...] = ()
-    """``bench transport`` / ``bench kernel`` result files to fit the profile to."""
+    fit_profile: tuple[Path, ...] = ()
+    """``bench transport`` / ``bench kernel`` result files to fit the profile to (of its GPU:
+    ``calibrate.check_machine``)."""
     validate: tuple[Path, ...] | None = None
     """``bench attention`` result files to predict; () = discover ``bench/results/attention-*.json``;
     None = no validation."""
@@ -115,8 +116,8 @@ class SimulateConfig:
             if self.text:
                 raise ValueError("--text cannot apply with --density-profile: the calibrated masks are those of "
                                  "`sparsp analyze`, on the preset's whole sequence; drop --text")
-            if self.calibrate and len(self.fabric_names()) > 1:
-                raise ValueError("--calibrate fits one profile: give one --fabric with it")
+            if self.fit_profile and len(self.fabric_names()) > 1:
+                raise ValueError("--fit-profile fits one profile: give one --fabric with it")
             if self.layers is not None and self.layers < 1:
                 raise ValueError(f"--layers must be >= 1, got {self.layers}")
 
@@ -250,8 +251,8 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     t0 = time.perf_counter()
     profile = get_profile(cfg.fabric)
     calibration = None
-    if cfg.calibrate:
-        profile, calibration = calibrate(profile, cfg.calibrate)
+    if cfg.fit_profile:
+        profile, calibration = calibrate(profile, cfg.fit_profile)
     if cfg.transport is not None:
         profile.transport(cfg.transport)  # unknown transport: ValueError before any work
     geom = geometry(cfg.model, cfg.text)
@@ -303,7 +304,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     }
     if cfg.validate is not None:
         paths = list(cfg.validate) or discover_attention()
-        doc["validation"], doc["validation_notes"] = validate(paths, cfg.calibrate, cache, progress)
+        doc["validation"], doc["validation_notes"] = validate(paths, cfg.fit_profile, cache, progress)
         doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
         doc["validation_summary"] = validation_summary(doc["validation"])
     doc["seconds"] = round(time.perf_counter() - t0, 2)

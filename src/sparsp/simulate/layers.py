@@ -47,13 +47,13 @@ summary flags it)."""
 
 
 def profiles_of(cfg) -> tuple[list, dict | None]:
-    """The profiles of ``cfg.fabric_names()``, calibrated to ``cfg.calibrate`` when given (one
-    profile only), and the calibration's record."""
+    """The profiles of ``cfg.fabric_names()``, fitted to ``cfg.fit_profile`` when given (one
+    profile only), and the fit's record."""
     out, record = [], None
     for name in cfg.fabric_names():
         prof = get_profile(name)
-        if cfg.calibrate:
-            prof, record = calibrate(prof, cfg.calibrate)
+        if cfg.fit_profile:
+            prof, record = calibrate(prof, cfg.fit_profile)
         if cfg.transport is not None:
             prof.transport(cfg.transport)  # unknown transport: ValueError before any work
         out.append(prof)
@@ -268,7 +268,7 @@ def _label(r: dict) -> str:
 
 
 def write_model(doc: dict, out: Path, plots: bool = True) -> list[Path]:
-    """``simulate.json``, the profile fitted to bench results (``--calibrate``), the density
+    """``simulate.json``, the profile fitted to bench results (``--fit-profile``), the density
     calibration when fitted now (already written by ``analysis.load_masks``), ``layers_ms.png``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "simulate.json"]
