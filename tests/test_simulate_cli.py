@@ -1,5 +1,5 @@
 """``sparsp simulate``'s command line: the renamed ``--fit-profile`` and the machines it fits
-to."""
+to, the G a profile holds by default, the columns' names."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from test_simulate import _kernel_file, _transport_file
 
 from sparsp.cost import PROFILES
 from sparsp.simulate import calibrate as fit
+from sparsp.simulate.job import default_ranks
 
 LTX = ["--model", "ltx-video", "--no-plots"]
 
@@ -102,3 +103,28 @@ def test_machines_and_gpus():
     assert fit.machine_of("bench/results/kernel-all-4xH100-2026-12-05.json") == "4xH100"
     assert fit.machine_of("kernel.json") is None
     assert fit.machine_of("kernel.json", {"machine": "cpu"}) == "cpu"
+
+
+# --- the G a profile holds, the columns -----------------------------------------------------------
+
+
+def test_default_ranks_are_those_the_profile_holds(capsys, tmp_path):
+    assert default_ranks(2) == (2,) and default_ranks(4) == (2, 4) and default_ranks(8) == (2, 4, 8)
+    with pytest.raises(ValueError, match="a profile of 1 GPU"):
+        default_ranks(1)
+    code, out, err = run_cli(capsys, ["simulate", *LTX, "--fabric", "h200x2-nvlink", "--strategy", "ring", "sparsp",
+                                      "--out", tmp_path / "o"])
+    assert code == 0, err
+    doc = json.loads((tmp_path / "o" / "simulate.json").read_text())
+    assert doc["ranks"] == [2] and {r["ranks"] for r in doc["results"]} == {2}
+
+
+def test_the_one_gpu_column_says_what_it_is_relative_to(capsys, tmp_path):
+    code, out, err = run_cli(capsys, ["simulate", *LTX, "--fabric", "h200x2-nvlink", "--strategy", "sparsp",
+                                      "--out", tmp_path / "o"])
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if "strategy" in line and "┃" in line)
+    assert [c.strip() for c in header.split("┃")[1:-1]][4:6] == ["vs ring", "vs 1-GPU sparse"]
+    text = " ".join(out.split())
+    assert "vs 1-GPU sparse: the one-GPU sparse call's ms (below) over this row's, not dense attention's" in text
+    assert "one GPU, cdf 0.9: sparse (sparsp on a group of one)" in text

@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..names import PROFILE_NAMES
 
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="sequence-parallel degrees G")
+    p.add_argument("--ranks", type=int, nargs="+", default=None,
+                   help="sequence-parallel degrees G (default: those of 2 4 8 the profile holds, with several "
+                        "profiles the largest)")
     p.add_argument("--fabric", nargs="+", default=None, metavar="PROFILE",
                    help=f"profile name ({', '.join(PROFILE_NAMES)}) or a profile .json file (default: "
                         f"{DEFAULT_FABRIC}); with --density-profile several, or `all` (every built-in "
@@ -168,7 +170,7 @@ def _config(args):
     fitting = fit_inputs(args, fabrics) if args.fit_profile is not None else []
     check_combinations(args)
     cfg = SimulateConfig(
-        model=args.model, ranks=tuple(args.ranks), cdf=tuple(args.cdf),
+        model=args.model, ranks=tuple(args.ranks or ()), cdf=tuple(args.cdf),
         fabric=fabrics[0] if len(fabrics) == 1 and fabrics[0] != "all" else DEFAULT_FABRIC,
         fabrics=fabrics if args.density_profile is not None else (),
         density_profile=args.density_profile, step=args.step, calibration=args.calibration,
@@ -234,8 +236,8 @@ def print_tables(doc: dict, console) -> None:
              False: "in order"}.get(doc.get("local_first"), "in order")
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"on {doc['fabric']} ({transports}); simulated ({order}), {doc['masks']} masks")
-    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "fixed", "exposed", "MiB/rank",
-                "bottleneck"):
+    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1-GPU sparse", "compute", "fixed", "exposed",
+                "MiB/rank", "bottleneck"):
         table.add_column(col, justify="left" if col in ("strategy", "bottleneck") else "right")
     for r in doc["results"]:
         table.add_row(f"{r['cdf']:.2f}", str(r["ranks"]), r["strategy"], f"{r['predicted_ms']:.1f}",
@@ -246,13 +248,13 @@ def print_tables(doc: dict, console) -> None:
     console.print(table)
     from .job import BOTTLENECK_LEGEND
 
-    console.print("ms: predicted time of one attention call; compute, fixed, exposed: the slowest rank's "
-                  "kernel time, fixed costs and transfer time not hidden behind compute (ms); "
-                  + BOTTLENECK_LEGEND, markup=False, highlight=False)
+    console.print("ms: predicted time of one attention call; vs ring: the dense ring's ms at the same G over "
+                  "this row's; vs 1-GPU sparse: the one-GPU sparse call's ms (below) over this row's, not dense "
+                  "attention's; compute, fixed, exposed: the slowest rank's kernel time, fixed costs and transfer "
+                  "time not hidden behind compute (ms); " + BOTTLENECK_LEGEND, markup=False, highlight=False)
     for cdf, one in doc["one_gpu"].items():
-        console.print(f"one GPU, cdf {cdf}: {strategies_where(primary=True)[0]} (a group of one) "
-                      f"{one['sparse_ms']:.1f} ms, "
-                      f"dense kernel {one['dense_ms']:.1f} ms")
+        console.print(f"one GPU, cdf {cdf}: sparse ({strategies_where(primary=True)[0]} on a group of one) "
+                      f"{one['sparse_ms']:.1f} ms, dense kernel {one['dense_ms']:.1f} ms")
     for s in doc["skipped"]:
         console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")
     if doc.get("validation") is not None:

@@ -32,14 +32,25 @@ from ..strategies.registry import strategies_where, strategy_names, strategy_spe
 from .calibrate import calibrate, newest, read_result
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
+RANKS = (2, 4, 8)
+"""The G simulated when none are given: those of them the profile holds (``default_ranks``)."""
+
+
+def default_ranks(gpus: int) -> tuple[int, ...]:
+    """``RANKS`` up to ``gpus`` (the profile's, or the largest of several): ``sparsp simulate
+    --fabric h200x2-nvlink`` simulates G = 2 without being told."""
+    held = tuple(G for G in RANKS if G <= gpus)
+    if not held:
+        raise ValueError(f"a profile of {gpus} GPU(s) holds no G of {', '.join(map(str, RANKS))}; give --ranks")
+    return held
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimulateConfig:
     model: str = "hunyuan-video"
     """Preset name (``sparsp.geometry.PRESETS``)."""
-    ranks: tuple[int, ...] = (2, 4, 8)
-    """Sequence-parallel degrees G to simulate."""
+    ranks: tuple[int, ...] = ()
+    """Sequence-parallel degrees G to simulate; empty: ``default_ranks`` of the profile(s)."""
     fabric: str = "pcie4-8gpu-nop2p"
     """A built-in profile name or a profile JSON file."""
     cdf: tuple[float, ...] = (0.9,)
@@ -85,8 +96,6 @@ class SimulateConfig:
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
             raise ValueError(f"unknown --model {self.model!r}; choose one of {', '.join(PRESETS)}")
-        if not self.ranks:
-            raise ValueError("--ranks needs at least one value")
         for G in self.ranks:
             if not isinstance(G, int) or isinstance(G, bool) or G < 2:
                 raise ValueError(f"--ranks must be ints >= 2, got {G!r}")
@@ -253,6 +262,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     calibration = None
     if cfg.fit_profile:
         profile, calibration = calibrate(profile, cfg.fit_profile)
+    cfg = replace(cfg, ranks=cfg.ranks or default_ranks(profile.gpus))
     if cfg.transport is not None:
         profile.transport(cfg.transport)  # unknown transport: ValueError before any work
     geom = geometry(cfg.model, cfg.text)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from ..placement import make_placement
 from ..strategies.auto import AUTO, PLANNED, candidates, decide
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate
-from .job import modelled, placement_for, row_of
+from .job import default_ranks, modelled, placement_for, row_of
 
 SUMMED = ("predicted_ms", "compute_ms", "fixed_ms", "transfer_ms", "exposed_ms", "bytes_total")
 """Row fields the model's row sums over the layers."""
@@ -64,6 +65,7 @@ def simulate_model(cfg, progress=None) -> dict:
     """The ``simulate.json`` document of a whole model's step (module docstring)."""
     t0 = time.perf_counter()
     profiles, record = profiles_of(cfg)
+    cfg = replace(cfg, ranks=cfg.ranks or default_ranks(max(p.gpus for p in profiles)))
     acfg = AnalyzeConfig(model=cfg.model, ranks=max(cfg.ranks), cdf=cfg.cdf, layers=cfg.layers, seed=cfg.seed,
                          density_profile=Path(cfg.density_profile), step=cfg.step, calibration=cfg.calibration,
                          out=cfg.out)
