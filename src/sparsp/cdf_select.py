@@ -22,7 +22,7 @@ The same set as the sort's up to float rounding: the mass is summed by a reducti
 by a scan there, so a block whose cumulative mass is within float32 rounding of ``cdf`` may
 fall on either side. Every rank runs the same kernel on the same gathered summaries (and
 ``split_mask`` does too), so the mask is the same bits everywhere, which is what the
-distributed plan needs (DESIGN "Mask semantics").
+distributed plan needs (docs/design.md "Mask semantics").
 
 CUDA tensors run the compiled kernel; CPU tensors run it in Triton's interpreter when
 ``TRITON_INTERPRET=1`` was set before Triton was imported (the CPU suite checks the kernel's
