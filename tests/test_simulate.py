@@ -611,7 +611,7 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     from sparsp.cost.ops import MASK_OPS, mask_ops
 
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
-    # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
+    # recounted with ``sparsp simulate --count-ops`` (docs/simulate.md): eager, and with
     # the plan stage a CUDA graph (the default on GPUs)
     assert mask_ops("direct", 4, graphed=False) == 107 + 119 * 3
     assert mask_ops("relay", 3, graphed=False) == 135 + 63 * 2 + 4 * 4

@@ -1,5 +1,5 @@
 """``sparsp simulate``'s command line: the renamed ``--fit-profile`` and the machines it fits
-to, the G a profile holds by default, the columns' names."""
+to, the G a profile holds by default, the columns' names, ``--count-ops``."""
 
 from __future__ import annotations
 
@@ -128,3 +128,54 @@ def test_the_one_gpu_column_says_what_it_is_relative_to(capsys, tmp_path):
     text = " ".join(out.split())
     assert "vs 1-GPU sparse: the one-GPU sparse call's ms (below) over this row's, not dense attention's" in text
     assert "one GPU, cdf 0.9: sparse (sparsp on a group of one)" in text
+
+
+# --- --count-ops -----------------------------------------------------------------------------------
+
+
+def test_count_ops_prints_the_counts_at_the_ranks_asked(capsys, monkeypatch):
+    from sparsp.simulate import opcount
+
+    asked = []
+    monkeypatch.setattr(opcount, "report", lambda ranks: asked.append(ranks) or iter(["MASK_OPS = (1, 2, 3)"]))
+    code, out, err = run_cli(capsys, ["simulate", "--count-ops"])
+    assert code == 0 and out == "MASK_OPS = (1, 2, 3)\n" and asked == [(2, 3, 4, 6)], err
+    code, out, err = run_cli(capsys, ["simulate", "--count-ops", "--ranks", 2, 4])
+    assert code == 0 and asked[-1] == (2, 4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "ltx-video"], "--model cannot apply with --count-ops"),
+    (["--fabric", "h200x2-host", "--no-plots"], "--fabric --no-plots cannot apply with --count-ops"),
+    (["--ranks", "5"], "--ranks 5: --count-ops counts on 12 heads; each G must divide them"),
+])
+def test_count_ops_refuses_what_cannot_apply(capsys, extra, message):
+    code, out, err = run_cli(capsys, ["simulate", "--count-ops", *extra])
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_count_ops_report_fits_every_constant(monkeypatch):
+    """``opcount.report`` on counts made up so each point grows by a known polynomial in G − 1:
+    every constant comes out fitted and exact; the all-to-all, which runs in order whatever the
+    config, has no early ops (the report once failed on its None)."""
+    from sparsp.simulate import opcount
+    from sparsp.strategies.registry import strategy_spec
+
+    def counts(G: int, jobs):
+        out = []
+        for s, units, lf in jobs:
+            early = lf and strategy_spec(s).local_first
+            read = 100 + 10 * (G - 1) + units
+            out.append({"read": read, "wait": read + 3, "resolved": read + 7 + (G - 1), "stage": 20,
+                        "kernels": ([read + 1] if early else []) + [read + 9 + G, read + 30 + 5 * G],
+                        "fetches": [read + 8 + G], "total": read + 40 + 5 * G})
+        return out
+
+    monkeypatch.setattr(opcount, "count", counts)
+    lines = list(opcount.report((2, 3, 4, 6)))
+    fitted = [line for line in lines if line.startswith(("MASK_OPS", "FINISH_OPS", "EARLY_OPS", "RUN_OPS"))]
+    assert fitted and not [line for line in lines if "NOT exact" in line or "three G or more" in line]
+    assert "MASK_OPS['direct'] (in order) = (101, 10, 0)" in lines
+    assert "FINISH_OPS['dense'] (local first) = (4, 1, 0)" in lines
+    assert "EARLY_OPS['direct'] before the local launch = (1, 0, 0)" in lines
+    assert not [line for line in lines if line.startswith("EARLY_OPS['all-to-all']")]

@@ -20,6 +20,8 @@ DESCRIPTION = (
     "to a real model's per-head densities as in `sparsp analyze --density-profile`, summed over the "
     "layers per strategy, for `auto` (its per-layer picks) and for ulysses with heads given to ranks "
     "by density; on every built-in profile unless --fabric names some. "
+    "With --count-ops, no simulation: the host's eager ops one call issues, counted on the code on "
+    "CPU gloo ranks, and the cost model's op constants fitted to them. "
     "Method and sources: docs/simulate.md."
 )
 DEFAULT_FABRIC = "pcie4-8gpu-nop2p"
@@ -33,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
     p.add_argument("--ranks", type=int, nargs="+", default=None,
                    help="sequence-parallel degrees G (default: those of 2 4 8 the profile holds, with several "
-                        "profiles the largest)")
+                        "profiles the largest; with --count-ops: 2 3 4 6)")
     p.add_argument("--fabric", nargs="+", default=None, metavar="PROFILE",
                    help=f"profile name ({', '.join(PROFILE_NAMES)}) or a profile .json file (default: "
                         f"{DEFAULT_FABRIC}); with --density-profile several, or `all` (every built-in "
@@ -77,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --density-profile: the model's first N layers (default: all of them)")
     p.add_argument("--out", type=Path, default=Path("results/simulate"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--count-ops", action="store_true",
+                   help="instead of simulating: count the eager PyTorch ops one sp_attention call issues, "
+                        "per strategy and order, on CPU gloo groups of each --ranks G, and print the op "
+                        "constants of sparsp.cost.ops fitted to them (for recounting them after a change "
+                        "to the code; minutes); takes no other option")
 
 
 def _error(message) -> int:
@@ -190,6 +197,8 @@ def main(args) -> int:
 
     from .job import simulate, write_outputs
 
+    if args.count_ops:
+        return count_ops(args)
     console = Console()
     if console.width < 118:  # the table has eleven columns: do not truncate them in a pipe
         console = Console(width=118)
@@ -223,6 +232,27 @@ def main(args) -> int:
         return _error(f"cannot write to --out {args.out}: {e}")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     console.print(f"done in {doc['seconds']:.1f} s")
+    return 0
+
+
+def count_ops(args) -> int:
+    """``--count-ops``: ``opcount.report`` at each ``--ranks`` G; any other option is refused."""
+    from .opcount import HEADS, RANKS, report
+
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(defaults.parse_args([])).items()
+             if k not in ("count_ops", "ranks") and getattr(args, k, v) != v]
+    if given:
+        return _error(f"{' '.join(given)} cannot apply with --count-ops: it counts the code's ops, it "
+                      f"simulates nothing; drop {'it' if len(given) == 1 else 'them'}")
+    ranks = tuple(args.ranks or RANKS)
+    bad = [G for G in ranks if G < 1 or HEADS % G]
+    if bad:
+        return _error(f"--ranks {' '.join(map(str, bad))}: --count-ops counts on {HEADS} heads; each G must "
+                      f"divide them")
+    for line in report(ranks):
+        print(line, flush=True)
     return 0
 
 
