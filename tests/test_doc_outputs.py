@@ -10,6 +10,9 @@ document is remade from the command.
 docs/analysis.md's two tables are made from eight ``sparsp analyze`` runs (about three minutes
 of CPU): ``test_analysis_tables`` remakes their rows from the same runs, marked ``slow`` and run
 with ``pytest -m slow --doc-outputs`` (``make doc-outputs``).
+
+And the README stays a page one reads through: at most ``README_LINES`` lines; more detail
+goes into docs/ with a link.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ def _run(command: str, tmp_path, capsys, monkeypatch) -> str:
     code, out, err = run_cli(capsys, argv)
     assert code == 0, f"`{command}` failed: {err}"
     return out
+
+
+README_LINES = 250
+
+
+def test_the_readme_stays_short():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines (at most {README_LINES}): move detail into docs/"
 
 
 def test_the_documents_mark_their_outputs():
