@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP_BASE := $(VENV)/.sparsp-installed
 STAMP_TEST := $(VENV)/.sparsp-installed-test
 
-.PHONY: demo test gpu-test soak install clean
+.PHONY: demo test gpu-test soak doc-outputs install clean
 
 $(STAMP_BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ gpu-test:
 
 soak: $(STAMP_TEST)
 	$(PY) -m pytest -q -s -m slow --soak-calls 5000 tests
+
+# The documents' tables that take minutes to remake (docs/analysis.md), against the code.
+doc-outputs: $(STAMP_TEST)
+	$(PY) -m pytest -q -m slow --doc-outputs tests/test_doc_outputs.py
 
 clean:
 	rm -rf $(VENV) results build src/*.egg-info

@@ -16,3 +16,6 @@ def pytest_addoption(parser):
     parser.addoption("--soak-calls", type=int, default=None, metavar="N",
                      help="run test_soak.py's long soak with N calls (`make soak`: 5000); "
                           "without it that test is skipped")
+    parser.addoption("--doc-outputs", action="store_true",
+                     help="also remake docs/analysis.md's tables from their eight `sparsp analyze` runs "
+                          "(`make doc-outputs`, minutes); without it those tests are skipped")

@@ -12,11 +12,11 @@ import torch
 from cli_utils import run_cli
 
 from sparsp.analysis import compute_balance, head_orders
-from sparsp.cost import Blocks, measure
+from sparsp.cost import Blocks, measure, work
 from sparsp.cost.balance import balanced_heads, head_balance, rank_loads
 from sparsp.geometry import VideoGeometry
 from sparsp.placement import make_placement
-from sparsp.simulate.model import work
+from sparsp.strategies.registry import strategy_spec
 
 
 def _optimum(kept: list[int], G: int) -> int:
@@ -81,6 +81,7 @@ def test_head_balance_figures_and_refusals():
         rank_loads([1, 2, 3, 4], 2, (0, 0, 1, 2))
 
 
+ULYSSES = strategy_spec("ulysses")
 GEOM = VideoGeometry(name="toy", frames=2, height=8, width=16, heads=8, head_dim=64, block_size=32, layers=1)
 
 
@@ -98,11 +99,11 @@ def test_cost_model_computes_each_ranks_own_heads():
     pl = make_placement("contiguous", GEOM, G)
     d = measure(m, Blocks.of(pl))
     order = balanced_heads(m.sum(dim=(1, 2)).tolist(), G)
-    plain = work("ulysses", d, head_dim=GEOM.head_dim, head_order=tuple(range(GEOM.heads)))
-    even = work("ulysses", d, head_dim=GEOM.head_dim, head_order=order)
+    plain = work(ULYSSES, d, head_dim=GEOM.head_dim, head_order=tuple(range(GEOM.heads)))
+    even = work(ULYSSES, d, head_dim=GEOM.head_dim, head_order=order)
     # by default the model charges what ulysses runs: heads balanced by their kept pairs
-    runs = work("ulysses", d, head_dim=GEOM.head_dim)
-    assert runs.flops == work("ulysses", d, head_dim=GEOM.head_dim,
+    runs = work(ULYSSES, d, head_dim=GEOM.head_dim)
+    assert runs.flops == work(ULYSSES, d, head_dim=GEOM.head_dim,
                               head_order=balanced_heads(d.head_pairs, G)).flops
     per = GEOM.heads // G
     L = GEOM.block_lengths().double()
@@ -114,7 +115,7 @@ def test_cost_model_computes_each_ranks_own_heads():
     assert max(f[0] for f in even.flops) < max(f[0] for f in plain.flops)
     assert even.recv == plain.recv and even.back == plain.back  # the same bytes: H/G heads each
     with pytest.raises(ValueError, match="not a permutation"):
-        work("ulysses", d, head_dim=GEOM.head_dim, head_order=(0,) * GEOM.heads)
+        work(ULYSSES, d, head_dim=GEOM.head_dim, head_order=(0,) * GEOM.heads)
 
 
 def test_compute_balance_with_balanced_heads():

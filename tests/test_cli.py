@@ -275,7 +275,7 @@ def test_simulate_plot_titles_fit(capsys, tmp_path, monkeypatch):
     long_fabric = tmp_path / ("a-profile-with-a-long-name-" * 3 + ".json")
     import dataclasses
 
-    from sparsp.simulate import PROFILES
+    from sparsp.cost import PROFILES
 
     profile = dataclasses.asdict(PROFILES["pcie4-8gpu-nop2p"])
     profile["name"] = "a-calibrated-profile-of-a-machine-with-a-long-name-" * 2

@@ -2,11 +2,14 @@
 
 A ``SPARSP_*`` variable that is set but not one of them (a setting removed in 0.2.0, or a
 misspelt one) draws one ``RuntimeWarning`` naming it, at ``import sparsp``; and no module but
-``env.py`` names any other ``SPARSP_`` variable, so none can be read behind its back.
+``env.py`` names any other ``SPARSP_`` variable, so none can be read behind its back. No module
+outside ``env.py`` and the benchmark drivers (``sparsp/bench/``) reads or writes the process
+environment at all.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -71,3 +74,48 @@ def test_no_module_but_env_names_another_sparsp_variable():
         reads += [f"{rel}: {m}" for m in re.findall(r"(?:environ\S*|getenv)\(\s*[\"']SPARSP_\w*", text)]
     assert not stray, stray
     assert not reads, reads
+
+
+def _environ_uses(tree: ast.AST) -> list[int]:
+    """Line numbers of every use of the process environment in a module: ``os.environ``,
+    ``os.getenv``, ``os.putenv``, ``os.unsetenv``, ``os.environb`` (read or write), and the same
+    names imported from ``os``."""
+    names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name) \
+                and node.value.id == "os":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(a.name in names for a in node.names):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_env_reads_or_writes_the_environment():
+    """No module outside ``env.py`` and ``sparsp/bench/`` reads or writes ``os.environ`` (any
+    variable, sparsp's or another tool's): a setting is a field or an argument, and a variable
+    sparsp must know about (Triton's ``TRITON_INTERPRET``) is read through a function of
+    ``env.py``."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "env.py" or rel.startswith("bench/"):
+            continue
+        found += [f"{rel}:{line}" for line in _environ_uses(ast.parse(path.read_text()))]
+    assert not found, f"the environment used outside env.py: {found}"
+
+
+def test_the_environment_check_sees_every_spelling():
+    code = ("import os\nfrom os import getenv\nos.environ['A'] = '1'\nx = os.environ.get('B')\n"
+            "os.getenv('C')\nos.putenv('D', '1')\n")
+    assert _environ_uses(ast.parse(code)) == [2, 3, 4, 5, 6]
+
+
+def test_triton_interpret_is_read_through_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert env.triton_interpret() is True
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert env.triton_interpret() is False
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert env.triton_interpret() is False
+    assert "TRITON_INTERPRET" not in env.KNOWN  # Triton's variable: the four stay four

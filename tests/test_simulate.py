@@ -12,11 +12,11 @@ import torch
 from sparsp.cli import main
 from sparsp.geometry import VideoGeometry
 from sparsp.placement import make_placement
-from sparsp.cost import PROFILES, KernelFigure, Profile, TransportFigure, Work, get_profile, pair_flops, timeline
+from sparsp.cost import (PROFILES, KernelFigure, Profile, TransportFigure, Work, build_work, get_profile, pair_flops,
+                         timeline)
 from sparsp.cost.timeline import bottleneck, capacities, exchange_gbps, fair_rates, route
 from sparsp.simulate.calibrate import calibrate, fit_transport
 from sparsp.simulate.job import geometry, MaskCache, simulate_one, validate
-from sparsp.simulate.model import build_work  # by strategy name: the registry's facts
 from sparsp.strategies.registry import strategy_names, strategy_spec
 
 TFLOPS = 100.0  # kernel rate of the hand-made profiles: 1e11 FLOPs per ms
@@ -206,9 +206,9 @@ def test_work_knows_its_order():
     pl = make_placement("periodic", GEOM, 2)
     masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(3)) < 0.4
     for s in strategy_names():
-        w = build_work(masks, pl, s, head_dim=GEOM.head_dim, local_first=True)
-        off = build_work(masks, pl, s, head_dim=GEOM.head_dim, local_first=False)
-        auto = build_work(masks, pl, s, head_dim=GEOM.head_dim)
+        w = build_work(masks, pl, strategy_spec(s), head_dim=GEOM.head_dim, local_first=True)
+        off = build_work(masks, pl, strategy_spec(s), head_dim=GEOM.head_dim, local_first=False)
+        auto = build_work(masks, pl, strategy_spec(s), head_dim=GEOM.head_dim)
         assert w.local_first is (strategy_spec(s).local_first and s != "ulysses") and off.local_first is False, s
         assert auto.local_first is False and auto == off, s
         assert (w.host_ops, w.finish_ops) == (off.host_ops, off.finish_ops), s  # the same before the run
@@ -225,7 +225,7 @@ def test_work_knows_its_order():
             assert w.run_ops == (run_ops(rule, 2, True),) * 2 and w.early_ops == (EARLY_OPS,) * 2, s
             assert w.issue_ops == (issue_ops(rule, 2, True),) * 2, s
     with pytest.raises(ValueError, match="local_first must be None"):
-        build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim, local_first="yes")
+        build_work(masks, pl, strategy_spec("sparsp"), head_dim=GEOM.head_dim, local_first="yes")
 
 
 def test_automatic_local_first_follows_the_code_rule():
@@ -236,7 +236,7 @@ def test_automatic_local_first_follows_the_code_rule():
     is transfer-bound (in order), over NVLink's ``ipc`` it lands early (local first)."""
     from sparsp.cost import chunks
     from sparsp.cost.figures import Blocks, measure
-    from sparsp.simulate.model import local_first_pays, resolve_local_first
+    from sparsp.cost.model import local_first_pays, resolve_local_first
 
     geom = geometry("ltx-video")
     masks = MaskCache().get(geom, 0.9)
@@ -244,6 +244,7 @@ def test_automatic_local_first_follows_the_code_rule():
     d = measure(masks, Blocks.of(pl))
     host, nvlink = PROFILES["h200x2-host"], PROFILES["h200x2-nvlink"]
     kw = dict(head_dim=geom.head_dim, dtype_bytes=2)
+    sparsp, ulysses = strategy_spec("sparsp"), strategy_spec("ulysses")
 
     def margin(profile, transport, r=0):  # compute − transfer (s) of rank r, by hand
         fab = chunks.profile_fabric(profile, transport, geom.head_dim)
@@ -251,27 +252,27 @@ def test_automatic_local_first_follows_the_code_rule():
         return 4 * geom.head_dim * d.pairs[r][r] / fab.flops_per_s - rows * 2 * geom.head_dim * 2 / fab.bytes_per_s
 
     assert margin(host, "host") < 0 < margin(nvlink, "ipc")
-    assert local_first_pays("sparsp", d, host, "host", **kw) == (False, False)
-    assert local_first_pays("sparsp", d, nvlink, "ipc", **kw) == (True, True)
-    assert local_first_pays("sparsp", d, nvlink, None, **kw) == (True, True)  # the profile's default: ipc
-    assert local_first_pays("sparsp", d, nvlink, "nccl", **kw) == (False, False)  # never over nccl
-    assert local_first_pays("ulysses", d, nvlink, "ipc", **kw) == (False, False)  # not registered
+    assert local_first_pays(sparsp, d, host, "host", **kw) == (False, False)
+    assert local_first_pays(sparsp, d, nvlink, "ipc", **kw) == (True, True)
+    assert local_first_pays(sparsp, d, nvlink, None, **kw) == (True, True)  # the profile's default: ipc
+    assert local_first_pays(sparsp, d, nvlink, "nccl", **kw) == (False, False)  # never over nccl
+    assert local_first_pays(ulysses, d, nvlink, "ipc", **kw) == (False, False)  # not registered
     for setting, want in ((None, True), (True, True), (False, False)):
-        assert resolve_local_first(setting, "sparsp", d, nvlink, "ipc", **kw) is want
-    assert resolve_local_first(None, "sparsp", d, host, "host", **kw) is False
-    assert resolve_local_first(True, "sparsp", d, host, "nccl", **kw) is True  # forced on
-    assert resolve_local_first(None, "sparsp", d, None, "ipc", **kw) is False  # no profile: in order
+        assert resolve_local_first(setting, sparsp, d, nvlink, "ipc", **kw) is want
+    assert resolve_local_first(None, sparsp, d, host, "host", **kw) is False
+    assert resolve_local_first(True, sparsp, d, host, "nccl", **kw) is True  # forced on
+    assert resolve_local_first(None, sparsp, d, None, "ipc", **kw) is False  # no profile: in order
     # the same through the work the sweep and the validation simulate
     for prof, transport, want in ((host, "host", False), (nvlink, "ipc", True), (nvlink, "nccl", False)):
         for s in ("ring", "ring-sparse", "ring-relay", "sparsp"):
             spl = make_placement(strategy_spec(s).placement, geom, 2)
-            w = build_work(masks, spl, s, head_dim=geom.head_dim, profile=prof, transport=transport)
+            w = build_work(masks, spl, strategy_spec(s), head_dim=geom.head_dim, profile=prof, transport=transport)
             assert w.local_first is want, (s, prof.name, transport)
             row = simulate_one(masks, geom, s, 2, prof, transport=transport)
             assert row["local_first"] is want, (s, prof.name, transport)
     # a kernel slow enough (its local step outlasting the round) flips the host fabric's call
     slow = replace(host, kernels=tuple(replace(k, sparse_tflops=k.sparse_tflops / 100) for k in host.kernels))
-    assert local_first_pays("sparsp", d, slow, "host", **kw) == (True, True)
+    assert local_first_pays(sparsp, d, slow, "host", **kw) == (True, True)
 
 
 def test_all_to_all_does_not_overlap():
@@ -366,7 +367,7 @@ def test_work_bytes_and_flops_match_demand(G, kind):
     L = GEOM.block_lengths().double()
     kept = 4 * GEOM.head_dim * float((masks.double() * L[:, None] * L[None, :]).sum())
     for s in strategy_names():
-        w = build_work(masks, pl, s, head_dim=GEOM.head_dim, dtype_bytes=2)
+        w = build_work(masks, pl, strategy_spec(s), head_dim=GEOM.head_dim, dtype_bytes=2)
         want = strategy_spec(s).comm_bytes(masks, pl, head_dim=GEOM.head_dim, dtype_bytes=2)["per_rank"]
         assert w.bytes_per_rank == want, s
         total = sum(sum(row) for row in w.flops)
@@ -379,7 +380,7 @@ def test_work_bytes_and_flops_match_demand(G, kind):
 
 
 def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl", 0.5, 15.0)),
-                    loaded=(("host", 0.4, 24.0), ("nccl", 0.6, 9.0))):
+                    loaded=(("host", 0.4, 24.0), ("nccl", 0.6, 9.0)), machine="2xH200"):
     """Rows of exact ``latency + bytes / GB/s`` per transport: single exchanges alone (``fits``),
     pipelined ones (never fitted) and exchanges under an attention kernel (``loaded``)."""
     rows = []
@@ -398,7 +399,7 @@ def _transport_file(tmp_path, fabric="host", fits=(("host", 0.2, 30.0), ("nccl",
             rows.append({"transport": name, "fabric": fabric, "bytes": b, "gbps": b / ms / 1e6, "under_load": True,
                          "median_ms": ms, "attention_slowdown": 0.01 * (e % 3 - 1)})
     path = tmp_path / "transport.json"
-    path.write_text(json.dumps({"kind": "transport", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "transport", "machine": machine, "rows": rows}))
     return path
 
 
@@ -408,7 +409,7 @@ def _kernel_file(tmp_path):
     rows.append({"kernel": "cudnn", "head_dim": 128, "density": 1.0, "ms": 1.0, "tflops_kept": 500.0,
                  "vs_cudnn": 1.0, "vs_best_dense": 1.0})
     path = tmp_path / "kernel.json"
-    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "kernel", "machine": "1xH200", "rows": rows}))
     return path
 
 
@@ -508,11 +509,13 @@ def test_cli_end_to_end(tmp_path, capsys):
     attn = _attention_file(tmp_path, [dict(ROW, fabric="host", strategy="ring", transport="nccl",
                                            placement="contiguous")])
     out = tmp_path / "out"
+    transport = _transport_file(tmp_path, machine="8xRTXPRO6000BlackwellServerEdition")
     rc = main(["simulate", "--model", "ltx-video", "--ranks", "2", "4", "--fabric", "pcie5-8gpu-nop2p",
-               "--calibrate", str(_transport_file(tmp_path)), "--validate", str(attn), "--out", str(out)])
+               "--fit-profile", str(transport), "--validate", str(attn), "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "pcie5-8gpu-nop2p-calibrated" in printed and "validation" in printed
+    assert f"fitting pcie5-8gpu-nop2p to {transport} (transport, 8xRTXPRO6000BlackwellServerEdition)" in printed
     doc = json.loads((out / "simulate.json").read_text())
     assert {(r["strategy"], r["ranks"]) for r in doc["results"]} == {(s, G) for s in strategy_names() for G in (2, 4)}
     assert doc["local_first"] is None  # the config's default: automatic
@@ -520,7 +523,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     geom, masks = geometry("ltx-video"), MaskCache().get(geometry("ltx-video"), 0.9)
     for r in doc["results"]:  # each row in the order the code's rule gives it on that profile
         pl = make_placement(strategy_spec(r["strategy"]).placement, geom, r["ranks"])
-        w = build_work(masks, pl, r["strategy"], head_dim=geom.head_dim, profile=prof)
+        w = build_work(masks, pl, strategy_spec(r["strategy"]), head_dim=geom.head_dim, profile=prof)
         assert r["local_first"] is w.local_first, r["strategy"]
         assert r["bottleneck"] in ("compute", "transfer", "fixed")
         assert r["predicted_ms"] == pytest.approx(max(r["finish_ms"]))
@@ -552,7 +555,7 @@ def test_cli_no_local_first_simulates_in_order(tmp_path):
     (["--cdf", "1.5"], "--cdf values must lie in [0, 1], got 1.5"),
     (["--transport", "tcp"], "profile pcie4-8gpu-nop2p has no transport 'tcp'"),
     (["--prefetch", "0"], "--prefetch must be an int >= 1, got 0"),
-    (["--calibrate", "/nonexistent/transport.json"], "--calibrate /nonexistent/transport.json: no such file"),
+    (["--fit-profile", "/nonexistent/transport.json"], "--fit-profile /nonexistent/transport.json: no such file"),
     (["--fabric", "h200x2-nvlink", "--ranks", "4"], "exceeds the 2 GPUs of profile h200x2-nvlink"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
@@ -608,7 +611,7 @@ def test_fixed_cost_charges_mask_ops_and_merge_traffic():
     from sparsp.cost.ops import MASK_OPS, mask_ops
 
     assert mask_ops("dense", 2) == MASK_OPS["dense"][0]
-    # recounted with ``python -m sparsp.simulate.opcount`` (docs/simulate.md): eager, and with
+    # recounted with ``sparsp simulate --count-ops`` (docs/simulate.md): eager, and with
     # the plan stage a CUDA graph (the default on GPUs)
     assert mask_ops("direct", 4, graphed=False) == 107 + 119 * 3
     assert mask_ops("relay", 3, graphed=False) == 135 + 63 * 2 + 4 * 4
@@ -634,21 +637,21 @@ def test_work_merge_traffic_follows_the_kernel_calls():
     assert (FINAL_SECOND_BYTES, FINAL_BYTES) == (6, 8)
     pl = make_placement("contiguous", GEOM, 3)
     masks = torch.ones(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, dtype=torch.bool)
-    w = build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim)
+    w = build_work(masks, pl, strategy_spec("sparsp"), head_dim=GEOM.head_dim)
     elems = GEOM.heads * pl.tokens_per_rank[0] * GEOM.head_dim
     assert w.merge_bytes[0] == (0, elems * 8, elems * 8)  # the second folded, the third final
     pl2 = make_placement("contiguous", GEOM, 2)
-    w = build_work(masks, pl2, "sparsp", head_dim=GEOM.head_dim)
+    w = build_work(masks, pl2, strategy_spec("sparsp"), head_dim=GEOM.head_dim)
     assert w.merge_bytes[0] == (0, GEOM.heads * pl2.tokens_per_rank[0] * GEOM.head_dim * 6)
     local = masks & (pl.owner[:, None] == pl.owner[None, :])  # no remote block: one partial
-    w = build_work(local, pl, "sparsp", head_dim=GEOM.head_dim)
+    w = build_work(local, pl, strategy_spec("sparsp"), head_dim=GEOM.head_dim)
     assert w.merge_bytes[0] == (0, 0, 0)
 
 
 def test_measure_in_call_order_equals_the_placement_order():
     """The call's placed order (``Blocks.of_call``, what ``strategy="auto"`` measures) gives the
     demand of the original order (``Blocks.of``, what ``simulate`` measures)."""
-    from sparsp.simulate.model import Blocks, measure
+    from sparsp.cost import Blocks, measure
 
     geom = VideoGeometry(frames=4, height=4, width=16, text_tokens=0, block_size=16, heads=4, head_dim=8)
     g = torch.Generator().manual_seed(1)
@@ -754,7 +757,7 @@ def test_sparsp_drain_units_charge_mask_ops():
     geom = geometry("ltx-video")
     masks = MaskCache().get(geom, 0.9)
     pl = make_placement("periodic", geom, 2)
-    plain = build_work(masks, pl, "sparsp", head_dim=geom.head_dim)
+    plain = build_work(masks, pl, strategy_spec("sparsp"), head_dim=geom.head_dim)
     assert plain.host_ops == (mask_ops("direct", 2),) * 2 and plain.finish_ops == (finish_ops("direct", 2),) * 2
     # the host-staged 2×H200 box at LTX-Video size is transfer-bound, but the drain computes
     # for less than three more units cost the host before the sync: no units
@@ -765,16 +768,16 @@ def test_sparsp_drain_units_charge_mask_ops():
     # read, and 3 × 2.5 per payload in the read's finish (each unit's layout sliced)
     host = replace(PROFILES["h200x2-host"], op_ms=0.0)
     assert drain_units(d, host, "host", head_dim=geom.head_dim, dtype_bytes=2) == ((4, 4), (4, 4))
-    cut = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=host, transport="host")
+    cut = build_work(masks, pl, strategy_spec("sparsp"), head_dim=geom.head_dim, profile=host, transport="host")
     assert (GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS) == (0, 0)
     assert cut.host_ops == plain.host_ops
     assert cut.finish_ops == (finish_ops("direct", 2) + round(2 * 3 * FINISH_UNIT_OPS),) * 2
     # NVLink: the payload lands while the local shard computes, no units
-    nv = build_work(masks, pl, "sparsp", head_dim=geom.head_dim, profile=PROFILES["h200x2-nvlink"],
+    nv = build_work(masks, pl, strategy_spec("sparsp"), head_dim=geom.head_dim, profile=PROFILES["h200x2-nvlink"],
                     transport="ipc")
     assert nv.host_ops == plain.host_ops
     # the other strategies never cut
-    relay = build_work(masks, make_placement("periodic", geom, 2), "ring-relay", head_dim=geom.head_dim,
+    relay = build_work(masks, make_placement("periodic", geom, 2), strategy_spec("ring-relay"), head_dim=geom.head_dim,
                        profile=host, transport="host")
     assert relay.host_ops == (mask_ops("relay", 2),) * 2 and relay.finish_ops == (finish_ops("relay", 2),) * 2
 
@@ -835,7 +838,7 @@ def _fa4_kernel_file(tmp_path):
             row("flex", 128, "local", 0.2, 400.0), row("cudnn", 128, "dense", 1.0, 500.0),
             row("flex", 64, "local", 0.6, 350.0), row("flex", 64, "packed", 0.6, 330.0)]  # no fa4 at d64
     path = tmp_path / "kernel-fa4.json"
-    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "kernel", "machine": "1xH200", "rows": rows}))
     return path
 
 
@@ -866,7 +869,7 @@ def _shape_kernel_file(tmp_path):
                  row(shape, heads, keys, "flex", "local", "cdf 0.9", 0.2, 50 * scale),  # not the kernel auto runs
                  row(shape, heads, keys, "cudnn", "dense", "dense", 1.0, 500 * scale)]
     path = tmp_path / "kernel-shapes.json"
-    path.write_text(json.dumps({"kind": "kernel", "machine": "test", "rows": rows}))
+    path.write_text(json.dumps({"kind": "kernel", "machine": "1xH200", "rows": rows}))
     return path
 
 
@@ -911,14 +914,14 @@ def test_steps_run_at_their_layout_and_the_ranks_density():
 
     pl = make_placement("contiguous", GEOM, 2)
     masks = torch.rand(GEOM.heads, GEOM.num_blocks, GEOM.num_blocks, generator=torch.Generator().manual_seed(0)) < 0.5
-    w = build_work(masks, pl, "sparsp", head_dim=GEOM.head_dim)
+    w = build_work(masks, pl, strategy_spec("sparsp"), head_dim=GEOM.head_dim)
     kept = pair_flops(masks, pl, GEOM.head_dim).sum(dim=1)
     full = pair_flops(masks, pl, GEOM.head_dim, dense=True).sum(dim=1)
     assert w.density == pytest.approx((kept / full).tolist())
     assert (w.heads, w.tokens) == (GEOM.heads, GEOM.num_tokens)
     assert [w.layout(i) for i in range(2)] == ["local", "packed"]
-    assert build_work(masks, pl, "ring", head_dim=GEOM.head_dim).density == (1.0, 1.0)
-    assert build_work(masks, pl, "ulysses", head_dim=GEOM.head_dim).layout(0) == "packed"
+    assert build_work(masks, pl, strategy_spec("ring"), head_dim=GEOM.head_dim).density == (1.0, 1.0)
+    assert build_work(masks, pl, strategy_spec("ulysses"), head_dim=GEOM.head_dim).layout(0) == "packed"
 
     def point(layout, tflops):
         return KernelPoint(shape="g", heads=GEOM.heads, head_dim=GEOM.head_dim, tokens=GEOM.num_tokens,
@@ -943,7 +946,7 @@ def test_ulysses_counts_its_copies(whole):
     from sparsp.cost.figures import Blocks, measure
     from sparsp.cost.model import (ULYSSES_FIRST_BYTES, ULYSSES_INPUT_BYTES, ULYSSES_MERGE_BYTES,
                                    ULYSSES_PIECE_BYTES, ULYSSES_RESULT_BYTES, ULYSSES_WHOLE_COPY_BYTES)
-    from sparsp.simulate.model import work
+    from sparsp.cost import work
 
     assert (ULYSSES_INPUT_BYTES, ULYSSES_PIECE_BYTES, ULYSSES_WHOLE_COPY_BYTES) == (40, 12, 4)
     G = 2
@@ -954,7 +957,7 @@ def test_ulysses_counts_its_copies(whole):
     if not whole:
         d = swap(d, tokens=(d.tokens[0] - 3, d.tokens[1] + 3))
     tokens = d.tokens
-    w = work("ulysses", d, head_dim=GEOM.head_dim)
+    w = work(strategy_spec("ulysses"), d, head_dim=GEOM.head_dim)
     hp = GEOM.heads // G
     if whole:
         copies = 4 * GEOM.head_dim * (3 * tokens[0] * hp + tokens[0] * GEOM.heads)
@@ -1037,21 +1040,17 @@ def test_cost_package_sits_below_the_strategies():
 
 
 def test_cost_model_takes_a_strategys_facts():
-    """``cost.work`` of a registered spec equals the name-taking ``simulate.model.work``; any object
-    with the four facts is simulated by its byte rule, registered or not."""
+    """``cost.work`` takes a strategy's registered facts; any object with the four facts is
+    simulated by its byte rule, registered or not."""
     from types import SimpleNamespace
 
     from sparsp import cost
     from sparsp.cost.figures import Blocks, measure
-    from sparsp.simulate import model
 
     geom = geometry("ltx-video")
     pl = make_placement("periodic", geom, 2)
     d = measure(MaskCache().get(geom, 0.9), Blocks.of(pl))
-    spec = strategy_spec("sparsp")
-    assert cost.work(spec, d, head_dim=geom.head_dim) == model.work("sparsp", d, head_dim=geom.head_dim)
+    registered = cost.work(strategy_spec("sparsp"), d, head_dim=geom.head_dim)
     facts = SimpleNamespace(name="unregistered-direct", sparse=True, byte_rule="direct", local_first=False)
     w = cost.work(facts, d, head_dim=geom.head_dim)
-    assert w.schedule == "direct" and w.recv == model.work("sparsp", d, head_dim=geom.head_dim).recv
-    with pytest.raises(ValueError, match="unknown strategy"):
-        model.work("no-such-strategy", d, head_dim=geom.head_dim)
+    assert w.schedule == registered.schedule == "direct" and w.recv == registered.recv

@@ -12,16 +12,15 @@ from cli_utils import run_cli
 from test_calibration import _ltx_profile, _stored_calibration
 
 from sparsp.workloads.calibration import CALIBRATION_MIX, read_calibration
-from sparsp.cost import Blocks, get_profile, measure, timeline
+from sparsp.cost import Blocks, get_profile, measure, timeline, work
 from sparsp.cost.balance import rank_loads
 from sparsp.geometry import preset
 from sparsp.names import PROFILE_NAMES
 from sparsp.placement import make_placement
 from sparsp.simulate.job import simulate_one
 from sparsp.simulate.layers import SUMMED
-from sparsp.simulate.model import work
 from sparsp.strategies.auto import CANDIDATES, MARGIN, candidates
-from sparsp.strategies.registry import strategy_names
+from sparsp.strategies.registry import strategy_names, strategy_spec
 from sparsp.workloads import synthetic_masks
 
 LTX = preset("ltx-video")
@@ -127,7 +126,7 @@ def test_ulysses_balanced_heads_beside_contiguous(run):
         # the balanced row is the cost model's all-to-all with that head order
         prof = get_profile(fabric)
         d = measure(masks[layer], Blocks.of(make_placement("contiguous", LTX, G)), relay=True)
-        w = work("ulysses", d, head_dim=LTX.head_dim, profile=prof, head_order=tuple(order))
+        w = work(strategy_spec("ulysses"), d, head_dim=LTX.head_dim, profile=prof, head_order=tuple(order))
         assert r["predicted_ms"] == round(timeline(w, prof, head_dim=LTX.head_dim).latency_ms, 4)
     for b in doc["balance"]:
         for part in ("model", "densest_layer", "largest_gain_layer"):
@@ -141,7 +140,7 @@ def test_ulysses_balanced_heads_beside_contiguous(run):
 @pytest.mark.parametrize("extra, message", [
     (["--validate"], "--validate cannot apply with --density-profile"),
     (["--text"], "--text cannot apply with --density-profile"),
-    (["--calibrate", "T.json"], "--calibrate fits one profile: give one --fabric with it"),
+    (["--fit-profile", "T.json"], "--fit-profile fits one profile: give one --fabric with it"),
     (["--layers", "0"], "--layers must be >= 1, got 0"),
     (["--layers", "29"], "--layers 29: ltx-video has 28 layers"),
     (["--step", "3"], "step 3 outside 1..2"),

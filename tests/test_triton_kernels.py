@@ -279,7 +279,7 @@ def test_triton_layout_checks_its_size():
                                                   ((128, 64, 200, 70), 1, 0.5), ((192, 64), 2, 0.0),
                                                   ((100, 160, 64), 1, 1.0)])
 def test_column_figures_equal_the_torch_figures(lens, batch, density):
-    from sparsp.simulate.model import Blocks, _column_figures, demand_figures
+    from sparsp.cost.figures import Blocks, _column_figures, demand_figures
 
     blocks = Blocks.of_call(lens, 64)  # short tail blocks included
     N, H = len(blocks.lengths), 3

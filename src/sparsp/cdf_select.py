@@ -22,7 +22,7 @@ The same set as the sort's up to float rounding: the mass is summed by a reducti
 by a scan there, so a block whose cumulative mass is within float32 rounding of ``cdf`` may
 fall on either side. Every rank runs the same kernel on the same gathered summaries (and
 ``split_mask`` does too), so the mask is the same bits everywhere, which is what the
-distributed plan needs (DESIGN "Mask semantics").
+distributed plan needs (docs/design.md "Mask semantics").
 
 CUDA tensors run the compiled kernel; CPU tensors run it in Triton's interpreter when
 ``TRITON_INTERPRET=1`` was set before Triton was imported (the CPU suite checks the kernel's
@@ -33,10 +33,9 @@ where Triton is importable and a row fits (``MAX_COLS`` blocks); elsewhere the t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import env
 from ._triton import runs, tl, triton
 
 MAX_COLS = 16384
@@ -107,7 +106,7 @@ def select(scores: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
     rows = B * H * nQ
     if rows == 0:
         return out
-    if scores.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if scores.device.type != "cuda" and not env.triton_interpret():
         raise RuntimeError("cdf_select runs CPU tensors in Triton's interpreter only: set "
                            "TRITON_INTERPRET=1 before Triton is imported")
     block = triton.next_power_of_2(nK)

@@ -6,8 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .units import parse_size  # noqa: F401  (re-exported: its home before units.py)
-
 if TYPE_CHECKING:  # annotations only: importing the config (the command line's --help) needs no torch
     import torch
 

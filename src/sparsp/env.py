@@ -19,6 +19,12 @@ the same table):
 Values are read when asked for, so a spawned worker sees what its parent set. A ``SPARSP_*``
 variable that is set but not one of these draws one warning naming it, once per process
 (settings removed in 0.2.0 are listed in CHANGELOG.md).
+
+Beside them this module reads one variable that belongs to Triton, not to sparsp:
+``TRITON_INTERPRET`` (``triton_interpret``), which decides whether Triton can run a kernel on
+CPU tensors at all; sparsp only asks, so it can refuse with a message instead of a crash. No
+other module reads or writes ``os.environ`` (``tests/test_env.py``; the benchmark drivers under
+``sparsp.bench`` are the exception, as they set up the processes they measure).
 """
 
 from __future__ import annotations
@@ -60,6 +66,12 @@ def triton_enabled() -> bool:
     return _get(TRITON) != "0"
 
 
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton runs its kernels on CPU tensors in its
+    interpreter (it must be set before Triton is imported; Triton's variable, not sparsp's)."""
+    return _get("TRITON_INTERPRET") == "1"
+
+
 def unknown() -> list[str]:
     """``SPARSP_*`` names set in the environment that sparsp does not read."""
     return sorted(n for n in os.environ if n.startswith("SPARSP_") and n not in KNOWN)
@@ -80,4 +92,4 @@ def warn_unknown() -> None:
 
 
 __all__ = ["HOST_ID", "KNOWN", "PROFILE", "SHM_TAG", "TRITON", "host_id", "profile", "shm_tag",
-           "triton_enabled", "unknown", "warn_unknown"]
+           "triton_enabled", "triton_interpret", "unknown", "warn_unknown"]

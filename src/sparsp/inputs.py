@@ -2,7 +2,7 @@
 that names the option, the file and what is wrong with it.
 
 Every verb that reads a file (``analyze --trace``, ``trace --embeds``, ``simulate --fabric`` /
-``--calibrate`` / ``--validate``, ``bench report``) checks it here first, so an empty, text,
+``--fit-profile`` / ``--validate``, ``bench report``) checks it here first, so an empty, text,
 random, truncated or wrong-kind file never reaches a parser whose own error (a ``KeyError``, a
 codec error, torch's advice on ``weights_only``) would not say which file or what is wrong.
 This module imports nothing heavy: the bench verbs call it before their process group starts.
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-__all__ = ["check_readable", "describe_content", "read_json", "torch_archive"]
+__all__ = ["add_renamed", "check_readable", "describe_content", "read_json", "torch_archive"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -88,6 +89,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if action.default is None:
             return action.help or ""
         return super()._get_help_string(action)
+
+
+class _Renamed(argparse.Action):
+    """A flag given its old spelling: one line naming the new one on stderr, exit status 2
+    (argparse's own error would add its usage), whatever values follow it."""
+
+    def __init__(self, option_strings, dest, *, new: str, **kwargs) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="*", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: error: {option_string} is now {self.new} (CHANGELOG.md)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def add_renamed(p: argparse.ArgumentParser, old: str, new: str) -> None:
+    """``old``, a flag renamed ``new``: hidden from ``--help`` and refused with one line naming
+    ``new``, so a script written for the old spelling learns the new one."""
+    p.add_argument(old, action=_Renamed, new=new)
 
 
 def add_density_profile_arguments(p: argparse.ArgumentParser, *, use: str, fitted: str) -> None:

@@ -73,8 +73,8 @@ class _Entry:
 
 
 _REGISTRY: dict[KernelName, _Entry] = {}
-# What ``auto`` tries, fastest first (DESIGN "Measured again": FA4 block-sparse 0.96-1.01x
-# cuDNN dense per kept block on H200, flex 0.66-0.70x).
+# What ``auto`` tries, fastest first (docs/design.md "Kernels and transports": FA4 block-sparse
+# 0.96-1.01x cuDNN dense per kept block on H200, flex 0.66-0.70x).
 _AUTO_ORDER = (KernelName.FA4, KernelName.FLEX, KernelName.TORCH)
 
 

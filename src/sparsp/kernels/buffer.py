@@ -62,8 +62,8 @@ def canonical_block_ids(selected: Tensor, tail: bool) -> Tensor:
         long ``[..., BH, nK]``: the buffer block index, ``-1`` where not selected.
 
     Both ends of a transfer call this on the same (exchanged) mask, so they agree on every
-    offset without sending metadata (DESIGN "demand-directed routing": offsets from prefix
-    sums). Pure tensor ops, no Python loop over blocks.
+    offset without sending metadata (docs/design.md "The mechanism", demand-directed routing:
+    offsets from prefix sums). Pure tensor ops, no Python loop over blocks.
     """
     if selected.dim() < 2 or selected.dtype != torch.bool:
         raise ValueError(

@@ -1,9 +1,9 @@
 """Block-sparse attention through FlashAttention-4's CuTe-DSL forward (GPU default on sm90).
 
-Measured on H200 (DESIGN "Measured again"): 584 TFLOP/s per kept block at d128, density
-0.236, and 478 at d64, density 0.6: 0.96-1.01x cuDNN dense, against flex's 409 / 392. Install:
-the optional extra ``sparsp[fa4]`` (flash-attn-4 4.0.0b36 + nvidia-cutlass-dsl 4.8.1), or
-``../shared/tools/fa4-wheelhouse.sh`` for a machine without a registry (docs/kernels.md).
+Measured on H200 (docs/design.md "Kernels and transports"): 584 TFLOP/s per kept block at d128,
+density 0.236, and 478 at d64, density 0.6: 0.96-1.01x cuDNN dense, against flex's 409 / 392.
+Install: the optional extra ``sparsp[fa4]`` (flash-attn-4 4.0.0b36 + nvidia-cutlass-dsl 4.8.1;
+docs/kernels.md, "Installing FA4").
 
 FA4 takes ``(B, S, H, D)`` tensors and per-(batch, head, query block) lists of key blocks
 (``BlockSparseTensorsTorch``; we pass ours as *full* blocks, so no ``mask_mod`` runs):

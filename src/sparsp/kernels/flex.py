@@ -18,7 +18,7 @@ Two K/V layouts:
   second call over a per-head scratch ``(1, B*H, short_len, D)`` gathered with one
   ``index_select``, one block per query block; the two partials merge by LSE.
 
-Compilation (DESIGN "Design consequence for the flex kernel"): every tensor shape handed to
+Compilation (docs/design.md "Kernels and transports"): every tensor shape handed to
 flex is fixed by the geometry, never by the demand pattern, so new lists change only tensor
 contents. Each geometry key (the kind of call, shapes, strides, dtype, block size, index
 width) gets its OWN compiled entry function, a copy of ``_flex_entry`` with a distinct code

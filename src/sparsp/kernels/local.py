@@ -4,8 +4,8 @@ The local shard needs no packing: every one of its blocks is present, so a kerne
 the ``(B, S, H, D)`` tensors the caller already holds (Diffusers' and FlashAttention's
 layout), with one K/V head per query head. That saves the full copy of the local K/V that
 packing it into a payload buffer costs on every call, and it is the layout FlashAttention-4
-reads fastest (DESIGN "Measured again": per-head K/V 642 TFLOP/s kept against 523 for one
-shared K/V head in the same probe).
+reads fastest (docs/design.md "Kernels and transports": per-head K/V 642 TFLOP/s kept against
+523 for one shared K/V head in the same probe).
 
 Blocks are cut from token 0 in ``block_size`` tokens; the last one may be short
 (``S % block_size``). A kernel block id is the block's index within ``S`` (the same for every

@@ -1,6 +1,11 @@
-"""``sparsp simulate --calibrate``: a profile fitted to ``bench transport`` and ``bench kernel``
-results of this machine — never to ``bench attention`` rows (docs/simulate.md "--calibrate").
+"""``sparsp simulate --fit-profile``: a machine profile fitted to ``bench transport`` and ``bench
+kernel`` results of its own kind of machine — never to ``bench attention`` rows
+(docs/simulate.md "--fit-profile").
 
+* Machines: a result file records the machine it ran on (``machine``: ``2xH200``, ``1xH100…``,
+  ``cpu``); a file of another GPU than the profile describes (its description's ``N×GPU``) is
+  refused, naming the file: a CPU kernel file fitted into an H200 profile once predicted
+  ``sparsp`` at 59.2 ms instead of 38.9 ms. Discovery takes only files of the profile's GPU.
 * Transports: per transport, ``ms = latency + bytes / bandwidth`` on the single-exchange rows
   not under load (``fit_transport``); the capacities scaled so the modelled two-GPU exchange
   equals the fastest transport's fit; every transport's share of it as ``efficiency``. The
@@ -14,6 +19,7 @@ results of this machine — never to ``bench attention`` rows (docs/simulate.md 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +54,57 @@ def read_result(path: Path, kinds: tuple[str, ...], option: str | None = None) -
         raise ValueError(f"{where}: expected a sparsp bench result of kind {' or '.join(kinds)} "
                          f"(a JSON object with kind and rows), got {'kind ' if isinstance(doc, dict) else ''}{got!r}")
     return doc
+
+
+def _gpu(name: str) -> str:
+    """A GPU name as compared: no spaces, lower case (``RTX PRO 6000`` = ``RTXPRO6000``)."""
+    return name.replace(" ", "").lower()
+
+
+def machine_of(path: Path, doc: dict | None = None) -> str | None:
+    """The machine a ``sparsp bench`` result ran on: its ``machine`` field, else the machine part
+    of its name (``<kind>-<subject>-<machine>-<date>.json``); None when neither says."""
+    if doc is not None and isinstance(doc.get("machine"), str) and doc["machine"]:
+        return doc["machine"]
+    parts = Path(path).stem.split("-")
+    return parts[-4] if len(parts) >= 6 and re.fullmatch(r"\d{4}", parts[-3]) else None
+
+
+def profile_gpu(profile: Profile) -> str | None:
+    """The GPU a profile describes, as its description names it after ``N×`` (``2×H200, NV18
+    NVLink…`` → ``H200``; every built-in profile, and every profile fitted from one, has it);
+    None when the description names none."""
+    m = re.match(r"\s*\d+\s*[×x]\s*(.+?)(?=,|:|\s+(?:on|with|without|over|via)\s|$)", profile.description)
+    return m.group(1).strip() if m else None
+
+
+def same_gpu(machine: str, gpu: str) -> bool:
+    """Whether ``machine`` (``2xH200``, ``1xH10080GBHBM3``, ``cpu``, as ``sparsp bench`` writes
+    it) has the GPU ``gpu``: its name starts with it (spaces and case aside), and what follows is
+    no further model digit (``H200`` is not ``H20``; ``H100 80GB`` is ``H100``)."""
+    name, want = _gpu(re.sub(r"^\d+x", "", machine)), _gpu(gpu)
+    return name.startswith(want) and not re.match(r"\d(?!\d*gb)", name[len(want):])
+
+
+def check_machine(profile: Profile, path: Path, doc: dict, option: str | None = None) -> None:
+    """``ValueError`` naming ``path`` when it ran on another machine than the GPU ``profile``
+    describes (nothing to check when either is unknown)."""
+    gpu, machine = profile_gpu(profile), machine_of(path, doc)
+    if gpu is not None and machine is not None and not same_gpu(machine, gpu):
+        where = f"{option} {path}" if option else str(path)
+        raise ValueError(f"{where}: measured on {machine}, but profile {profile.name} describes {gpu} GPUs; "
+                         f"fit a profile to results of its own machine")
+
+
+def describe_inputs(profile: Profile, paths) -> list[str]:
+    """One line per result file a fit reads: its path, kind and machine (what ``--fit-profile``
+    prints before it fits), each file checked first (``read_result``, ``check_machine``)."""
+    lines = []
+    for p in paths:
+        doc = read_result(p, ("transport", "kernel"), "--fit-profile")
+        check_machine(profile, p, doc, "--fit-profile")
+        lines.append(f"fitting {profile.name} to {p} ({doc['kind']}, {machine_of(p, doc) or 'machine not recorded'})")
+    return lines
 
 
 def fit_transport(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -94,6 +151,7 @@ def calibrate(profile: Profile, paths) -> tuple[Profile, dict]:
     transport_rows, kernel_rows = [], []
     for p in paths:
         doc = read_result(p, ("transport", "kernel"))
+        check_machine(profile, p, doc)
         (transport_rows if doc["kind"] == "transport" else kernel_rows).extend(doc["rows"])
     fits, loaded = {}, {}
     for name, pts in transport_points(transport_rows, profile.bench_fabric, loaded=False).items():
@@ -206,33 +264,39 @@ def calibrate_kernels(profile: Profile, rows: list[dict]) -> tuple[Profile, dict
 # --- discovery ---------------------------------------------------------------------------------
 
 
-def newest(kind: str, root: Path = Path("bench/results"), *, per_subject: bool = False) -> list[Path]:
+def newest(kind: str, root: Path = Path("bench/results"), *, per_subject: bool = False,
+           gpu: str | None = None) -> list[Path]:
     """The newest ``<kind>-<subject>-<machine>-<date>.json`` under ``root`` (ISO dates sort as
-    text): one per (subject, machine) with ``per_subject``, else one per machine."""
+    text): one per (subject, machine) with ``per_subject``, else one per machine; with ``gpu``,
+    only machines of that GPU (``same_gpu``)."""
     found: dict[tuple, Path] = {}
     for path in sorted(Path(root).glob(f"{kind}-*.json")):
-        parts = path.stem.split("-")
-        if len(parts) < 6:  # kind, subject…, machine, YYYY, MM, DD
+        machine = machine_of(path)
+        if machine is None or (gpu is not None and not same_gpu(machine, gpu)):
             continue
-        machine, date = parts[-4], "-".join(parts[-3:])
+        parts = path.stem.split("-")
+        date = "-".join(parts[-3:])
         key = ("-".join(parts[1:-4]), machine) if per_subject else (machine,)
         if key not in found or date >= "-".join(found[key].stem.split("-")[-3:]):
             found[key] = path
     return sorted(found.values())
 
 
-def discover_calibration(root: Path = Path("bench/results")) -> list[Path]:
+def discover_calibration(root: Path = Path("bench/results"), profile: Profile | None = None) -> list[Path]:
     """The newest ``bench transport`` result under ``root``, and the ``bench kernel`` result of
     the newest date that covers the most head dims (a one-GPU run over every preset shape
-    rather than a run of one shape), ties to the later name."""
-    transports = newest("transport", root)[-1:]
-    kernels = newest("kernel", root)
+    rather than a run of one shape), ties to the later name; with ``profile``, of machines
+    of its GPU only (``profile_gpu``)."""
+    gpu = None if profile is None else profile_gpu(profile)
+    transports = newest("transport", root, gpu=gpu)[-1:]
+    kernels = newest("kernel", root, gpu=gpu)
     if kernels:
         date = max("-".join(p.stem.split("-")[-3:]) for p in kernels)
         kernels = [max((p for p in kernels if p.stem.endswith(date)), key=lambda p: (_head_dims(p), p.name))]
     paths = transports + kernels
     if not paths:
-        raise ValueError(f"--calibrate found no transport-*.json under {root}; name the files")
+        of = "" if gpu is None else f" of {gpu} GPUs (profile {profile.name})"
+        raise ValueError(f"--fit-profile found no transport-*.json{of} under {root}; name the files")
     return paths
 
 
@@ -245,6 +309,6 @@ def _head_dims(path: Path) -> int:
         return 0
 
 
-__all__ = ["OWN_MASKS", "SPARSE_KERNELS", "STRATEGY_LAYOUTS", "calibrate", "calibrate_kernels",
-           "discover_calibration", "fit_transport", "kernel_points", "newest", "read_result",
-           "transport_points"]
+__all__ = ["OWN_MASKS", "SPARSE_KERNELS", "STRATEGY_LAYOUTS", "calibrate", "calibrate_kernels", "check_machine",
+           "describe_inputs", "discover_calibration", "fit_transport", "kernel_points", "machine_of", "newest",
+           "profile_gpu", "read_result", "same_gpu", "transport_points"]

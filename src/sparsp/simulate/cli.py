@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..inputs import add_density_profile_arguments
+from ..inputs import add_density_profile_arguments, add_renamed
 
 DESCRIPTION = (
     "Predict, on the CPU, the per-rank and per-round timing of every sequence-parallel strategy "
@@ -20,8 +20,12 @@ DESCRIPTION = (
     "to a real model's per-head densities as in `sparsp analyze --density-profile`, summed over the "
     "layers per strategy, for `auto` (its per-layer picks) and for ulysses with heads given to ranks "
     "by density; on every built-in profile unless --fabric names some. "
+    "With --count-ops, no simulation: the host's eager ops one call issues, counted on the code on "
+    "CPU gloo ranks, and the cost model's op constants fitted to them. "
     "Method and sources: docs/simulate.md."
 )
+DEFAULT_FABRIC = "pcie4-8gpu-nop2p"
+"""The profile of the one-call sweep when ``--fabric`` is not given."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,10 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..names import PROFILE_NAMES
 
     p.add_argument("--model", default="hunyuan-video", choices=PRESETS, help="model preset")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="sequence-parallel degrees G")
+    p.add_argument("--ranks", type=int, nargs="+", default=None,
+                   help="sequence-parallel degrees G (default: those of 2 4 8 the profile holds, with several "
+                        "profiles the largest; with --count-ops: 2 3 4 6)")
     p.add_argument("--fabric", nargs="+", default=None, metavar="PROFILE",
                    help=f"profile name ({', '.join(PROFILE_NAMES)}) or a profile .json file (default: "
-                        f"pcie4-8gpu-nop2p); with --density-profile several, or `all` (every built-in "
+                        f"{DEFAULT_FABRIC}); with --density-profile several, or `all` (every built-in "
                         f"profile: the default there), a profile of fewer GPUs than G skipped at that G")
     p.add_argument("--cdf", type=float, nargs="+", default=[0.9], help="CDF thresholds")
     p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
@@ -55,10 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "time than the local kernel computes)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic masks (with --density-profile: of a calibration fitted now)")
-    p.add_argument("--calibrate", type=Path, nargs="*", default=None, metavar="RESULT.json",
-                   help="bench transport (and bench kernel) results to fit the profile to: "
-                        "transports alone and under load, kernel rates per head dim and per shape "
-                        "(no file: the newest transport-*.json and kernel-*.json in bench/results)")
+    p.add_argument("--fit-profile", type=Path, nargs="*", default=None, metavar="RESULT.json",
+                   help="bench transport (and bench kernel) results to fit the machine profile of --fabric "
+                        "to: transports alone and under load, kernel rates per head dim and per shape; a "
+                        "file measured on another GPU (or the CPU) is refused (no file: the newest "
+                        "transport-*.json and kernel-*.json of the profile's GPU in bench/results); the "
+                        "files used are printed")
+    add_renamed(p, "--calibrate", "--fit-profile")
     p.add_argument("--validate", type=Path, nargs="*", default=None, metavar="ATTENTION.json",
                    help="bench attention results whose multi-GPU strategy rows to predict, never "
                         "fitted on (no file: the newest attention-*.json per model and machine in "
@@ -70,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --density-profile: the model's first N layers (default: all of them)")
     p.add_argument("--out", type=Path, default=Path("results/simulate"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--count-ops", action="store_true",
+                   help="instead of simulating: count the eager PyTorch ops one sp_attention call issues, "
+                        "per strategy and order, on CPU gloo groups of each --ranks G, and print the op "
+                        "constants of sparsp.cost.ops fitted to them (for recounting them after a change "
+                        "to the code; minutes); takes no other option")
 
 
 def _error(message) -> int:
@@ -88,12 +102,28 @@ def check_files(args) -> None:
     for fabric in args.fabric or ():
         if fabric != "all":
             _check_profile_file(fabric, PROFILE_NAMES)
-    for path in args.calibrate or ():
-        read_result(path, ("transport", "kernel"), "--calibrate")
+    for path in args.fit_profile or ():
+        read_result(path, ("transport", "kernel"), "--fit-profile")
     for path in args.validate or ():
         read_result(path, ("attention",), "--validate")
     if getattr(args, "calibration", None) is not None:
         read_json(args.calibration, "--calibration", what="sparsp calibration (JSON)")
+
+
+def fit_inputs(args, fabrics: tuple[str, ...]) -> list[str]:
+    """``--fit-profile``'s files (found now when none is named: those of the profile's GPU),
+    each checked to come from the GPU the profile describes → one line per file to print."""
+    from ..cost.profiles import get_profile
+    from .calibrate import describe_inputs, discover_calibration
+
+    if len(args.fit_profile) > 2:
+        raise ValueError("--fit-profile takes a bench transport result and optionally a bench kernel result")
+    if len(fabrics) > 1 or "all" in fabrics:
+        raise ValueError("--fit-profile fits one profile: give one --fabric with it")
+    profile = get_profile(fabrics[0] if fabrics else DEFAULT_FABRIC)
+    if not args.fit_profile:
+        args.fit_profile = discover_calibration(profile=profile)
+    return describe_inputs(profile, args.fit_profile)
 
 
 def _check_profile_file(fabric: str, names) -> None:
@@ -106,7 +136,7 @@ def _check_profile_file(fabric: str, names) -> None:
                              f"not an object")
         if "kind" in doc and "rows" in doc:
             raise ValueError(f"--fabric {fabric}: not a sparsp profile: it is a bench {doc['kind']!r} result "
-                             f"(give it to --calibrate)")
+                             f"(give it to --fit-profile)")
         from ..cost.profiles import Profile
 
         try:
@@ -132,43 +162,50 @@ def check_combinations(args) -> None:
                          f"{' '.join(chosen)} has none")
 
 
+def _config(args):
+    """The ``SimulateConfig`` of the arguments, every input checked (``ValueError``), and the
+    lines naming the files a profile is fitted to."""
+    from .job import SimulateConfig
+
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a directory")
+    check_files(args)
+    fabrics = tuple(args.fabric or (("all",) if args.density_profile is not None else ()))
+    if args.density_profile is None and (len(fabrics) > 1 or "all" in fabrics):
+        raise ValueError(f"--fabric {' '.join(fabrics)}: several profiles need --density-profile "
+                         f"(the one-call sweep takes one profile)")
+    fitting = fit_inputs(args, fabrics) if args.fit_profile is not None else []
+    check_combinations(args)
+    cfg = SimulateConfig(
+        model=args.model, ranks=tuple(args.ranks or ()), cdf=tuple(args.cdf),
+        fabric=fabrics[0] if len(fabrics) == 1 and fabrics[0] != "all" else DEFAULT_FABRIC,
+        fabrics=fabrics if args.density_profile is not None else (),
+        density_profile=args.density_profile, step=args.step, calibration=args.calibration,
+        layers=args.layers, out=args.out,
+        strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
+        text=args.text, dtype=args.dtype, prefetch=1 if args.prefetch is None else args.prefetch,
+        seed=args.seed, fit_profile=tuple(args.fit_profile or ()),
+        validate=None if args.validate is None else tuple(args.validate),
+        **({"local_first": False} if args.no_local_first else {}),  # else the config's default
+    )
+    return cfg, fitting
+
+
 def main(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .job import SimulateConfig, simulate, write_outputs
+    from .job import simulate, write_outputs
 
+    if args.count_ops:
+        return count_ops(args)
     console = Console()
     if console.width < 118:  # the table has eleven columns: do not truncate them in a pipe
         console = Console(width=118)
     try:
-        if args.out.exists() and not args.out.is_dir():
-            raise ValueError(f"--out {args.out} is a file; give a directory")
-        if args.calibrate is not None and len(args.calibrate) > 2:
-            raise ValueError("--calibrate takes a bench transport result and optionally a bench kernel result")
-        if args.calibrate == []:
-            from .calibrate import discover_calibration
-
-            args.calibrate = discover_calibration()
-        check_files(args)
-        check_combinations(args)
-        fabrics = tuple(args.fabric or (("all",) if args.density_profile is not None else ()))
-        if args.density_profile is None and (len(fabrics) > 1 or "all" in fabrics):
-            raise ValueError(f"--fabric {' '.join(fabrics)}: several profiles need --density-profile "
-                             f"(the one-call sweep takes one profile)")
-        cfg = SimulateConfig(
-            model=args.model, ranks=tuple(args.ranks), cdf=tuple(args.cdf),
-            fabric=fabrics[0] if len(fabrics) == 1 and fabrics[0] != "all" else "pcie4-8gpu-nop2p",
-            fabrics=fabrics if args.density_profile is not None else (),
-            density_profile=args.density_profile, step=args.step, calibration=args.calibration,
-            layers=args.layers, out=args.out,
-            strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
-            text=args.text, dtype=args.dtype, prefetch=1 if args.prefetch is None else args.prefetch,
-            seed=args.seed,
-            calibrate=tuple(args.calibrate or ()),
-            validate=None if args.validate is None else tuple(args.validate),
-            **({"local_first": False} if args.no_local_first else {}),  # else the config's default
-        )
+        cfg, fitting = _config(args)
+        for line in fitting:  # whole lines: a path is not to be wrapped
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         run, write = simulate, write_outputs
         if cfg.density_profile is not None:  # the whole model's step
             from .layers import simulate_model, write_model
@@ -180,7 +217,7 @@ def main(args) -> int:
     except (ValueError, OSError) as e:
         return _error(e)
     except (KeyError, TypeError, IndexError) as e:  # a result file whose rows lack a field
-        files = ", ".join(map(str, [*(args.calibrate or ()), *(args.validate or ())])) or "the inputs"
+        files = ", ".join(map(str, [*(args.fit_profile or ()), *(args.validate or ())])) or "the inputs"
         return _error(f"a row of {files} lacks a field or has a value of the wrong type: "
                       f"{type(e).__name__}: {e}")
     if doc.get("mode") == "model":
@@ -198,6 +235,27 @@ def main(args) -> int:
     return 0
 
 
+def count_ops(args) -> int:
+    """``--count-ops``: ``opcount.report`` at each ``--ranks`` G; any other option is refused."""
+    from .opcount import HEADS, RANKS, report
+
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(defaults.parse_args([])).items()
+             if k not in ("count_ops", "ranks") and getattr(args, k, v) != v]
+    if given:
+        return _error(f"{' '.join(given)} cannot apply with --count-ops: it counts the code's ops, it "
+                      f"simulates nothing; drop {'it' if len(given) == 1 else 'them'}")
+    ranks = tuple(args.ranks or RANKS)
+    bad = [G for G in ranks if G < 1 or HEADS % G]
+    if bad:
+        return _error(f"--ranks {' '.join(map(str, bad))}: --count-ops counts on {HEADS} heads; each G must "
+                      f"divide them")
+    for line in report(ranks):
+        print(line, flush=True)
+    return 0
+
+
 def print_tables(doc: dict, console) -> None:
     from rich.table import Table
 
@@ -208,8 +266,8 @@ def print_tables(doc: dict, console) -> None:
              False: "in order"}.get(doc.get("local_first"), "in order")
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"on {doc['fabric']} ({transports}); simulated ({order}), {doc['masks']} masks")
-    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1 GPU", "compute", "fixed", "exposed", "MiB/rank",
-                "bottleneck"):
+    for col in ("cdf", "G", "strategy", "ms", "vs ring", "vs 1-GPU sparse", "compute", "fixed", "exposed",
+                "MiB/rank", "bottleneck"):
         table.add_column(col, justify="left" if col in ("strategy", "bottleneck") else "right")
     for r in doc["results"]:
         table.add_row(f"{r['cdf']:.2f}", str(r["ranks"]), r["strategy"], f"{r['predicted_ms']:.1f}",
@@ -220,13 +278,13 @@ def print_tables(doc: dict, console) -> None:
     console.print(table)
     from .job import BOTTLENECK_LEGEND
 
-    console.print("ms: predicted time of one attention call; compute, fixed, exposed: the slowest rank's "
-                  "kernel time, fixed costs and transfer time not hidden behind compute (ms); "
-                  + BOTTLENECK_LEGEND, markup=False, highlight=False)
+    console.print("ms: predicted time of one attention call; vs ring: the dense ring's ms at the same G over "
+                  "this row's; vs 1-GPU sparse: the one-GPU sparse call's ms (below) over this row's, not dense "
+                  "attention's; compute, fixed, exposed: the slowest rank's kernel time, fixed costs and transfer "
+                  "time not hidden behind compute (ms); " + BOTTLENECK_LEGEND, markup=False, highlight=False)
     for cdf, one in doc["one_gpu"].items():
-        console.print(f"one GPU, cdf {cdf}: {strategies_where(primary=True)[0]} (a group of one) "
-                      f"{one['sparse_ms']:.1f} ms, "
-                      f"dense kernel {one['dense_ms']:.1f} ms")
+        console.print(f"one GPU, cdf {cdf}: sparse ({strategies_where(primary=True)[0]} on a group of one) "
+                      f"{one['sparse_ms']:.1f} ms, dense kernel {one['dense_ms']:.1f} ms")
     for s in doc["skipped"]:
         console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")
     if doc.get("validation") is not None:

@@ -1,9 +1,9 @@
-"""The ``sparsp simulate`` job: sweep G per strategy on a profile, calibrate, validate, write.
+"""The ``sparsp simulate`` job: sweep G per strategy on a profile, fit it, validate, write.
 
 Masks are ``sparsp analyze``'s (``workloads.synthetic_masks``, same seed) on the geometry the
 attention benchmark runs (video tokens only unless ``text``), and every strategy runs with the
-placement it registered for the benchmarks (``placement="auto"``). ``--calibrate`` fits a
-profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
+placement it registered for the benchmarks (``placement="auto"``). ``--fit-profile`` fits a
+machine profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
 strategy row of ``bench attention`` results with the 2×H200 profiles (widened to the row's G,
 ``Profile.widened``), each in its own order (its ``local_first``; rows written before the flag
 existed ran in order), and never fits on them.
@@ -22,25 +22,35 @@ import torch
 
 from ..analysis import DTYPE_BYTES
 from ..geometry import PRESETS, VideoGeometry, preset
-from ..placement import make_placement
+from ..cost.balance import contiguous_heads
 from ..cost.figures import pair_flops
-from ..cost.model import LOCAL_FIRST, SCHEDULES
+from ..cost.model import LOCAL_FIRST, SCHEDULES, build_work
 from ..cost.profiles import Profile, get_profile
 from ..cost.timeline import bottleneck, timeline
+from ..placement import make_placement
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
-from ..cost.balance import contiguous_heads
-from .model import build_work
 
 PLACEMENTS = ("auto", "contiguous", "periodic")
+RANKS = (2, 4, 8)
+"""The G simulated when none are given: those of them the profile holds (``default_ranks``)."""
+
+
+def default_ranks(gpus: int) -> tuple[int, ...]:
+    """``RANKS`` up to ``gpus`` (the profile's, or the largest of several): ``sparsp simulate
+    --fabric h200x2-nvlink`` simulates G = 2 without being told."""
+    held = tuple(G for G in RANKS if G <= gpus)
+    if not held:
+        raise ValueError(f"a profile of {gpus} GPU(s) holds no G of {', '.join(map(str, RANKS))}; give --ranks")
+    return held
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimulateConfig:
     model: str = "hunyuan-video"
     """Preset name (``sparsp.geometry.PRESETS``)."""
-    ranks: tuple[int, ...] = (2, 4, 8)
-    """Sequence-parallel degrees G to simulate."""
+    ranks: tuple[int, ...] = ()
+    """Sequence-parallel degrees G to simulate; empty: ``default_ranks`` of the profile(s)."""
     fabric: str = "pcie4-8gpu-nop2p"
     """A built-in profile name or a profile JSON file."""
     cdf: tuple[float, ...] = (0.9,)
@@ -61,8 +71,9 @@ class SimulateConfig:
     as ``Call.local_first_pays`` decides; True: always —; False: every strategy in order
     (``--no-local-first``)."""
     seed: int = 0
-    calibrate: tuple[Path, ...] = ()
-    """``bench transport`` / ``bench kernel`` result files to fit the profile to."""
+    fit_profile: tuple[Path, ...] = ()
+    """``bench transport`` / ``bench kernel`` result files to fit the profile to (of its GPU:
+    ``calibrate.check_machine``)."""
     validate: tuple[Path, ...] | None = None
     """``bench attention`` result files to predict; () = discover ``bench/results/attention-*.json``;
     None = no validation."""
@@ -85,8 +96,6 @@ class SimulateConfig:
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
             raise ValueError(f"unknown --model {self.model!r}; choose one of {', '.join(PRESETS)}")
-        if not self.ranks:
-            raise ValueError("--ranks needs at least one value")
         for G in self.ranks:
             if not isinstance(G, int) or isinstance(G, bool) or G < 2:
                 raise ValueError(f"--ranks must be ints >= 2, got {G!r}")
@@ -116,8 +125,8 @@ class SimulateConfig:
             if self.text:
                 raise ValueError("--text cannot apply with --density-profile: the calibrated masks are those of "
                                  "`sparsp analyze`, on the preset's whole sequence; drop --text")
-            if self.calibrate and len(self.fabric_names()) > 1:
-                raise ValueError("--calibrate fits one profile: give one --fabric with it")
+            if self.fit_profile and len(self.fabric_names()) > 1:
+                raise ValueError("--fit-profile fits one profile: give one --fabric with it")
             if self.layers is not None and self.layers < 1:
                 raise ValueError(f"--layers must be >= 1, got {self.layers}")
 
@@ -189,7 +198,7 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     in rank order (``cost.model.work``; None: by density, as it runs)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
-    work = build_work(masks, pl, strategy, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
+    work = build_work(masks, pl, strategy_spec(strategy), head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
                       profile=chunking or profile, transport=transport, local_first=local_first,
                       head_order=head_order)
     return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)
@@ -251,8 +260,9 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     t0 = time.perf_counter()
     profile = get_profile(cfg.fabric)
     calibration = None
-    if cfg.calibrate:
-        profile, calibration = calibrate(profile, cfg.calibrate)
+    if cfg.fit_profile:
+        profile, calibration = calibrate(profile, cfg.fit_profile)
+    cfg = replace(cfg, ranks=cfg.ranks or default_ranks(profile.gpus))
     if cfg.transport is not None:
         profile.transport(cfg.transport)  # unknown transport: ValueError before any work
     geom = geometry(cfg.model, cfg.text)
@@ -304,7 +314,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     }
     if cfg.validate is not None:
         paths = list(cfg.validate) or discover_attention()
-        doc["validation"], doc["validation_notes"] = validate(paths, cfg.calibrate, cache, progress)
+        doc["validation"], doc["validation_notes"] = validate(paths, cfg.fit_profile, cache, progress)
         doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
         doc["validation_summary"] = validation_summary(doc["validation"])
     doc["seconds"] = round(time.perf_counter() - t0, 2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,15 +31,14 @@ import torch
 from ..analysis import DTYPE_BYTES, AnalyzeConfig, load_masks
 from ..cost.balance import balanced_heads, contiguous_heads, max_over_mean, rank_loads
 from ..cost.figures import Blocks, measure
-from ..cost.model import SCHEDULES
+from ..cost.model import SCHEDULES, work
 from ..cost.profiles import get_profile
 from ..geometry import preset
 from ..placement import make_placement
 from ..strategies.auto import AUTO, PLANNED, candidates, decide
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate
-from .job import modelled, placement_for, row_of
-from .model import work
+from .job import default_ranks, modelled, placement_for, row_of
 
 SUMMED = ("predicted_ms", "compute_ms", "fixed_ms", "transfer_ms", "exposed_ms", "bytes_total")
 """Row fields the model's row sums over the layers."""
@@ -48,13 +48,13 @@ summary flags it)."""
 
 
 def profiles_of(cfg) -> tuple[list, dict | None]:
-    """The profiles of ``cfg.fabric_names()``, calibrated to ``cfg.calibrate`` when given (one
-    profile only), and the calibration's record."""
+    """The profiles of ``cfg.fabric_names()``, fitted to ``cfg.fit_profile`` when given (one
+    profile only), and the fit's record."""
     out, record = [], None
     for name in cfg.fabric_names():
         prof = get_profile(name)
-        if cfg.calibrate:
-            prof, record = calibrate(prof, cfg.calibrate)
+        if cfg.fit_profile:
+            prof, record = calibrate(prof, cfg.fit_profile)
         if cfg.transport is not None:
             prof.transport(cfg.transport)  # unknown transport: ValueError before any work
         out.append(prof)
@@ -65,6 +65,7 @@ def simulate_model(cfg, progress=None) -> dict:
     """The ``simulate.json`` document of a whole model's step (module docstring)."""
     t0 = time.perf_counter()
     profiles, record = profiles_of(cfg)
+    cfg = replace(cfg, ranks=cfg.ranks or default_ranks(max(p.gpus for p in profiles)))
     acfg = AnalyzeConfig(model=cfg.model, ranks=max(cfg.ranks), cdf=cfg.cdf, layers=cfg.layers, seed=cfg.seed,
                          density_profile=Path(cfg.density_profile), step=cfg.step, calibration=cfg.calibration,
                          out=cfg.out)
@@ -151,7 +152,7 @@ def _layer_rows(cfg, layer, kept_h, kept_q, geom, G, profiles, strategies, dtype
                 # order (cost.balance on the layer's kept pairs per head), the model's default
                 variants = [(False, contiguous_heads(H)), (True, balanced_heads(d.head_pairs, G))]
             for balanced, order in variants:
-                w = work(s, d, head_dim=hd, dtype_bytes=dtype_bytes, profile=prof, transport=transport,
+                w = work(spec, d, head_dim=hd, dtype_bytes=dtype_bytes, profile=prof, transport=transport,
                          local_first=cfg.local_first, head_order=order)
                 row = {**base, **row_of(w, prof, placement=kind, transport=transport, prefetch=cfg.prefetch,
                                         head_dim=hd, rounds=False, savings=False)}
@@ -269,7 +270,7 @@ def _label(r: dict) -> str:
 
 
 def write_model(doc: dict, out: Path, plots: bool = True) -> list[Path]:
-    """``simulate.json``, the profile fitted to bench results (``--calibrate``), the density
+    """``simulate.json``, the profile fitted to bench results (``--fit-profile``), the density
     calibration when fitted now (already written by ``analysis.load_masks``), ``layers_ms.png``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "simulate.json"]

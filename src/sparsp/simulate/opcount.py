@@ -19,7 +19,7 @@ the counts are made with False and True):
 This module counts them on the code as it is, so the constants can be recounted whenever it
 changes:
 
-    python -m sparsp.simulate.opcount            # G = 2, 3, 4, 6; prints every constant above,
+    sparsp simulate --count-ops                  # G = 2, 3, 4, 6; prints every constant above,
                                                  # GRAPHED_MASK_OPS and the drain units' ops
 
 Every ``__torch_dispatch__`` call is one op (views included: each costs the host a dispatch;
@@ -41,12 +41,11 @@ the same geometry (per-geometry caches filled, as in a denoising loop).
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import os
 import queue
 import socket
 import time
+from collections.abc import Iterator
 from fractions import Fraction
 
 import torch
@@ -55,7 +54,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..cost.model import kind_of
 from ..cost.ops import MASK_OPS, RUN_OPS
-
 
 
 def _first_of_each(kind, table: dict) -> dict[str, str]:
@@ -314,7 +312,7 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
     from .. import SparspConfig
     from ..strategies import close_transports
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # a counting rank needs no intra-op threads: G of them share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -344,7 +342,6 @@ def count(world: int, jobs: list[tuple[str, int, bool]], timeout_s: float = 300.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, name=f"rank{r}", args=(r, world, port, jobs, out))
@@ -384,6 +381,9 @@ def fit(points: dict[int, int]) -> tuple[int, int, int]:
     return int(a), int(b), int(c)
 
 
+RANKS = (2, 3, 4, 6)
+"""The G ``report`` counts at by default: enough to fit (constant, per peer, per peer²) and
+check it; every one divides ``HEADS``."""
 UNITS = (2, 4, HEADS)
 """Drain units counted for ``ops.MASK_CUT_OPS`` / ``MASK_UNIT_OPS`` (``drain_chunks``)."""
 
@@ -398,7 +398,7 @@ def _fitted(name: str, points: dict[int, int]) -> str:
 
 
 def jobs() -> list[tuple[str, int, bool]]:
-    """What ``main`` counts: a strategy of each kind in order, the local-first ones local
+    """What ``report`` counts: a strategy of each kind in order, the local-first ones local
     first too, the ``direct`` strategy's drain cut into each of ``UNITS`` (both orders), the
     ``all-to-all`` one. A dense call first: its padding to a capacity a sparse call grew is one
     cached tensor, so its count does not depend on the calls before it."""
@@ -408,46 +408,48 @@ def jobs() -> list[tuple[str, int, bool]]:
     return out + [(s, 1, False) for s in runs.values() if (s, 1, False) not in out]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4, 6])
-    args = p.parse_args(argv)
+def report(ranks=RANKS) -> Iterator[str]:
+    """``sparsp simulate --count-ops``: every job of ``jobs()`` counted on gloo groups of each
+    G in ``ranks``, as lines: the ops per phase and at each point of every call, then each
+    constant of ``cost.ops`` fitted to them (``_fitted``), to compare with the module's."""
     from ..strategies.registry import strategy_spec
 
     todo = jobs()
     kinds, runs = mask_kinds(), run_kinds()
     chunked = runs["direct"]
-    table = {G: dict(zip(todo, count(G, todo))) for G in args.ranks}
+    table = {G: dict(zip(todo, count(G, todo))) for G in ranks}
     phases = ("mask", "stage", "pack", "compute", "merge", "other")
-    print(f"ops per phase ({' / '.join(phases)}), rank 0; stage = the mask phase's ops a CUDA "
-          "graph replays on the GPU; then the points of the program order")
+    yield (f"ops per phase ({' / '.join(phases)}), rank 0; stage = the mask phase's ops a CUDA "
+           "graph replays on the GPU; then the points of the program order")
     for G, rows in table.items():
         for (s, u, lf), r in rows.items():
             order = "local first" if lf else "in order"
-            print(f"G={G} {s:12s} {order:11s} drain units {u:2d}: "
-                  + " / ".join(str(r.get(k, 0)) for k in phases)
-                  + f"; before the read {r['read']}, early {early_ops(r)}, finish {finish_ops(r)}, "
-                    f"run {run_ops(r)}, first fetch {issue_ops(r)}")
+            yield (f"G={G} {s:12s} {order:11s} drain units {u:2d}: "
+                   + " / ".join(str(r.get(k, 0)) for k in phases)
+                   + f"; before the read {r['read']}, early {early_ops(r)}, finish {finish_ops(r)}, "
+                     f"run {run_ops(r)}, first fetch {issue_ops(r)}")
     for lf in (False, True):  # the same before the read in both orders
         for name, ops in (("MASK_OPS", eager_ops), ("GRAPHED_MASK_OPS", graphed_ops)):
             for kind, s in kinds.items():
                 pts = {G: ops(kind, rows[(s, 1, lf)]) for G, rows in table.items()}
-                print(_fitted(f"{name}[{kind!r}] ({'local first' if lf else 'in order'})", pts))
+                yield _fitted(f"{name}[{kind!r}] ({'local first' if lf else 'in order'})", pts)
         for kind, s in kinds.items():
             pts = {G: finish_ops(rows[(s, 1, lf)]) for G, rows in table.items()}
-            print(_fitted(f"FINISH_OPS[{kind!r}] ({'local first' if lf else 'in order'})", pts))
+            yield _fitted(f"FINISH_OPS[{kind!r}] ({'local first' if lf else 'in order'})", pts)
     for G, rows in table.items():
         for lf in (False, True):
             base = rows[(chunked, 1, lf)]
             more = {u: (eager_ops("direct", rows[(chunked, u, lf)]) - eager_ops("direct", base),
                         graphed_ops("direct", rows[(chunked, u, lf)]) - graphed_ops("direct", base),
                         finish_ops(rows[(chunked, u, lf)]) - finish_ops(base)) for u in UNITS}
-            print(f"G={G} ({'local first' if lf else 'in order'}): {chunked} ops more with both drain "
-                  f"payloads in u units (before the read eager, graphed; finish): {more}")
+            yield (f"G={G} ({'local first' if lf else 'in order'}): {chunked} ops more with both drain "
+                   f"payloads in u units (before the read eager, graphed; finish): {more}")
     for kind, s in kinds.items():
+        early = {G: early_ops(rows[(s, 1, True)]) for G, rows in table.items()}
+        if None in early.values():  # runs in order whatever the config (the all-to-all): no early ops
+            continue
         for j, what in enumerate(("before the local launch", "after it, before the wait")):
-            pts = {G: early_ops(rows[(s, 1, True)])[j] for G, rows in table.items()}
-            print(_fitted(f"EARLY_OPS[{kind!r}] {what}", pts))
+            yield _fitted(f"EARLY_OPS[{kind!r}] {what}", {G: e[j] for G, e in early.items()})
     for name, lf in (("RUN_OPS", False), ("LOCAL_FIRST_RUN_OPS", True)):
         for kind, s in runs.items():
             if lf and not strategy_spec(s).local_first:
@@ -455,9 +457,4 @@ def main(argv=None) -> int:
             got = {G: (issue_ops(rows[(s, 1, lf)]),) + run_ops(rows[(s, 1, lf)]) for G, rows in table.items()}
             parts = [_fitted(what, {G: v[j] for G, v in got.items()})
                      for j, what in enumerate(("first fetch", "first", "last", "tail"))]
-            print(f"{name}[{kind!r}]: " + "; ".join(parts))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+            yield f"{name}[{kind!r}]: " + "; ".join(parts)

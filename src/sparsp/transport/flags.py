@@ -2,7 +2,7 @@
 
 Used by ``slots.SlotWindows`` (and the ``host`` and ``ipc`` transports built on it) to say
 "this slot holds a payload" and "this slot is free again" without any collective
-(DESIGN "Decoupled transfer runtime"; paper §6.1).
+(docs/design.md "The mechanism", decoupled transfer runtime; paper §6.1).
 
 **A flag word** is one 32-bit word, from the high bit to the low one
 ``epoch mod 2^8 | use mod 2^10 | count`` (``encode_flag`` / ``decode_flag``):

@@ -1,4 +1,5 @@
-"""Host transport: slot windows in shared host memory (paper §6; DESIGN "PCIe-class path").
+"""Host transport: slot windows in shared host memory (paper §6; docs/design.md, "Kernels and
+transports": the PCIe-class path).
 
 For GPUs without peer access (the common PCIe server) and, with the same code, for CPU-only
 runs, where it is what the multi-process CI tests exercise.
@@ -24,7 +25,7 @@ CUDA tensors: the segments are pinned with ``cuMemHostRegister`` (portable, devi
 dedicated D2H stream (ordered after the pack through an event) in ``chunk_bytes`` chunks and
 advances the 'published' count after each chunk, so the consumer's H2D of chunk j overlaps the
 producer's D2H of chunk j+1; ``fetch`` copies chunk by chunk on a dedicated H2D stream. Two
-streams because D2H and H2D then run at once: DESIGN measured ≈33.5 GB/s each way for a
+streams because D2H and H2D then run at once: ≈33.5 GB/s each way was measured for a
 2-rank exchange this way on the 2×H200 box, and half that with one stream and no chunking.
 
 Flag writes that must follow GPU work use ``cuStreamWriteValue32`` on the stream (no host

@@ -1,8 +1,8 @@
 """Slot windows: the publish/fetch/release protocol shared by the ``host`` and ``ipc`` transports.
 
 ``SlotWindows`` implements ``base.Transport`` over slots that a producer exports and its
-consumers read (paper §6.1; DESIGN "Decoupled transfer runtime"). The subclasses only say
-where the slots live and how bytes move; everything below is here, once.
+consumers read (paper §6.1; docs/design.md "The mechanism", decoupled transfer runtime). The
+subclasses only say where the slots live and how bytes move; everything below is here, once.
 
 **Windows and slots.** Every rank p exports, for every peer c, a *window* of ``window`` slots
 (default 3) of ``slot_bytes`` each (rounded up to a page; ``reserve`` grows them): p packs
@@ -87,7 +87,8 @@ log = logging.getLogger("sparsp")
 
 CHUNK_BYTES = 16 << 20
 """The default step of a chunked copy (``host``: the D2H/H2D pieces a consumer copies as they
-land; DESIGN measured 16–64 MiB pieces at the two-way ceiling; docs/decisions.md)."""
+land; 16–64 MiB pieces reach the two-way ceiling: docs/design.md "Kernels and transports",
+docs/decisions.md)."""
 
 
 class SlotWindows(Transport):
