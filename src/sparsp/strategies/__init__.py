@@ -78,7 +78,7 @@ def sp_attention(
     (layers of one geometry differ in how dense their masks are, so each may take another
     strategy); the result does not depend on it. ``_global_mask``
     (bool [B, H, N, N], N = global blocks) replaces the CDF mask — for tests; ``_timer``
-    (a ``base.PhaseTimer``) times the phases — for benchmarks.
+    (a ``timing.PhaseTimer``) times the phases — for benchmarks.
     """
     validate(q, k, v, group, strategy, config)
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):

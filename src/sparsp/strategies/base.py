@@ -26,6 +26,7 @@ from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_fina
                        reads_token_major, resolve_kernel)
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
+from ..timing import PhaseTimer, TimedHandle
 from ..transport import Transport
 from ..cost import chunks
 from .registry import strategy_names, strategy_spec
@@ -84,54 +85,6 @@ def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Ten
     h0, h1 = heads
     rest = t.shape[1:]
     return t.reshape(batch, -1, *rest)[:, h0:h1].reshape(-1, *rest)
-
-
-class PhaseTimer:
-    """CUDA events around the phases of one call on the compute stream (benchmarks only).
-
-    ``phase(name)`` is a context manager; ``fetch_issued``/``fetch_landed`` bracket a payload's
-    transfer as the compute stream sees it. ``summary()`` (after a synchronize) sums each phase
-    in ms. Off (``None``) in normal calls: no events, no cost.
-    """
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: dict[int, torch.cuda.Event] = {}
-        self.local_first = False  # the call queued its local kernel before the host read
-        self.drain_chunks: int | None = None  # messages of the last round's received payload (sparsp)
-
-    def _event(self) -> torch.cuda.Event:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    class _Phase:
-        def __init__(self, timer: "PhaseTimer", name: str) -> None:
-            self.timer, self.name = timer, name
-
-        def __enter__(self):
-            self.start = self.timer._event()
-
-        def __exit__(self, *exc):
-            self.timer.events.append((self.name, self.start, self.timer._event()))
-            return False
-
-    def phase(self, name: str) -> "PhaseTimer._Phase":
-        return PhaseTimer._Phase(self, name)
-
-    def fetch_issued(self, key: int) -> None:
-        self._open[key] = self._event()
-
-    def fetch_landed(self, key: int) -> None:
-        start = self._open.pop(key, None)
-        if start is not None:
-            self.events.append(("transfer", start, self._event()))
-
-    def summary(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, a, b in self.events:
-            out[name] = out.get(name, 0.0) + a.elapsed_time(b)
-        return out
 
 
 _NO_PHASE = contextlib.nullcontext()  # a phase of a call no timer watches
@@ -228,7 +181,7 @@ class Call:
             return handle
         key = id(handle)
         self.timer.fetch_issued(key)
-        return _TimedHandle(handle, self.timer, key)
+        return TimedHandle(handle, self.timer, key)
 
     @property
     def rank(self) -> int:
@@ -596,12 +549,3 @@ def _on_side(call: "Call", stream: torch.cuda.Stream):
             yield
     finally:
         call._in_side = False  # later rounds (issued after a wait) pack on the compute stream
-
-
-class _TimedHandle:
-    def __init__(self, handle, timer: PhaseTimer, key: int) -> None:
-        self._handle, self._timer, self._key = handle, timer, key
-
-    def wait(self) -> None:
-        self._handle.wait()
-        self._timer.fetch_landed(self._key)

@@ -44,9 +44,10 @@ from .. import _triton
 from ..caches import captured_on_second_sight, per_geometry
 from ..groups import marker as record_function  # a no-op unless a profiler records
 from ..plan import TAIL, Metadata, Staged, gather_metadata, remask
+from ..timing import PhaseTimer
 from .auto import AUTO, PLANNED, choose_from, figures, head_pairs
 from . import one_gpu
-from .base import Call, PhaseTimer
+from .base import Call
 from .registry import StrategySpec, strategy_spec
 
 
