@@ -90,7 +90,7 @@ def sp_attention(
         call, staged = request.stage(meta)  # the mask, the payloads' selections, the counts to read
         call, spec = request.read(meta, call, staged)  # the one host read: checks, layouts, auto's choice
         call.run(spec)  # transfers, kernels, merges
-    return call.result()
+    return call.output.result()
 
 
 __all__ = ["Call", "StrategyName", "StrategySpec", "close_transports", "comm_bytes", "get_transport",

@@ -22,13 +22,13 @@ from ..caches import per_geometry
 from ..config import SparspConfig
 from ..demand import remote_demand
 from ..groups import marker as record_function  # a no-op unless a profiler records
-from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_into, merge_pair,
-                       reads_token_major, resolve_kernel)
+from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, reads_token_major, resolve_kernel
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
 from ..timing import PhaseTimer, TimedHandle
 from ..transport import Transport
 from ..cost import chunks
+from .merged import MergedOutput
 from .registry import strategy_names, strategy_spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -123,13 +123,10 @@ class Call:
         self._q_hm: torch.Tensor | None = None
         self._lists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kernel block lists
         self.consumes: dict = {}  # plan key -> (origin, heads or None): payloads it computes
-        self.out = None
-        self.lse = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last partial (``merge``)
-        self._direct: tuple[torch.Tensor, list] | None = None  # the output being written by head slices
-        self._accumulating = False  # ``out`` is this call's float32 accumulator (not a kept partial)
+        # two ranks: each head-sliced partial after the local one is its heads' last
+        self.output = MergedOutput(self.q.shape, self.q.dtype, self.q.device,
+                                   last_slices=self.shapes.world_size == 2, phase=self.phase)
         self.scale = self.q.shape[-1] ** -0.5
-        self.final: torch.Tensor | None = None  # a strategy that assembles its own output
         self.layouts: dict = {}
         self.kept: dict[int, int] = {}  # kept (query block, key block) pairs per origin
         self._demand: torch.Tensor | None = None
@@ -289,7 +286,7 @@ class Call:
         merge work. ``None``: every head."""
         if self.full_mask is not None and self.kept.get(origin, 1) == 0:
             return  # no local query block reads a block of origin (known from the host copy)
-        self._fold()
+        self.output.fold()
         q = self.q_hm
         with self.phase("compute"):
             if heads is None:
@@ -301,48 +298,7 @@ class Call:
                                         block_len=lay.block_len, num_aligned=lay.num_aligned,
                                         block_size=lay.block_size, head_dim=self.q.shape[-1])
             o, l = self.kernel(q, buf, kv_num, kv_idx, scale=self.scale)
-        self.merge(o, l, heads)
-
-    def merge(self, o: torch.Tensor, lse: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
-        """Fold a partial result (``o`` (B, H', S, D), ``lse`` (B, H', S)) of query heads
-        ``heads`` (all when ``None``) into the call's output.
-
-        The first whole-head partial is kept as the kernel returned it (no copy). A later
-        whole-head one waits in ``_pending``: the next kernel launch folds it into float32 first
-        (``_fold``: ``merge_pair``, one pass on CUDA), or, when no kernel follows, ``finish``
-        merges it straight into the caller's dtype and layout (``merge_final``)."""
-        whole = heads is None or heads == (0, self.shapes.heads)
-        if whole and self.out is None:
-            self.out, self.lse = o, lse
-            return
-        self._fold()
-        with self.phase("merge"):
-            if whole:
-                assert self._direct is None, "a whole-head partial after head-sliced ones written out"
-                self._pending = (o, lse)
-                return
-            h0, h1 = heads
-            if self._direct is not None or (self.world == 2 and self.out is not None and not self._accumulating):
-                # two ranks: the kept local partial and the one payload's disjoint head groups;
-                # each group is its heads' last partial, merged straight into the output
-                if self._direct is None:
-                    B, S, H, D = self.q.shape
-                    self._direct = (torch.empty(B, S, H, D, dtype=self.q.dtype, device=self.q.device), [])
-                final, done = self._direct
-                assert all(h1 <= a or b <= h0 for a, b in done), f"heads {heads} merged twice"
-                merge_into(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse,
-                           final.permute(0, 2, 1, 3)[:, h0:h1])
-                done.append((h0, h1))
-                return
-            if self.out is None:  # nothing merged yet: an empty partial for every head
-                B, S, H, D = self.q.shape
-                self.out = torch.zeros(B, H, S, D, dtype=torch.float32, device=self.q.device)
-                self.lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32,
-                                      device=self.q.device)
-            elif not self._accumulating:  # a kept first partial: accumulate in fp32 now
-                self.out, self.lse = self.out.float(), self.lse.float()
-            self._accumulating = True
-            merge_into(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse, self.out[:, h0:h1], self.lse[:, h0:h1])
+        self.output.merge(o, l, heads)
 
     def attend_local(self) -> None:
         """The local queries over this rank's own K/V as given (``LocalKV``: per-head
@@ -354,16 +310,16 @@ class Call:
         self._local_done = True
         if self.dense_kernel is not None:  # one rank, a mask that keeps too much: the dense kernel
             with self.phase("compute"):
-                self.final = self.dense_kernel(self.q, self.k, self.v, self.scale).contiguous()
+                self.output.set_final(self.dense_kernel(self.q, self.k, self.v, self.scale).contiguous())
             return
         if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
-        self._fold()
+        self.output.fold()
         with self.phase("compute"):
             kv = LocalKV(self.k, self.v, self.shapes.block_size)
             kv_num, kv_idx = self.local_lists()
             o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
-        self.merge(o, l)
+        self.output.merge(o, l)
 
     def attend_local_early(self) -> None:
         """Queue the local shard's kernel before the call's host read (``sp_attention``, for a
@@ -472,32 +428,6 @@ class Call:
         ids = LocalKV.ids_for(self.shapes.num_blocks[self.rank], self.bh, self.q.device)
         return self.lists(self.rank, ids)
 
-    def _fold(self) -> None:
-        """The pending partial into the float32 accumulator: another one follows it."""
-        if self._pending is not None:
-            with self.phase("merge"):
-                self.out, self.lse = merge_pair(self.out, self.lse, *self._pending)
-            self._pending = None
-            self._accumulating = True
-
-    def finish(self) -> None:
-        """The last partial merged into the caller's output (``merge_final``: one pass that
-        writes (B, S, H, D) in q's dtype), queued right after the run's last kernel; or the
-        heads no head-sliced partial reached copied into the output being written by slices."""
-        if self._pending is not None and self.final is None:
-            with self.phase("merge"):
-                self.final = merge_final(self.out, self.lse, *self._pending, self.q.dtype)
-            self.out = self.lse = self._pending = None
-        elif self._direct is not None and self.final is None:
-            final, done = self._direct
-            with self.phase("merge"):
-                h = 0
-                for a, b in sorted(done) + [(self.shapes.heads, self.shapes.heads)]:
-                    if h < a:  # heads no slice reached: the kept partial as it is
-                        final.permute(0, 2, 1, 3)[:, h:a].copy_(self.out[:, h:a])
-                    h = max(h, b)
-            self.final, self.out, self.lse, self._direct = final, None, None, None
-
     def run(self, spec) -> None:
         """Run strategy ``spec`` (a ``StrategySpec``) on this call, resolved by its host read:
         the transport's windows sized for the worst case, a full shard per peer (a collective
@@ -513,19 +443,10 @@ class Call:
                     self.attend_local()
                 else:
                     spec.run(self)
-                self.finish()  # the last merge, written as the output
+                self.output.finish()  # the last merge, written as the output
             finally:  # the compute stream after the side stream's packs and transfers, also
                 self.join()  # when the run raised: nothing of the call stays unordered
         self.transport.settle()
-
-    def result(self) -> torch.Tensor:
-        """The merged output in the caller's layout and dtype, (B, S, H, D)."""
-        self.finish()
-        if self.final is not None:
-            return self.final
-        if self.out is None:  # no block selected at all: every row is empty, output zeros
-            return torch.zeros_like(self.q)
-        return self.out.permute(0, 2, 1, 3).to(self.q.dtype).contiguous()
 
 
 _SIDE_STREAMS: dict[str, torch.cuda.Stream] = {}

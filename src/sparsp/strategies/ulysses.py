@@ -90,7 +90,7 @@ def run(call: Call) -> None:
     final = (_run_whole if _whole_blocks(call.shapes) else _run_slices)(call, q, k, v, mask)
     if order is not None:  # back to the caller's head order
         final = final.index_select(2, back)
-    call.final = final
+    call.output.set_final(final)
 
 
 def _orders(order: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
