@@ -29,6 +29,7 @@ from ..timing import PhaseTimer, TimedHandle
 from ..transport import Transport
 from ..cost import chunks
 from .merged import MergedOutput
+from .side import SideStream
 from .registry import strategy_names, strategy_spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -131,9 +132,7 @@ class Call:
         self.kept: dict[int, int] = {}  # kept (query block, key block) pairs per origin
         self._demand: torch.Tensor | None = None
         self._local_done = False
-        self._staged: torch.cuda.Event | None = None  # the stage's end on the compute stream
-        self._side: torch.cuda.Stream | None = None  # where the first round was issued
-        self._in_side = False  # issuing on the side stream now (the timer names its pack apart)
+        self.side_stream = SideStream(self.q.device)  # packs and transfers beside queued kernels
         key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
         self._geo = _GEOMETRIES.setdefault(key, _Geometry())
         # (packed rows, kept block pairs) of the last round's payloads ("send", "recv") in the
@@ -260,7 +259,7 @@ class Call:
 
     def pack_local(self, lay: Layout, out: torch.Tensor) -> int:
         """Pack this rank's selected K/V blocks into ``out``; returns elements written."""
-        with self.phase("pack_side" if self._in_side else "pack"):
+        with self.phase("pack_side" if self.side_stream.active else "pack"):
             return pack(self.k, self.v, lay, self.shapes.heads, out)
 
     def rows_for(self, origin: int) -> torch.Tensor:
@@ -328,9 +327,7 @@ class Call:
         issues the first round (``side``). The read's copy is queued before it, so the read
         does not wait for the kernel. On CUDA, first marks the stage's end on the compute
         stream: the side stream starts from there."""
-        if self.q.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        self.side_stream.mark()
         if self.timer is not None:
             self.timer.local_first = True
         self.attend_local()
@@ -373,35 +370,19 @@ class Call:
         self._geo.last_round = (max(rows.values()), pairs)
 
     def stage_side(self) -> None:
-        """Mark the compute stream's present end as where ``side`` streams start, for packs
-        and transfers a strategy issues after it queued kernels (``sparsp``'s late steps);
-        nothing on the CPU or when ``attend_local_early`` marked it already. Call it before
-        the kernels the side work must not wait for."""
-        if self._staged is None and self.q.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        """Mark the compute stream's present end as where ``side`` starts, for packs and
+        transfers a strategy issues after it queued kernels (``sparsp``'s late steps); nothing
+        on the CPU or when ``attend_local_early`` marked it already. Call it before the kernels
+        the side work must not wait for."""
+        self.side_stream.mark()
 
     def side(self, on: bool = True):
         """Context for issuing packs and transfers (``Call.pack_local``,
-        ``send_buffer``/``publish``/``fetch``) beside queued kernels: the first round while
-        the early local kernel runs, or a round's late steps (``stage_side``). A high-priority
-        side stream that starts where the plan stage ended (its layouts and token rows), so
-        the pack's gathers and the transfer do not queue behind the kernels. Waits
-        (``handle.wait()``) stay on the compute stream, outside this context; ``join`` orders
-        the compute stream after the side stream once the run is queued. Before any mark (or
-        on the CPU), or with ``on`` false: no context."""
-        if self._staged is None or not on:
-            return contextlib.nullcontext()
-        stream = _side_stream(self.q.device)
-        stream.wait_event(self._staged)
-        self._side = stream
-        return _on_side(self, stream)
-
-    def join(self) -> None:
-        """The compute stream waits for everything issued on the side stream (``side``): the
-        call's output, and every later use of its inputs and buffers, come after it."""
-        if self._side is not None:
-            torch.cuda.current_stream(self.q.device).wait_stream(self._side)
+        ``send_buffer``/``publish``/``fetch``) beside queued kernels (``strategies/side.py``):
+        the first round while the early local kernel runs, or a round's late steps
+        (``stage_side``). Waits (``handle.wait()``) stay outside it. Before any mark (or on the
+        CPU), or with ``on`` false: no context."""
+        return self.side_stream.issue(on)
 
     def lists(self, origin: int, ids: torch.Tensor,
               heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,28 +426,5 @@ class Call:
                     spec.run(self)
                 self.output.finish()  # the last merge, written as the output
             finally:  # the compute stream after the side stream's packs and transfers, also
-                self.join()  # when the run raised: nothing of the call stays unordered
+                self.side_stream.join()  # when the run raised: nothing of the call stays unordered
         self.transport.settle()
-
-
-_SIDE_STREAMS: dict[str, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One high-priority stream per device for the first round's packs and transfers: their
-    blocks are scheduled ahead of the local kernel's pending ones (``Call.side``)."""
-    stream = _SIDE_STREAMS.get(str(device))
-    if stream is None:
-        _, high = torch.cuda.Stream.priority_range()
-        stream = _SIDE_STREAMS[str(device)] = torch.cuda.Stream(device, priority=high)
-    return stream
-
-
-@contextlib.contextmanager
-def _on_side(call: "Call", stream: torch.cuda.Stream):
-    call._in_side = True
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        call._in_side = False  # later rounds (issued after a wait) pack on the compute stream
