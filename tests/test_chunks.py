@@ -280,7 +280,7 @@ def _instrument() -> None:
     """Count every (query block, key block) pair the kernel computes, per (batch, head), by
     mapping the kernel's block ids back to the origin's blocks (through the layout)."""
     from sparsp.kernels import KVBuffer, register_kernel, torch_ref
-    from sparsp.strategies import base
+    from sparsp.strategies import call as call_module
 
     def kernel(q, kv, kv_num_blocks, kv_indices, *, scale=None):
         ctx = _SEEN["ctx"]
@@ -304,12 +304,12 @@ def _instrument() -> None:
         return torch_ref.block_sparse_attention(q, kv, kv_num_blocks, kv_indices, scale=scale)
 
     register_kernel("torch", devices=("cpu", "cuda"))(kernel)
-    attend, attend_local = base.Call.attend, base.Call.attend_local
+    attend, attend_local = call_module.Call.attend, call_module.Call.attend_local
 
     def attend_wrapped(self, payload, lay, origin, heads=None):
         span = heads or (0, self.shapes.heads)
         ids = lay.block_ids if heads is None else \
-            base.head_slice(lay.block_ids, self.shapes.batch, heads)
+            call_module.head_slice(lay.block_ids, self.shapes.batch, heads)
         _SEEN["ctx"] = dict(origin=origin, heads=span, ids=ids,
                             offset=self.shapes.block_offsets[origin])
         return attend(self, payload, lay, origin, heads)
@@ -319,7 +319,7 @@ def _instrument() -> None:
                             offset=self.shapes.block_offsets[self.rank])
         return attend_local(self)
 
-    base.Call.attend, base.Call.attend_local = attend_wrapped, attend_local_wrapped
+    call_module.Call.attend, call_module.Call.attend_local = attend_wrapped, attend_local_wrapped
 
 
 def _chunk_worker(rank, world, lens, H, transports, seed):
@@ -473,11 +473,11 @@ def _order_worker(rank, world, lens, H, drain, local_first):
     import torch.distributed as dist
 
     from sparsp import sp_attention
-    from sparsp.strategies import base, get_transport
+    from sparsp.strategies import call as call_module, get_transport
 
     t = get_transport("host", None, torch.device("cpu"), 60)
     events: list = []
-    send_buffer, attend, attend_local = t.send_buffer, base.Call.attend, base.Call.attend_local
+    send_buffer, attend, attend_local = t.send_buffer, call_module.Call.attend, call_module.Call.attend_local
 
     def sent(peer, numel, dtype):
         events.append(("send", numel))
@@ -493,7 +493,7 @@ def _order_worker(rank, world, lens, H, drain, local_first):
         return attend(self, payload, lay, origin, heads=heads)
 
     t.send_buffer = sent
-    base.Call.attend, base.Call.attend_local = chunk, local
+    call_module.Call.attend, call_module.Call.attend_local = chunk, local
     try:
         bs = 16
         shard, gm, want = random_slice_case(rank, lens, H, 8, bs, 3)  # every head reads every block
@@ -503,7 +503,7 @@ def _order_worker(rank, world, lens, H, drain, local_first):
         err = (out.double() - want).abs().max().item()
     finally:
         t.send_buffer = send_buffer
-        base.Call.attend, base.Call.attend_local = attend, attend_local
+        call_module.Call.attend, call_module.Call.attend_local = attend, attend_local
         t.fence()
         dist.barrier()
     assert err <= 1e-5, f"rank {rank}: error {err}"

@@ -27,7 +27,7 @@ import torch
 from ..caches import per_geometry
 from ..packing import Layout, layout
 from ..cost import chunks
-from .base import Call
+from .call import Call
 from .registry import register_strategy
 
 

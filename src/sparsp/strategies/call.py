@@ -1,13 +1,16 @@
-"""What every strategy shares: input validation, the per-call context, kernel + merge.
+"""The call every strategy runs on: one ``sp_attention`` call on one rank (``Call``).
 
 Strategies own communication (through a ``Transport``) and call the kernel through
-``Call.attend``; the merge is the single LSE merge of ``kernels.merge`` (docs/design.md, "Conventions"), so a
-comparison between strategies measures only how K/V moves.
+``Call.attend`` / ``Call.attend_local``; every partial result goes to the call's
+``MergedOutput`` (``strategies/merged.py``: the single LSE merge of ``kernels.merge``,
+docs/design.md "Conventions"), so a comparison between strategies measures only how K/V moves.
+Packs and transfers issued beside queued kernels go through ``Call.side``
+(``strategies/side.py``).
 
 A strategy has two phases (``registry.register_strategy``): ``plan(call)`` names the payload
 selections it will move (device tensors; nothing is read on the host), the call resolves them
-in its one host synchronisation (``plan.Metadata.stage`` / ``finish``), then ``run(call)`` moves and
-computes with ``call.layouts``.
+in its one host synchronisation (``plan.Metadata.stage`` / ``finish``, ``strategies/request.py``),
+then ``run(call)`` moves and computes with ``call.layouts``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..caches import per_geometry
 from ..config import SparspConfig
@@ -30,55 +32,6 @@ from ..transport import Transport
 from ..cost import chunks
 from .merged import MergedOutput
 from .side import SideStream
-from .registry import strategy_names, strategy_spec
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
-    """Every check that needs no communication; raises ``ValueError`` naming the argument."""
-    allowed = (*strategy_names(), "auto")  # "auto": strategies/auto.py picks one per call
-    if not isinstance(strategy, str) or strategy not in allowed:
-        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(allowed)}")
-    if not isinstance(config, SparspConfig):
-        raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be (B, S_local, H, D), got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOATS:
-            raise ValueError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, _FLOATS))}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
-                             f"call .contiguous() on it first")
-        if t.numel() == 0:
-            raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape "
-                         f"(self-attention over the same local tokens)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: call dist.init_process_group first "
-                         "(torchrun), or pass group=")
-    backend = dist.get_backend(group)
-    if backend == "nccl" and q.device.type != "cuda":
-        raise ValueError(f"the process group uses NCCL but q is on {q.device}; move q, k, v to the GPU")
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}")
-    G = dist.get_world_size(group)
-    if strategy != "auto" and strategy_spec(strategy).heads_divisible and q.shape[2] % G:
-        raise ValueError(f"{strategy} needs heads divisible by the group size: H={q.shape[2]}, G={G}")
-    if isinstance(config.cdf_threshold, tuple) and len(config.cdf_threshold) != q.shape[2]:
-        raise ValueError(f"config.cdf_threshold has {len(config.cdf_threshold)} values for {q.shape[2]} heads")
-    if isinstance(config.sim_threshold, tuple) and len(config.sim_threshold) != q.shape[2]:
-        raise ValueError(f"config.sim_threshold has {len(config.sim_threshold)} values for {q.shape[2]} heads")
-
 
 def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Tensor:
     """The rows of heads [h0, h1) of a (batch·head)-major tensor: ``t`` [B·H, ...] →
