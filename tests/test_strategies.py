@@ -186,14 +186,15 @@ def test_local_first_pays_only_where_the_transfer_hides():
     from sparsp.strategies import call as call_module
 
     sh = Shapes(0, 2, 1, 8, 64, 128, (4096, 4096))
-    fab = chunks.fabric("cuda", "host", 64, "fa4")  # the rule runs at the call's kernel's rate
+    fab = chunks.fabric("cuda", "host", 64, "fa4", path="host")  # the rule runs at the call's kernel's rate
     pair_s = 4 * 128 ** 2 * 64 / fab.flops_per_s  # one kept block pair
     row_s = 2 * 64 * 2 / fab.bytes_per_s  # one K row and its V row, bf16
 
     def pays(transport, last):
         call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda"), element_size=lambda: 2),
-                               shapes=sh, transport=SimpleNamespace(name=transport),
+                               shapes=sh, transport=SimpleNamespace(name=transport, fabric="host"),
                                _geo=SimpleNamespace(last_round=last), kernel_name="fa4")
+        call.fabric = lambda: call_module.Call.fabric(call)
         return call_module.Call.local_first_pays(call)
 
     pairs = 1000

@@ -41,7 +41,7 @@ from .chunks import pair_cost, profile_fabric, read_fraction, transfer_hides, un
 from .figures import Blocks, Demand, measure
 from .ops import (EARLY_OPS, FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, HEAD_ORDER_OPS,
                   MASK_CUT_OPS, MASK_UNIT_OPS, finish_ops, issue_ops, mask_ops, run_ops)
-from .profiles import Profile
+from .profiles import Profile, TransportFigure
 
 
 class StrategyFacts(Protocol):
@@ -248,7 +248,8 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
 
     Hardware-independent but for two decisions the code makes from the machine's figures
     (``chunks.fabric``; here those of ``profile``, ``chunks.profile_fabric``, with the call's
-    ``transport`` on it, None = the profile's default): into how many head-group units
+    ``transport`` on it, None = the profile's default; a name the profile lacks raises,
+    ``Profile.transport``): into how many head-group units
     a ``direct`` strategy cuts its drain payloads before the host sync (``chunk_ops``), which costs host
     ops, and, with ``local_first`` None, whether the call runs local first
     (``resolve_local_first``). Without ``profile`` no units are charged and an automatic call
@@ -264,7 +265,8 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
     token."""
     strategy = spec.name
     schedule = schedule_of(spec)
-    early = resolve_local_first(local_first, spec, d, profile, transport, head_dim=head_dim,
+    figure = profile.transport(transport) if profile is not None else None  # resolved once for the call
+    early = resolve_local_first(local_first, spec, d, profile, figure, head_dim=head_dim,
                                 dtype_bytes=dtype_bytes)
     G, BH = d.ranks, d.batch * d.heads
     tokens = d.tokens
@@ -275,7 +277,7 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
     ops = (mask_ops(kind, G, graphed),) * G
     finishing = (finish_ops(kind, G),) * G
     if schedule == "direct" and profile is not None:
-        extra = chunk_ops(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
+        extra = chunk_ops(d, profile, figure, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
         ops = tuple(n + x for n, (x, _) in zip(ops, extra))
         finishing = tuple(n + x for n, (_, x) in zip(finishing, extra))
     host = dict(host_ops=ops, finish_ops=finishing, run_ops=(run_ops(kind, G, early),) * G, local_first=early,
@@ -340,12 +342,13 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
 
 
 def resolve_local_first(setting: bool | None, spec: StrategyFacts, d: Demand, profile: Profile | None,
-                        transport: str | None, *, head_dim: int, dtype_bytes: int = 2) -> bool:
+                        transport: TransportFigure | str | None, *, head_dim: int, dtype_bytes: int = 2) -> bool:
     """Whether a call of ``strategy`` with ``SparspConfig.local_first`` = ``setting`` runs local
     first (``sp_attention``): never for a strategy not registered ``local_first``; True: always;
     False: never; None (automatic): where ``local_first_pays`` says so on every rank (the code
     decides per rank, the model simulates one order per call: a call whose ranks disagree is
-    simulated in order); without ``profile``, in order."""
+    simulated in order); without ``profile``, in order. ``transport``: its figure in
+    ``profile`` or a name (``Profile.transport``)."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"local_first must be None (automatic), True or False, got {setting!r}")
     if not spec.local_first or setting is False:
@@ -357,13 +360,14 @@ def resolve_local_first(setting: bool | None, spec: StrategyFacts, d: Demand, pr
     return all(local_first_pays(spec, d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes))
 
 
-def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport: str | None, *,
+def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport: TransportFigure | str | None, *,
                      head_dim: int, dtype_bytes: int = 2) -> tuple[bool, ...]:
     """Per rank: ``Call.local_first_pays`` (``SparspConfig.local_first=None``) on this demand,
     as a steady call of the geometry sees it (its last call's figures are this call's).
 
-    Never over ``nccl`` (``transport``: the call's transport name, None = the profile's
-    default). Else yes where the first round's payload rows (K and V) take no longer over the
+    Never over ``nccl`` (``transport``: the call's transport, its figure in ``profile`` or a
+    name, ``Profile.transport``: None = the profile's default). Else yes where the first
+    round's payload rows (K and V) take no longer over the
     pair's bandwidth than the local kept pairs take to compute, with the fabric figures the
     code uses (``chunks.profile_fabric`` of ``profile``: ``chunks.fabric`` reads the same from
     the built-in profile of the transport's kind or the profile ``env.profile()`` names). The
@@ -376,10 +380,10 @@ def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport
     G, BH = d.ranks, d.batch * d.heads
     if not spec.local_first:
         return (False,) * G
-    name = transport if transport is not None else profile.transport(None).name
-    if name == "nccl":
+    figure = profile.transport(transport)
+    if figure.name == "nccl":
         return (False,) * G
-    fab = profile_fabric(profile, name, head_dim)
+    fab = profile_fabric(profile, figure, head_dim)
     rule = spec.byte_rule
     out = []
     for r in range(G):
@@ -400,18 +404,19 @@ def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport
     return tuple(out)
 
 
-def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
+def drain_units(d: Demand, profile: Profile, transport: TransportFigure | str | None, *, head_dim: int,
                 dtype_bytes: int) -> tuple[tuple[int, int], ...]:
     """Per rank: into how many head-group units a ``direct`` strategy cuts its two drain payloads (round
     G−1: the one it sends, the one it receives) before the host sync, by its own rule
     (``chunks.unit_count``, automatic chunking) on the fabric of ``profile``, with
     the pair's packed rows and kept block pairs known as the code knows them from a geometry's
     first call (here the call's own: ``direct`` and ``pairs`` over the block size²).
-    One unit each when the demand does not know its block size."""
+    ``transport``: its figure in ``profile`` or a name (``Profile.transport``). One unit each
+    when the demand does not know its block size."""
     G, bs = d.ranks, d.block_size
     if G < 2 or not bs:
         return ((1, 1),) * G
-    fab = profile_fabric(profile, profile.transport(transport).name, head_dim)
+    fab = profile_fabric(profile, transport, head_dim)
 
     def units(owner: int, consumer: int) -> int:
         n = -(-d.tokens[consumer] // bs)
@@ -425,7 +430,7 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
     return tuple((units(r, (r + k) % G), units((r - k) % G, r)) for r in range(G))
 
 
-def chunk_ops(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
+def chunk_ops(d: Demand, profile: Profile, transport: TransportFigure | str | None, *, head_dim: int,
               dtype_bytes: int, graphed: bool = True) -> tuple[tuple[int, int], ...]:
     """Per rank: the ops its drain units add before the host read (``MASK_CUT_OPS``,
     ``MASK_UNIT_OPS``; their ``GRAPHED_`` counts when the stage is a CUDA graph) and in the

@@ -27,7 +27,8 @@ The profile: ``use_profile(...)`` (a ``Profile`` or a name / profile JSON of
 ``sparsp.cost.get_profile``; ``sparsp simulate --calibrate`` writes one for this machine),
 else ``SPARSP_PROFILE``, else the measured 2×H200 profile of the transport's kind of path
 (``h200x2-nvlink`` for ``ipc``, ``h200x2-host`` otherwise), widened to the group's size. The
-transport figure is the call's transport if the profile has it, else the profile's default.
+transport figure is the call's transport if the profile has it, else the profile's default
+(``Profile.call_transport``).
 
 Predictions are cached per (profile, candidates, geometry) and demand rounded to three
 significant digits (``Demand.rounded``: a choice never hinges on a few blocks, and denoising
@@ -196,10 +197,9 @@ def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int,
     on ``PLANNED``'s payloads over ``transport`` with the figures of ``profile``). Auto's call is
     staged as ``PLANNED``'s, so only that candidate runs local first; another choice runs in
     order on a call of its own (``Call.without_plan``)."""
-    known = {t.name for t in profile.transports}
-    figure = transport if transport in known else None
+    figure = profile.call_transport(transport)
     planned_spec = strategy_spec(PLANNED)
-    local_first = resolve_local_first(local_first, planned_spec, d, profile, transport, head_dim=head_dim,
+    local_first = resolve_local_first(local_first, planned_spec, d, profile, figure, head_dim=head_dim,
                                       dtype_bytes=dtype_bytes)
     # auto computes the mask for every candidate: the same mask work and metadata all-gather
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)

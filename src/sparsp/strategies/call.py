@@ -293,7 +293,7 @@ class Call:
         it does not where the first round's transfer is the longer path, since the pack is then
         issued after the local kernel's launch instead of before it, nor over ``nccl``, whose
         copy kernels need SMs the local kernel holds. Estimated with the fabric figures the
-        chunk rule uses (``chunks.fabric``): the first round's rows (K and V) over the pair's
+        chunk rule uses (``fabric``): the first round's rows (K and V) over the pair's
         bandwidth against the local kept block pairs over the kernel's rate. The first call of
         a geometry has no figures and runs in order. On the CPU it always says yes: the order
         changes nothing there, and the CPU suite then covers the early path."""
@@ -304,9 +304,15 @@ class Call:
             return False
         rows, pairs = last
         sh = self.shapes
-        return chunks.transfer_hides(chunks.fabric("cuda", self.transport.name, sh.head_dim, self.kernel_name),
-                                     rows=rows, pairs=pairs * sh.block_size ** 2,
+        return chunks.transfer_hides(self.fabric(), rows=rows, pairs=pairs * sh.block_size ** 2,
                                      head_dim=sh.head_dim, dtype_bytes=self.q.element_size())
+
+    def fabric(self) -> chunks.Fabric:
+        """What this call's transfers and kernels cost on this machine (``chunks.fabric``): the
+        path its transport reports (``Transport.fabric``), that transport's figure, the rate of
+        the call's kernel."""
+        return chunks.fabric(self.q.device.type, self.transport.name, self.shapes.head_dim, self.kernel_name,
+                             path=self.transport.fabric)
 
     def _remember_round(self) -> None:
         """After the host read: the first round's payload rows (the largest of the round-1

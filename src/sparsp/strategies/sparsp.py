@@ -49,9 +49,8 @@ def _pair_cost(call: Call, consumer: int, known: tuple[int, int] | None = None) 
     in an earlier call, the reads per selected block are those measured, not estimated (the
     same figures on both ends, so both schedule alike)."""
     sh = call.shapes
-    fab = chunks.fabric(call.q.device.type, call.transport.name, sh.head_dim, call.kernel_name)
     n = sh.num_blocks[consumer]
-    return chunks.pair_cost(fab, head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
+    return chunks.pair_cost(call.fabric(), head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
                             block_size=sh.block_size, consumer_blocks=n,
                             read_fraction=chunks.read_fraction(known, block_size=sh.block_size, consumer_blocks=n))
 
@@ -217,8 +216,9 @@ def run(call: Call) -> None:
     # it (a 4-chunk drain at Wan 2.1 size over the host fabric: the local kernel started
     # ≈ 11 ms late); so a round issues ``window`` steps at once and each later one after the
     # kernel of a landed chunk, on the side stream (``Call.side``) so that neither its pack
-    # nor its copy queues behind the compute stream's kernels.
-    window = getattr(t, "window", None)
+    # nor its copy queues behind the compute stream's kernels. ``Transport.window``: None (nccl)
+    # takes every step at once.
+    window = t.window
     free = deque((buf, None) for buf in call.payload_buffers(call.config.prefetch + 1))
     inflight: deque[_Round] = deque()
 
