@@ -163,3 +163,30 @@ def test_a_strategy_that_assembles_its_output_hands_it_over_whole():
     out.set_final(final)
     out.finish()
     assert out.result() is final
+
+
+def test_a_dropped_call_is_freed_at_once():
+    """No reference cycle between a call and its merged output or side stream: a dropped call's
+    tensors (its inputs, the mask, the kept partial) go when it does, not at the next collection
+    (``captured._capture`` drops its capture call for that)."""
+    import gc
+    import weakref
+
+    from sparsp import SparspConfig
+    from sparsp.plan import Shapes
+    from sparsp.strategies.call import Call
+    from sparsp.timing import PhaseTimer
+
+    q = torch.randn(1, 32, 2, 8)
+    call = Call(q, q, q, Shapes(0, 2, 1, 2, 8, 16, (32, 32)), SparspConfig(block_size=16, kernel="torch"), None,
+                None)
+    call.timer = PhaseTimer()
+    assert call.output.timer is call.timer  # the output times its merges with the call's timer
+    call.output.merge(torch.zeros(1, 2, 32, 8), torch.zeros(1, 2, 32))  # a kept partial
+    gone = weakref.ref(call)
+    gc.disable()
+    try:
+        del call
+        assert gone() is None
+    finally:
+        gc.enable()

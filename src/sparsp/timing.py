@@ -8,6 +8,7 @@ too. ``PhaseTimer`` times the phases inside one ``sp_attention`` call (benchmark
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -81,6 +82,14 @@ class PhaseTimer:
         for name, a, b in self.events:
             out[name] = out.get(name, 0.0) + a.elapsed_time(b)
         return out
+
+
+_UNTIMED = contextlib.nullcontext()
+
+
+def phase_of(timer: PhaseTimer | None, name: str):
+    """``timer.phase(name)``, or nothing where no timer watches (a call outside a benchmark)."""
+    return _UNTIMED if timer is None else timer.phase(name)
 
 
 class TimedHandle:

@@ -15,7 +15,6 @@ then ``run(call)`` moves and computes with ``call.layouts``.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +26,12 @@ from ..groups import marker as record_function  # a no-op unless a profiler reco
 from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, reads_token_major, resolve_kernel
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
-from ..timing import PhaseTimer, TimedHandle
+from ..timing import PhaseTimer, TimedHandle, phase_of
 from ..transport import Transport
 from ..cost import chunks
 from .merged import MergedOutput
 from .side import SideStream
+
 
 def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Tensor:
     """The rows of heads [h0, h1) of a (batch·head)-major tensor: ``t`` [B·H, ...] →
@@ -39,9 +39,6 @@ def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Ten
     h0, h1 = heads
     rest = t.shape[1:]
     return t.reshape(batch, -1, *rest)[:, h0:h1].reshape(-1, *rest)
-
-
-_NO_PHASE = contextlib.nullcontext()  # a phase of a call no timer watches
 
 
 class _Geometry:
@@ -59,7 +56,8 @@ _GEOMETRIES = per_geometry("strategies: full layouts and payload buffers")  # ke
 
 @dataclass
 class Call:
-    """One attention call on one rank: inputs, the call's mask, layouts, accumulators."""
+    """One attention call on one rank: inputs, the call's mask, layouts, its merged output
+    (``output``) and its side stream (``side_stream``)."""
 
     q: torch.Tensor  # (B, S, H, D) as given
     k: torch.Tensor
@@ -69,7 +67,6 @@ class Call:
     group: object
     transport: Transport
     full_mask: torch.Tensor | None = None  # bool [B, H, N, N], all ranks' rows; None: dense
-    timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
 
     def __post_init__(self) -> None:
         self.kernel_name = resolve_kernel(self.config.kernel, self.q.device)
@@ -79,7 +76,7 @@ class Call:
         self.consumes: dict = {}  # plan key -> (origin, heads or None): payloads it computes
         # two ranks: each head-sliced partial after the local one is its heads' last
         self.output = MergedOutput(self.q.shape, self.q.dtype, self.q.device,
-                                   last_slices=self.shapes.world_size == 2, phase=self.phase)
+                                   last_slices=self.shapes.world_size == 2)
         self.scale = self.q.shape[-1] ** -0.5
         self.layouts: dict = {}
         self.kept: dict[int, int] = {}  # kept (query block, key block) pairs per origin
@@ -118,9 +115,19 @@ class Call:
             self._q_hm = q_hm
         return self._q_hm
 
+    @property
+    def timer(self) -> PhaseTimer | None:
+        """A benchmark's CUDA events per phase (``sp_attention(_timer=)``; None: not timed),
+        which the merged output times its merges with too."""
+        return self.output.timer
+
+    @timer.setter
+    def timer(self, timer: PhaseTimer | None) -> None:
+        self.output.timer = timer
+
     def phase(self, name: str):
         """Time a phase when a benchmark asked for it (``PhaseTimer``); else nothing."""
-        return _NO_PHASE if self.timer is None else self.timer.phase(name)
+        return phase_of(self.timer, name)
 
     def fetch(self, peer: int, out: torch.Tensor):
         """``transport.fetch`` with the transfer timed for benchmarks; returns a handle whose

@@ -22,9 +22,9 @@ entry — a device synchronize and emptying the device and pinned-host allocator
 per geometry, on its second call (a warm-up step of a denoising loop).
 
 ``strategy="auto"`` runs ``sparsp``'s stage with the figures its choice needs
-(``cost.figures.call_figures``) in the same host read, captured alike. Not captured: a ``sim_threshold`` config (key
-smoothing adds collectives before the mask), test masks (``_global_mask``) and dense configs
-(no mask to compute).
+(``cost.figures.call_figures``) in the same host read, captured alike. Not captured: a
+``sim_threshold`` config (key smoothing adds collectives before the mask), test masks
+(``_global_mask``) and dense configs (no mask to compute).
 """
 
 from __future__ import annotations

@@ -18,18 +18,12 @@ between partials decides how many passes over the output a call pays (``cost.mod
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, ContextManager
-
 import torch
 
 from ..kernels import merge_final, merge_into, merge_pair
+from ..timing import PhaseTimer, phase_of
 
 Heads = tuple[int, int]
-
-
-def _no_phase(name: str) -> ContextManager:
-    return contextlib.nullcontext()
 
 
 class MergedOutput:
@@ -37,16 +31,16 @@ class MergedOutput:
 
     ``merge`` takes each partial ``o`` (B, H', S, D) and ``lse`` (B, H', S) of query heads
     ``heads`` (all when None); ``fold`` is called before each kernel launch, ``finish`` after
-    the run's last kernel, ``result`` gives the output (B, S, H, D) in q's dtype. ``phase(name)``
-    brackets the merges for a benchmark's timer (``Call.phase``). ``last_slices``: every
-    head-sliced partial after the kept first whole one is its heads' last (two ranks: the local
-    partial and one payload cut into disjoint head groups)."""
+    the run's last kernel, ``result`` gives the output (B, S, H, D) in q's dtype. ``timer``: a
+    benchmark's (``Call.timer``), which times the merges as the phase ``merge``.
+    ``last_slices``: every head-sliced partial after the kept first whole one is its heads' last
+    (two ranks: the local partial and one payload cut into disjoint head groups)."""
 
     def __init__(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device, *,
-                 last_slices: bool = False, phase: Callable[[str], ContextManager] = _no_phase) -> None:
+                 last_slices: bool = False, timer: PhaseTimer | None = None) -> None:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.last_slices = last_slices
-        self.phase = phase
+        self.timer = timer
         self.out: torch.Tensor | None = None  # (B, H, S, D): a kept partial, or the float32 accumulator
         self.lse: torch.Tensor | None = None  # (B, H, S)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last whole-head partial
@@ -68,7 +62,7 @@ class MergedOutput:
             self.out, self.lse = o, lse
             return
         self.fold()
-        with self.phase("merge"):
+        with phase_of(self.timer, "merge"):
             if whole:
                 assert self.direct is None, "a whole-head partial after head-sliced ones written out"
                 self.pending = (o, lse)
@@ -104,7 +98,7 @@ class MergedOutput:
     def fold(self) -> None:
         """The pending partial into the float32 accumulator: another one follows it."""
         if self.pending is not None:
-            with self.phase("merge"):
+            with phase_of(self.timer, "merge"):
                 self.out, self.lse = merge_pair(self.out, self.lse, *self.pending)
             self.pending = None
             self.accumulating = True
@@ -114,13 +108,13 @@ class MergedOutput:
         writes (B, S, H, D) in q's dtype), queued right after the run's last kernel; or the
         heads no head-sliced partial reached copied into the output being written by slices."""
         if self.pending is not None and self.final is None:
-            with self.phase("merge"):
+            with phase_of(self.timer, "merge"):
                 self.final = merge_final(self.out, self.lse, *self.pending, self.dtype)
             self.out = self.lse = self.pending = None
         elif self.direct is not None and self.final is None:
             final, done = self.direct
             H = self.shape[2]
-            with self.phase("merge"):
+            with phase_of(self.timer, "merge"):
                 h = 0
                 for a, b in sorted(done) + [(H, H)]:
                     if h < a:  # heads no slice reached: the kept partial as it is
