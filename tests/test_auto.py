@@ -14,6 +14,7 @@ import torch
 from dist_utils import AutoLog, run_distributed, structured_inputs
 
 from sparsp.cost import KernelFigure, Profile, TransportFigure
+from sparsp.cost.figures import call_figures
 from sparsp.strategies.auto import MARGIN
 
 
@@ -200,7 +201,7 @@ def test_decide_runs_sparsp_in_the_order_the_code_would():
 
 
 def test_validate_accepts_auto_only_by_name():
-    from sparsp.strategies.base import validate
+    from sparsp.strategies.request import validate
 
     with pytest.raises(ValueError, match="strategy='autox' is not one of .*auto"):
         validate(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), None,
@@ -222,7 +223,7 @@ def test_auto_decides_once_per_figures_and_reads_a_profile_file_once(tmp_path, m
     N = sh.total_blocks
     g = torch.Generator().manual_seed(0)
     masks = [torch.rand(1, 4, N, N, generator=g) < p for p in (0.3, 0.8)]
-    figures = [[round(x) for x in auto.figures(m, sh).tolist()] for m in masks]
+    figures = [[round(x) for x in call_figures(m, sh).tolist()] for m in masks]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"profile": get_profile("h200x2-host").to_dict()}))
     monkeypatch.setenv(env.PROFILE, str(path))
@@ -263,7 +264,7 @@ def test_auto_takes_the_last_decision_only_for_equal_figures_and_settings(monkey
     sh = Shapes(rank=0, world_size=2, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 40))
     N = sh.total_blocks
     mask = torch.rand(1, 4, N, N, generator=torch.Generator().manual_seed(3)) < 0.5
-    figures = [round(x) for x in auto.figures(mask, sh).tolist()]
+    figures = [round(x) for x in call_figures(mask, sh).tolist()]
     looked_up = []
     cached = auto._cached
     monkeypatch.setattr(auto, "_cached", lambda cache, key, make: looked_up.append(key) or cached(cache, key, make))
@@ -307,7 +308,7 @@ def test_auto_reuses_its_group_decision_for_figures_within_near(monkeypatch):
     sh = Shapes(rank=0, world_size=2, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 40))
     N = sh.total_blocks
     mask = torch.rand(1, 4, N, N, generator=torch.Generator().manual_seed(5)) < 0.5
-    figures = [round(x) for x in auto.figures(mask, sh).tolist()]
+    figures = [round(x) for x in call_figures(mask, sh).tolist()]
     G, H = 2, 4
     ran = []
     decide = auto.decide
@@ -361,7 +362,7 @@ def test_auto_profile_is_one_object_per_group_size_so_its_caches_hit(monkeypatch
     sh = Shapes(rank=0, world_size=4, batch=1, heads=4, head_dim=16, block_size=16, seq_lens=(48, 48, 48, 40))
     N = sh.total_blocks
     mask = torch.rand(1, 4, N, N, generator=torch.Generator().manual_seed(7)) < 0.5
-    figures = [round(x) for x in auto.figures(mask, sh).tolist()]
+    figures = [round(x) for x in call_figures(mask, sh).tolist()]
     ran = []
     decide = auto.decide
     monkeypatch.setattr(auto, "decide", lambda *a, **kw: ran.append(1) or decide(*a, **kw))

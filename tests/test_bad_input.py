@@ -334,7 +334,7 @@ def _rejects_worker(rank, world):
     import torch.distributed as dist
 
     from sparsp import sp_attention
-    from sparsp.strategies import base
+    from sparsp.strategies import request
 
     q = torch.randn(1, 24, 2, 8)
     cfg = _cfg()
@@ -345,7 +345,7 @@ def _rejects_worker(rank, world):
             r"q is empty \(shape \(1, 0, 2, 8\)\)")
     _raises(call(q, q.to("meta"), q), "q, k, v devices differ: cpu, meta, cpu")
     _raises(call(q, q, q, strategy=None), "strategy=None is not one of ring, ring-sparse")
-    with mock.patch.object(base.dist, "get_backend", return_value="nccl"):
+    with mock.patch.object(request.dist, "get_backend", return_value="nccl"):
         _raises(call(q, q, q), "the process group uses NCCL but q is on cpu; move q, k, v to the GPU")
     # Checks of the one shape all-gather: every rank sees every rank's row and raises the same.
     messages = [

@@ -38,8 +38,9 @@ def _worker(rank, world):
 def test_close_transports_empties_every_registered_cache():
     for before, decided, after, last, registered in run_distributed(_worker, 2, timeout=180):
         # the call filled the caches of the modules it went through
-        for name in ("plan: each group's summary capacity and shapes", "plan: headers and block owners",
-                     "summaries: block lengths and zeros", "strategies: full layouts and payload buffers"):
+        for name in ("plan: each group's summary capacity and shapes", "plan: block owners", "wire: metadata headers",
+                     "summaries: block lengths and zeros", "strategies: full layouts and payload buffers",
+                     "cost: a call's blocks in placed order"):
             assert before.get(name), (name, before)
         assert decided
         assert not after, f"left after close_transports: {after}"

@@ -166,7 +166,7 @@ def test_drain_rule_reads_the_known_figures_of_an_earlier_call():
     estimate while its transfer outlasted the kernel."""
     from dataclasses import replace
 
-    fab = chunks.fabric("cuda", "host", 128, "fa4")
+    fab = chunks.fabric("cuda", "host", 128, "fa4", path="host")
     cost = chunks.pair_cost(fab, head_dim=128, dtype_bytes=2, block_size=128, consumer_blocks=296)
     assert cost.pair_s == pytest.approx(4 * 128 ** 2 * 128 / fab.flops_per_s)
     assert cost.ratio < 1.0  # the estimate: compute-bound, one unit
@@ -204,9 +204,9 @@ def test_fabric_runs_at_the_calls_kernel_rate(monkeypatch):
     from sparsp.cost.profiles import get_profile
 
     fig = get_profile("h200x2-host").kernel(128)
-    assert chunks.fabric("cuda", "host", 128, "fa4").flops_per_s == pytest.approx(fig.fa4_tflops * 1e12)
-    assert chunks.fabric("cuda", "host", 128, "flex").flops_per_s == pytest.approx(fig.sparse_tflops * 1e12)
-    assert chunks.fabric("cuda", "host", 128).flops_per_s == pytest.approx(fig.sparse_tflops * 1e12)
+    assert chunks.fabric("cuda", "host", 128, "fa4", path="host").flops_per_s == pytest.approx(fig.fa4_tflops * 1e12)
+    assert chunks.fabric("cuda", "host", 128, "flex", path="host").flops_per_s == pytest.approx(fig.sparse_tflops * 1e12)
+    assert chunks.fabric("cuda", "host", 128, path="host").flops_per_s == pytest.approx(fig.sparse_tflops * 1e12)
 
 
 def test_units_pay_their_host_cost_before_the_sync():
@@ -227,21 +227,67 @@ def test_units_pay_their_host_cost_before_the_sync():
 
 def test_fabric_from_the_measured_profiles(monkeypatch):
     monkeypatch.delenv(env.PROFILE, raising=False)
-    host, ipc = chunks.fabric("cuda", "host", 128), chunks.fabric("cuda", "ipc", 128)
+    host, ipc = chunks.fabric("cuda", "host", 128, path="host"), chunks.fabric("cuda", "ipc", 128, path="nvlink")
     assert host.bytes_per_s == pytest.approx(33.5e9)  # DESIGN: the 2-rank exchange ceiling
     assert ipc.bytes_per_s == pytest.approx(367e9)
-    # NCCL plans with the peer-copy profile unless peer copies are switched off
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-    assert chunks.fabric("cuda", "nccl", 128).bytes_per_s == pytest.approx(170e9)
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    assert chunks.fabric("cuda", "nccl", 128).bytes_per_s == pytest.approx(33.5e9 * 21.5 / 34.3)
-    monkeypatch.delenv("NCCL_P2P_DISABLE")
+    # NCCL plans with the profile of the fabric its transport reports (``Transport.fabric``)
+    assert chunks.fabric("cuda", "nccl", 128, path="nvlink").bytes_per_s == pytest.approx(170e9)
+    assert chunks.fabric("cuda", "nccl", 128, path="host").bytes_per_s == pytest.approx(33.5e9 * 21.5 / 34.3)
+    # a transport the profile does not describe: the profile's default figure, never an error
+    assert chunks.fabric("cuda", "peers", 128, path="host") == host
     assert host.flops_per_s == pytest.approx(409e12) and host.message_s == pytest.approx(0.27e-3)
-    assert chunks.fabric("cpu", "nccl", 128) == chunks.CPU_FABRIC
+    assert chunks.fabric("cpu", "nccl", 128, path="host") == chunks.CPU_FABRIC
     # an 8-GPU PCIe 4 box without peer access: slower link, slower kernel
     monkeypatch.setenv(env.PROFILE, "pcie4-8gpu-nop2p")
-    pcie = chunks.fabric("cuda", "host", 128)
+    pcie = chunks.fabric("cuda", "host", 128, path="host")
     assert pcie.bytes_per_s < host.bytes_per_s and pcie.flops_per_s < host.flops_per_s
+
+
+def test_every_transport_reports_its_window_and_fabric(monkeypatch):
+    """``Transport.window`` and ``Transport.fabric`` are declared on the protocol with honest
+    defaults; ``nccl`` resolves its fabric from the peer access of this process's GPU."""
+    from sparsp.transport import Transport, nccl
+    from sparsp.transport.host import HostTransport
+    from sparsp.transport.ipc import IpcTransport
+    from sparsp.transport.peers import PeerTransport
+
+    assert (Transport.window, Transport.fabric) == (None, "host")
+    assert (nccl.P2PTransport.window, PeerTransport.window) == (None, None)  # no slots to wait for
+    assert (IpcTransport.fabric, HostTransport.fabric) == ("nvlink", "host")
+    assert nccl.peer_fabric(torch.device("cpu")) == "host"  # gloo
+    access = {(0, 1): True, (0, 2): False}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: access[(a, b)])
+    assert nccl.peer_fabric(torch.device("cuda", 0)) == "host"  # one GPU it sees is out of reach
+    access[(0, 2)] = True
+    assert nccl.peer_fabric(torch.device("cuda", 0)) == "nvlink"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert nccl.peer_fabric(torch.device("cuda", 0)) == "nvlink"  # alone: the fewer-chunks side
+
+
+def test_an_unknown_transport_name_raises_in_the_cost_model():
+    """One rule: a transport name the profile does not describe raises ``ValueError`` naming the
+    ones it has, in the chunk rules and the model alike; a running call maps its transport
+    first (``Profile.call_transport``: the profile's default)."""
+    from sparsp.cost import Blocks, get_profile, measure, work
+    from sparsp.cost.model import drain_units, local_first_pays
+    from sparsp.strategies import strategy_spec
+
+    profile = get_profile("h200x2-host")
+    message = "profile h200x2-host has no transport 'ipc'; it has host, nccl"
+    with pytest.raises(ValueError, match=message):
+        chunks.profile_fabric(profile, "ipc", 128)
+    d = measure(torch.ones(4, 8, 8, dtype=torch.bool), Blocks.of_call((256, 256), 64), batch=1)
+    for strategy in ("sparsp", "ring"):
+        with pytest.raises(ValueError, match=message):
+            work(strategy_spec(strategy), d, head_dim=128, profile=profile, transport="ipc")
+    with pytest.raises(ValueError, match=message):
+        local_first_pays(strategy_spec("sparsp"), d, profile, "ipc", head_dim=128)
+    with pytest.raises(ValueError, match=message):
+        drain_units(d, profile, "ipc", head_dim=128, dtype_bytes=2)
+    assert profile.call_transport("ipc") is profile.transport(None) is profile.transports[0]
+    assert profile.call_transport("nccl") is profile.transport("nccl")
+    assert work(strategy_spec("ring"), d, head_dim=128).strategy == "ring"  # no profile: no figure needed
 
 
 def test_message_latency_keeps_small_payloads_whole():
@@ -280,7 +326,7 @@ def _instrument() -> None:
     """Count every (query block, key block) pair the kernel computes, per (batch, head), by
     mapping the kernel's block ids back to the origin's blocks (through the layout)."""
     from sparsp.kernels import KVBuffer, register_kernel, torch_ref
-    from sparsp.strategies import base
+    from sparsp.strategies import call as call_module
 
     def kernel(q, kv, kv_num_blocks, kv_indices, *, scale=None):
         ctx = _SEEN["ctx"]
@@ -304,12 +350,12 @@ def _instrument() -> None:
         return torch_ref.block_sparse_attention(q, kv, kv_num_blocks, kv_indices, scale=scale)
 
     register_kernel("torch", devices=("cpu", "cuda"))(kernel)
-    attend, attend_local = base.Call.attend, base.Call.attend_local
+    attend, attend_local = call_module.Call.attend, call_module.Call.attend_local
 
     def attend_wrapped(self, payload, lay, origin, heads=None):
         span = heads or (0, self.shapes.heads)
         ids = lay.block_ids if heads is None else \
-            base.head_slice(lay.block_ids, self.shapes.batch, heads)
+            call_module.head_slice(lay.block_ids, self.shapes.batch, heads)
         _SEEN["ctx"] = dict(origin=origin, heads=span, ids=ids,
                             offset=self.shapes.block_offsets[origin])
         return attend(self, payload, lay, origin, heads)
@@ -319,7 +365,7 @@ def _instrument() -> None:
                             offset=self.shapes.block_offsets[self.rank])
         return attend_local(self)
 
-    base.Call.attend, base.Call.attend_local = attend_wrapped, attend_local_wrapped
+    call_module.Call.attend, call_module.Call.attend_local = attend_wrapped, attend_local_wrapped
 
 
 def _chunk_worker(rank, world, lens, H, transports, seed):
@@ -473,11 +519,11 @@ def _order_worker(rank, world, lens, H, drain, local_first):
     import torch.distributed as dist
 
     from sparsp import sp_attention
-    from sparsp.strategies import base, get_transport
+    from sparsp.strategies import call as call_module, get_transport
 
     t = get_transport("host", None, torch.device("cpu"), 60)
     events: list = []
-    send_buffer, attend, attend_local = t.send_buffer, base.Call.attend, base.Call.attend_local
+    send_buffer, attend, attend_local = t.send_buffer, call_module.Call.attend, call_module.Call.attend_local
 
     def sent(peer, numel, dtype):
         events.append(("send", numel))
@@ -493,7 +539,7 @@ def _order_worker(rank, world, lens, H, drain, local_first):
         return attend(self, payload, lay, origin, heads=heads)
 
     t.send_buffer = sent
-    base.Call.attend, base.Call.attend_local = chunk, local
+    call_module.Call.attend, call_module.Call.attend_local = chunk, local
     try:
         bs = 16
         shard, gm, want = random_slice_case(rank, lens, H, 8, bs, 3)  # every head reads every block
@@ -503,7 +549,7 @@ def _order_worker(rank, world, lens, H, drain, local_first):
         err = (out.double() - want).abs().max().item()
     finally:
         t.send_buffer = send_buffer
-        base.Call.attend, base.Call.attend_local = attend, attend_local
+        call_module.Call.attend, call_module.Call.attend_local = attend, attend_local
         t.fence()
         dist.barrier()
     assert err <= 1e-5, f"rank {rank}: error {err}"

@@ -726,7 +726,7 @@ def test_gather_bytes_are_the_rows_the_code_sends():
     as the CUDA kernel writes them, ``summaries.summaries_into``; a dense call its q, k, v sums) —
     padded to the largest rank's, in float32."""
     from sparsp import SparspConfig
-    from sparsp.plan import _header
+    from sparsp.wire import header
     from sparsp.summaries import check_parts, summaries_into, torch_summaries
     from sparsp.cost import Blocks, gather_bytes, measure
 
@@ -739,7 +739,7 @@ def test_gather_bytes_are_the_rows_the_code_sends():
     q = k = v = torch.randn(1, S, GEOM.heads, GEOM.head_dim)
     n, F = -(-S // GEOM.block_size), GEOM.heads * GEOM.head_dim
     data = torch_summaries(q, k, v, cfg.block_size, sparse=False, check=cfg.check_finite)
-    row = _header(q, cfg, "ring", data.numel()).numel() + data.numel()
+    row = header(q, cfg.block_size, "ring", data.numel()).numel() + data.numel()
     assert gather_bytes(d, head_dim=GEOM.head_dim, sparse=False) == ((G - 1) * 4 * row,) * G
     fused = torch.empty(2 * n * F + check_parts(1, n, F))
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernel takes exactly that many values

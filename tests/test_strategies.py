@@ -93,7 +93,7 @@ def test_placed_sequences_and_bytes(world, kind):
 
 def _cached_plan_worker(rank, world, lens, H, bs):
     from sparsp import SparspConfig, plan, sp_attention
-    from sparsp.strategies import base
+    from sparsp.strategies import call as call_module
 
     B, D = 1, 16
     S = sum(lens)
@@ -115,7 +115,7 @@ def _cached_plan_worker(rank, world, lens, H, bs):
                                strategy="sparsp", config=cfg)
             err = (out.double() - reference(q, k, v, tok_block, mask)[:, sl]).abs().max().item()
             assert err <= 1e-5, f"call with seed {seed}: error {err}"
-            buffers.append([id(b) for g in base._GEOMETRIES.values() for b in g.buffers])
+            buffers.append([id(b) for g in call_module._GEOMETRIES.values() for b in g.buffers])
             if seed == 12:  # the shapes were known: one metadata all-gather, no re-gather
                 assert len(gathers) - before == 1, len(gathers) - before
     finally:
@@ -137,7 +137,7 @@ def _local_first_worker(rank, world, lens, H, bs):
     import dataclasses
 
     from sparsp import SparspConfig, sp_attention
-    from sparsp.strategies import base
+    from sparsp.strategies import call as call_module
 
     B, D = 2, 16
     S = sum(lens)
@@ -145,8 +145,8 @@ def _local_first_worker(rank, world, lens, H, bs):
     sl = slice(a, a + lens[rank])
     q, k, v = (t[:, sl].contiguous() for t in _inputs(23, B, S, H, D))
     early = []
-    real = base.Call.attend_local_early
-    base.Call.attend_local_early = lambda call: early.append(1) or real(call)
+    real = call_module.Call.attend_local_early
+    call_module.Call.attend_local_early = lambda call: early.append(1) or real(call)
     try:
         for strategy in ("sparsp", "ring-relay", "ring-sparse", "ring", "ulysses"):
             # automatic (None) on the CPU takes the early path: Call.local_first_pays
@@ -163,7 +163,7 @@ def _local_first_worker(rank, world, lens, H, bs):
                 # the same kernels on the same blocks, merged in the same order: the same bits
                 assert torch.equal(a_out, b_out), f"{strategy} call {step}: local first changed the output"
     finally:
-        base.Call.attend_local_early = real
+        call_module.Call.attend_local_early = real
     return True
 
 
@@ -183,18 +183,19 @@ def test_local_first_pays_only_where_the_transfer_hides():
 
     from sparsp.plan import Shapes
     from sparsp.cost import chunks
-    from sparsp.strategies import base
+    from sparsp.strategies import call as call_module
 
     sh = Shapes(0, 2, 1, 8, 64, 128, (4096, 4096))
-    fab = chunks.fabric("cuda", "host", 64, "fa4")  # the rule runs at the call's kernel's rate
+    fab = chunks.fabric("cuda", "host", 64, "fa4", path="host")  # the rule runs at the call's kernel's rate
     pair_s = 4 * 128 ** 2 * 64 / fab.flops_per_s  # one kept block pair
     row_s = 2 * 64 * 2 / fab.bytes_per_s  # one K row and its V row, bf16
 
     def pays(transport, last):
         call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda"), element_size=lambda: 2),
-                               shapes=sh, transport=SimpleNamespace(name=transport),
+                               shapes=sh, transport=SimpleNamespace(name=transport, fabric="host"),
                                _geo=SimpleNamespace(last_round=last), kernel_name="fa4")
-        return base.Call.local_first_pays(call)
+        call.fabric = lambda: call_module.Call.fabric(call)
+        return call_module.Call.local_first_pays(call)
 
     pairs = 1000
     balanced = int(pairs * pair_s / row_s)  # rows that move in the local kernel's time

@@ -61,7 +61,7 @@ class SparspConfig:
     """Queue the local shard's kernel before the call's host read and issue the first round's
     packs and transfers on a high-priority side stream while it runs (strategies registered
     ``local_first``: ``ring``, ``ring-sparse``, ``ring-relay``, ``sparsp``;
-    ``strategies.base.Call.side``), so that the device computes while the host waits for the
+    ``strategies.call.Call.side``), so that the device computes while the host waits for the
     read, checks the headers and issues the pack; the same blocks and the same merge order.
     None (automatic): where it pays, per call and rank (``Call.local_first_pays``): on a
     copy-engine transport (``ipc``, ``host``) whose first round, as large as in the last call

@@ -47,9 +47,9 @@ from .masks import select_blocks
 from .packing import Layout, prepare
 from .summaries import (PooledBlocks, block_lengths, fused_sums, gathered_rows, kept_row, kernel_summaries,
                         key_sum, padded_row, torch_summaries)
-from .wire import DTYPES, HEADER, HEADER_SLOTS, strategy_code, strategy_of, summary_size
+from .wire import HEADER_SLOTS, check_table, header, summary_size, table_of
 
-_CONSTANTS = per_geometry("plan: headers and block owners")
+_CONSTANTS = per_geometry("plan: block owners")
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
     center = _key_mean(q, k, group, config) if sparse and config.sim_threshold is not None else None
     data = None if fused else torch_summaries(q, k, v, bs, sparse=sparse, check=config.check_finite, center=center)
     size = summary_size(B, H, D, -(-S // bs), False, config.check_finite) if fused else data.numel()
-    header = _header(q, config, strategy, size)
+    head = header(q, config.block_size, strategy, size)
     local_key = (tuple(q.shape), q.dtype, bs, strategy)
     guess = state.shapes.get(local_key)
     counts = lambda: count_nonfinite(q, k, v, group, config.timeout_s)  # noqa: E731
@@ -156,12 +156,12 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         cap = state.capacity  # group-wide: it changes only from gathered headers
         kept = fused and size <= cap
         if kept:
-            mine = kept_row(header, size, cap, bs, q, k, checked, graphs=config.cuda_graphs)
+            mine = kept_row(head, size, cap, bs, q, k, checked, graphs=config.cuda_graphs)
             everyone = gathered_rows(mine, world)
         else:
             if data is None:
                 data = kernel_summaries(size, bs, q, k, checked)
-            mine = padded_row(header, data, cap)
+            mine = padded_row(head, data, cap)
             everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         work = all_gather_flat(everyone, mine, group)
         if stream_ordered(group):
@@ -175,7 +175,7 @@ def gather_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, co
         if guess is None:  # first call of this local geometry: read the headers now
             table = table_of(rows, config.check_finite)
             host = to_host(table, config.timeout_s, "geometry check (metadata all-gather)")
-            _check_table(host[:, :HEADER_SLOTS], world, counts)
+            check_table(host[:, :HEADER_SLOTS], world, counts)
             guess = Shapes(rank, world, B, H, D, bs, tuple(host[:, 0].tolist()))
             need = int(host[:, HEADER_SLOTS].max())
             if need > cap:
@@ -197,22 +197,6 @@ def _key_mean(q: torch.Tensor, k: torch.Tensor, group, config: SparspConfig) -> 
         n = n.cuda()
     wait(dist.all_reduce(n, group=group, async_op=True), config.timeout_s, "token-count all-reduce")
     return ksum / int(n.item())
-
-
-def _header(q: torch.Tensor, config: SparspConfig, strategy: str, size: int) -> torch.Tensor:
-    """float32 [HEADER_SLOTS + 1] on q's device: the int32 header (local shape, codes, three
-    zero slots for the non-finite flags ``table_of`` fills on the receiving side, and the size
-    of the summaries) bit-cast to float32, made once per geometry (a pageable host-to-device
-    copy would sync the stream; a cached one costs no op per call)."""
-    B, S, H, D = q.shape
-    fields = (S, B, H, D, DTYPES.index(q.dtype) if q.dtype in DTYPES else 99, config.block_size,
-              strategy_code(strategy), 0, 0, 0, size)
-    key = ("header", fields, str(q.device))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = torch.tensor(fields, dtype=torch.int32).view(torch.float32).to(q.device)
-        _CONSTANTS[key] = t
-    return t
 
 
 # --- the plan stage and the host read -------------------------------------------------------
@@ -314,7 +298,7 @@ class Metadata:
         host = read.result(self.timeout_s, "geometry check (metadata all-gather)")
         table = host[:staged.n_head].view(sh.world_size, -1)
         self._host_table = table
-        _check_table(table[:, :HEADER_SLOTS], sh.world_size, self.counts)
+        check_table(table[:, :HEADER_SLOTS], sh.world_size, self.counts)
         rows = table.tolist()
         if max(r[HEADER_SLOTS] for r in rows) > self.capacity or tuple(r[0] for r in rows) != sh.seq_lens:
             return None
@@ -367,42 +351,7 @@ def remask(meta: Metadata, group) -> Metadata | None:
     return replace(meta, shapes=meta.true_shapes())
 
 
-# --- the header checks ----------------------------------------------------------------------
-
-
-def table_of(rows: torch.Tensor, check: bool = True) -> torch.Tensor:
-    """int64 [G, HEADER_SLOTS + 1]: the headers in the gathered rows (bit-cast back). With
-    ``check`` (``SparspConfig.check_finite``), a rank's first non-finite flag is set when its
-    summaries hold a NaN or Inf (``summaries.torch_summaries``: then one of its q, k, v does, or a sum
-    overflowed); ``_check_table`` then asks for the exact counts."""
-    table = rows[:, : HEADER_SLOTS + 1].contiguous().view(torch.int32).long()
-    if check:
-        table[:, len(HEADER)] = torch.isfinite(rows[:, HEADER_SLOTS + 1:]).all(1).logical_not()
-    return table
-
-
-def _check_table(table: torch.Tensor, world: int, counts=None) -> None:
-    """Raise the same ``ValueError`` on every rank for a bad header table [G, HEADER_SLOTS].
-    ``counts()`` gives the exact NaN/Inf counts [G, 3] when a rank flagged any (a collective
-    that every rank enters, since every rank reads the same flags)."""
-    rows = table.tolist()  # plain Python from here: a few dozen small tensor ops cost more
-    for col in range(1, len(HEADER)):
-        values = [r[col] for r in rows]
-        if any(x != values[0] for x in values):
-            if HEADER[col] == "strategy":
-                values = [strategy_of(v) for v in values]
-            raise ValueError(f"ranks disagree on {HEADER[col]}: {values} (rank order)")
-    if any(r[0] < 1 for r in rows):
-        raise ValueError(f"every rank needs at least one token; sequence lengths {[r[0] for r in rows]}")
-    nonfinite = [r[len(HEADER):HEADER_SLOTS] for r in rows]
-    if any(any(f) for f in nonfinite):
-        if counts is not None:
-            nonfinite = counts().tolist()
-        found = [f"rank {r}: {name} has {int(n)} NaN/Inf value{'s' if n > 1 else ''}"
-                 for r in range(world) for name, n in zip("qkv", nonfinite[r]) if n]
-        if found:  # (a float32 overflow of a probe sum with no NaN/Inf value is no error)
-            raise ValueError("non-finite inputs (" + "; ".join(found) + "); sp_attention needs finite "
-                             "q, k, v (SparspConfig(check_finite=False) skips this check)")
+# --- the non-finite counts ------------------------------------------------------------------
 
 
 def count_nonfinite(q, k, v, group, timeout_s: float) -> torch.Tensor:
@@ -452,5 +401,4 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
                          sim_threshold=config.sim_tensor(H))
 
 
-__all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "count_nonfinite", "gather_metadata", "remask",
-           "strategy_code", "table_of"]
+__all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "count_nonfinite", "gather_metadata", "remask"]

@@ -335,7 +335,7 @@ def torch_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_siz
     (``summarize``) and k's sum. With ``check`` (``SparspConfig.check_finite``) one more value,
     v's sum (a dense call: q's, k's and v's; the kernel writes ``check_parts`` partial sums of
     v instead): a NaN or Inf in q, k or v reaches a value sent, and the receiving side flags the
-    rank from its row (``plan.table_of``; a sum of finite values overflows only near the float32
+    rank from its row (``wire.table_of``; a sum of finite values overflows only near the float32
     limit, ~3e38, and the exact counts then find none and the check passes)."""
     parts = []
     if sparse and center is None:

@@ -292,7 +292,7 @@ def main(args) -> int:
     from ..placement import make_placement
     from ..strategies import close_transports, get_transport
     from ..strategies.auto import AUTO
-    from ..strategies.base import PhaseTimer
+    from ..timing import PhaseTimer
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")

@@ -22,14 +22,13 @@ so it is estimated as selected blocks × ``read_fraction`` × the consumer's que
 fraction of local query blocks that read a demanded remote block: 0.69–0.70 on the synthetic
 LTX-Video and 0.33–0.38 on the Wan 2.1 workloads at cdf 0.9 with periodic placement, G = 2, 4,
 8). Bandwidth, kernel rate and fixed costs come from the hardware profiles of
-``sparsp simulate`` (``fabric``), the measured 2×H200 ones unless ``env.profile()`` names
-another (e.g. one ``sparsp simulate --calibrate`` wrote). Nothing here reads a tensor, so the
-plan costs no host sync.
+``sparsp simulate`` (``fabric``: the measured 2×H200 one of the path the transport reports,
+``Transport.fabric``, unless ``env.profile()`` names another, e.g. one ``sparsp simulate
+--calibrate`` wrote). Nothing here reads a tensor, so the plan costs no host sync.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..caches import per_geometry
@@ -84,33 +83,34 @@ CPU_FABRIC = Fabric(2e9, 2e10, 1e-3, 1e-4, 64 << 10)
 _FABRICS = per_geometry("cost: fabrics")  # key -> Fabric
 
 
-def fabric(device_type: str, transport: str, head_dim: int, kernel: str | None = None) -> Fabric:
-    """The ``Fabric`` of this machine: ``CPU_FABRIC`` off CUDA; on CUDA from a hardware profile
-    (``cost.profiles``: the one ``env.profile()`` names, else the measured 2×H200 profile of the
-    transport's kind of path: ``h200x2-nvlink`` for ``ipc`` and for ``nccl`` unless
-    ``NCCL_P2P_DISABLE=1``, ``h200x2-host`` otherwise), at the rate of ``kernel`` (the call's
-    resolved kernel: ``KernelFigure.rate``). NCCL picks its own path; assuming the peer-copy
-    one errs towards fewer chunks (the unchunked call), never towards chunks a fast link does
-    not need. The profile must be the same on every rank."""
+def fabric(device_type: str, transport: str, head_dim: int, kernel: str | None = None, *, path: str) -> Fabric:
+    """The ``Fabric`` of a call on this machine: ``CPU_FABRIC`` off CUDA; on CUDA from a hardware
+    profile (``cost.profiles``: the one ``env.profile()`` names, else the measured 2×H200
+    profile of the transport's fabric ``path``, ``Transport.fabric``: ``h200x2-nvlink`` for
+    ``nvlink``, ``h200x2-host`` for ``host``), with the call's ``transport`` figure there
+    (``Profile.call_transport``: the profile's default where it has none of that name), at the
+    rate of ``kernel`` (the call's resolved kernel: ``KernelFigure.rate``). The profile must be
+    the same on every rank."""
     if device_type != "cuda":
         return CPU_FABRIC
-    peer = transport == "ipc" or (transport == "nccl" and os.environ.get("NCCL_P2P_DISABLE") != "1")
-    name = configured_profile() or ("h200x2-nvlink" if peer else "h200x2-host")
+    name = configured_profile() or ("h200x2-nvlink" if path == "nvlink" else "h200x2-host")
     key = (name, transport, head_dim, kernel)
     if key not in _FABRICS:
-        _FABRICS[key] = profile_fabric(get_profile(name), transport, head_dim, kernel)
+        profile = get_profile(name)
+        _FABRICS[key] = profile_fabric(profile, profile.call_transport(transport), head_dim, kernel)
     return _FABRICS[key]
 
 
-def profile_fabric(profile, transport: str, head_dim: int, kernel: str | None = None) -> Fabric:
-    """A ``Fabric`` from a ``cost.profiles.Profile``: the pair bandwidth is the GPU's link,
-    capped by half its duplex limit (every rank sends and receives at once) and, for a
-    host-staged path, by a quarter of the host's DMA capacity (two GPUs each write and read it:
-    134 / 4 = 33.5 GB/s on the 2×H200 box, its measured exchange rate); the transport's
-    efficiency and latency, ``kernel``'s sparse rate at ``head_dim`` (``KernelFigure.rate``)
-    and the per-kernel ``launch_ms`` come from the profile as they are."""
-    names = [t.name for t in profile.transports]
-    fig = profile.transport(transport if transport in names else None)
+def profile_fabric(profile, transport, head_dim: int, kernel: str | None = None) -> Fabric:
+    """A ``Fabric`` from a ``cost.profiles.Profile`` and its figure of ``transport`` (a
+    ``TransportFigure``, or a name ``Profile.transport`` resolves: None is the default, a name
+    the profile lacks raises): the pair bandwidth is the GPU's link, capped by half its duplex
+    limit (every rank sends and receives at once) and, for a host-staged path, by a quarter of
+    the host's DMA capacity (two GPUs each write and read it: 134 / 4 = 33.5 GB/s on the
+    2×H200 box, its measured exchange rate); the transport's efficiency and latency,
+    ``kernel``'s sparse rate at ``head_dim`` (``KernelFigure.rate``) and the per-kernel
+    ``launch_ms`` come from the profile as they are."""
+    fig = profile.transport(transport)
     caps = [profile.link_gbps]
     if profile.duplex_gbps is not None:
         caps.append(profile.duplex_gbps / 2)

@@ -7,6 +7,10 @@ head, the K/V tokens each rank asks of each peer, optionally a relay ring's per-
 with one host transfer. ``demand_figures`` is the device half of it (no host sync: the plan
 stage computes it inside its CUDA graph for ``strategy="auto"``), ``demand_of`` the host half.
 The bytes and FLOPs of every strategy follow from these integers (``cost.model.work``).
+
+A call's own figures: ``call_figures`` on its whole mask (placed order, ``call_blocks``) is
+what its plan stage reads with the counts, for ``auto``'s choice (``demand_of``) and for the
+kept work per head a head-sharded strategy balances its ranks by (``head_pairs``).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..caches import per_geometry
 from ..demand import rank_figures, rank_figures_ok, remote_demand
 from ..placement import Placement
 
-__all__ = ["Blocks", "Demand", "demand_figures", "demand_of", "measure", "pair_flops"]
+__all__ = ["Blocks", "Demand", "call_blocks", "call_figures", "demand_figures", "demand_of", "head_pairs",
+           "measure", "pair_flops"]
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,35 @@ def demand_figures(masks: torch.Tensor, blocks: Blocks, *, batch: int = 1, relay
                 hops[r, k - 1] = (downstream.long() * L).sum()
         parts.append(hops[:, : G - 1].flatten())
     return torch.cat(parts)
+
+
+_CALL_BLOCKS = per_geometry("cost: a call's blocks in placed order")  # (seq_lens, block_size, device) -> Blocks
+
+
+def call_blocks(shapes, device) -> Blocks:
+    """``Blocks.of_call`` of a call's ``shapes`` (``plan.Shapes``: ``seq_lens``, ``block_size``)
+    on ``device``, made once per geometry: its device constants are read by a captured plan
+    stage, and a host-to-device copy per call would sync."""
+    key = (shapes.seq_lens, shapes.block_size, str(device))
+    blocks = _CALL_BLOCKS.get(key)
+    if blocks is None:
+        blocks = _CALL_BLOCKS[key] = Blocks.of_call(shapes.seq_lens, shapes.block_size, device)
+    return blocks
+
+
+def call_figures(mask: torch.Tensor, shapes) -> torch.Tensor:
+    """``demand_figures`` of a call's whole mask bool [B, H, N, N] (``shapes``: ``plan.Shapes``),
+    on the mask's device (device ops only: the call copies them to the host with its counts,
+    in its one host read)."""
+    B, H, N = shapes.batch, shapes.heads, shapes.total_blocks
+    return demand_figures(mask.reshape(B * H, N, N), call_blocks(shapes, mask.device), batch=B)
+
+
+def head_pairs(host: list[int], shapes) -> list[int]:
+    """Kept token pairs per head, from ``call_figures`` read on the host (what a head-sharded
+    strategy balances its ranks by, ``ulysses``)."""
+    G = shapes.world_size
+    return host[2 * G * G: 2 * G * G + shapes.heads]
 
 
 def pair_flops(masks: torch.Tensor, placement: Placement, head_dim: int, dense: bool = False) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .chunks import pair_cost, profile_fabric, read_fraction, transfer_hides, un
 from .figures import Blocks, Demand, measure
 from .ops import (EARLY_OPS, FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, HEAD_ORDER_OPS,
                   MASK_CUT_OPS, MASK_UNIT_OPS, finish_ops, issue_ops, mask_ops, run_ops)
-from .profiles import Profile
+from .profiles import Profile, TransportFigure
 
 
 class StrategyFacts(Protocol):
@@ -248,78 +248,117 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
 
     Hardware-independent but for two decisions the code makes from the machine's figures
     (``chunks.fabric``; here those of ``profile``, ``chunks.profile_fabric``, with the call's
-    ``transport`` on it, None = the profile's default): into how many head-group units
-    a ``direct`` strategy cuts its drain payloads before the host sync (``chunk_ops``), which costs host
-    ops, and, with ``local_first`` None, whether the call runs local first
-    (``resolve_local_first``). Without ``profile`` no units are charged and an automatic call
-    runs in order (as the code's first call of a geometry, which has no figures yet).
-    ``graphed``: the plan stage is a CUDA graph (``SparspConfig.cuda_graphs`` on a GPU, the
-    default); False counts it eagerly. ``local_first``: the call's ``SparspConfig.local_first``
-    (default, the config's: None, automatic); only a strategy registered ``local_first`` runs
-    local first (``Work.local_first``, always a bool). ``head_order``: the ``all-to-all``
-    schedule's heads in rank order (rank r computes ``head_order[first_r : first_r + H_r]``;
+    ``transport`` on it, None = the profile's default; a name the profile lacks raises,
+    ``Profile.transport``): into how many head-group units a ``direct`` strategy cuts its drain
+    payloads before the host sync (``chunk_ops``), which costs host ops, and, with
+    ``local_first`` None, whether the call runs local first (``resolve_local_first``). Without
+    ``profile`` no units are charged and an automatic call runs in order (as the code's first
+    call of a geometry, which has no figures yet). ``graphed``: the plan stage is a CUDA graph
+    (``SparspConfig.cuda_graphs`` on a GPU, the default); False counts it eagerly.
+    ``local_first``: the call's ``SparspConfig.local_first`` (default, the config's: None,
+    automatic); only a strategy registered ``local_first`` runs local first
+    (``Work.local_first``, always a bool). ``head_order``: the ``all-to-all`` schedule's heads
+    in rank order (rank r computes ``head_order[first_r : first_r + H_r]``;
     ``cost.balance.balanced_heads``); None: what ``ulysses`` runs, heads given to ranks by
     their kept pairs (``balanced_heads`` of ``d.head_pairs``; contiguous groups where the heads
     do not divide). It moves only the compute: every rank still receives H/G heads of every
     token."""
-    strategy = spec.name
     schedule = schedule_of(spec)
-    early = resolve_local_first(local_first, spec, d, profile, transport, head_dim=head_dim,
-                                dtype_bytes=dtype_bytes)
-    G, BH = d.ranks, d.batch * d.heads
-    tokens = d.tokens
-    kv = 2 * head_dim * dtype_bytes  # K+V bytes per token and head
-    masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes, sparse=spec.sparse)
-    gathered = gather_bytes(d, head_dim=head_dim, sparse=spec.sparse)
+    figure = profile.transport(transport) if profile is not None else None  # resolved once for the call
+    early = resolve_local_first(local_first, spec, d, profile, figure, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    host = _host_ops(spec, d, schedule, profile, figure, early, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                     graphed=graphed)
+    shared = dict(mask_bytes=mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes, sparse=spec.sparse),
+                  gather_bytes=gather_bytes(d, head_dim=head_dim, sparse=spec.sparse), heads=d.heads,
+                  tokens=sum(d.tokens))
+    if schedule == "all-to-all":
+        return _all_to_all(spec, d, host, shared, head_dim=head_dim, dtype_bytes=dtype_bytes, head_order=head_order)
+    return _rounds(spec, d, schedule, host, shared, head_dim=head_dim, dtype_bytes=dtype_bytes)
+
+
+def _host_ops(spec: StrategyFacts, d: Demand, schedule: str, profile: Profile | None, figure, early: bool, *,
+              head_dim: int, dtype_bytes: int, graphed: bool) -> dict:
+    """``Work``'s host fields per rank: the ops before the host read and in its finish (with a
+    ``direct`` strategy's drain units, ``chunk_ops``, where a profile decides them), the run's
+    ops in the call's order (``early``: local first), ``figure``: the transport's."""
+    G = d.ranks
     kind = kind_of(spec)
     ops = (mask_ops(kind, G, graphed),) * G
     finishing = (finish_ops(kind, G),) * G
     if schedule == "direct" and profile is not None:
-        extra = chunk_ops(d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
+        extra = chunk_ops(d, profile, figure, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
         ops = tuple(n + x for n, (x, _) in zip(ops, extra))
         finishing = tuple(n + x for n, (_, x) in zip(finishing, extra))
-    host = dict(host_ops=ops, finish_ops=finishing, run_ops=(run_ops(kind, G, early),) * G, local_first=early,
+    return dict(host_ops=ops, finish_ops=finishing, run_ops=(run_ops(kind, G, early),) * G, local_first=early,
                 early_ops=(EARLY_OPS,) * G if early else (), issue_ops=(issue_ops(kind, G, early),) * G)
-    if schedule == "all-to-all":
-        split = head_split(d.heads, G)
-        first = [sum(split[:r]) for r in range(G)]
-        if head_order is not None:
-            order = tuple(head_order)
-        elif d.heads % G == 0:  # as ``ulysses`` runs: heads given to ranks by their kept pairs
-            order = balanced_heads(d.head_pairs, G)
-        else:
-            order = contiguous_heads(d.heads)
-        if sorted(order) != list(range(d.heads)):
-            raise ValueError(f"head_order {order} is not a permutation of {d.heads} heads")
-        mine = [sum(d.head_pairs[h] for h in order[first[r]:first[r] + split[r]]) for r in range(G)]
-        row = head_dim * dtype_bytes * d.batch
-        flops = tuple((4.0 * head_dim * mine[r],) for r in range(G))
-        recv = tuple(tuple(3 * tokens[(r - k) % G] * split[r] * row for k in range(1, G)) for r in range(G))
-        back = tuple(tuple(tokens[r] * split[(r - k) % G] * row for k in range(1, G)) for r in range(G))
-        whole = bool(d.block_size) and all(t % d.block_size == 0 for t in tokens[:-1])
-        if whole:  # one kernel over the whole sequence (``ULYSSES_WHOLE_COPY_BYTES``)
-            c = ULYSSES_WHOLE_COPY_BYTES * d.batch * head_dim
-            merge = tuple((round(c * (3 * tokens[r] * split[r]  # own head slices in
-                                      + (3 * (sum(tokens) - tokens[r]) * split[r] if d.batch > 1 else 0)
-                                      + tokens[r] * d.heads)),)  # the result: own and received
-                          for r in range(G))
-            launches = tuple((1,) for _ in range(G))
-        else:
-            # one eager merge chain per query slice over G key slices, on this rank's heads for
-            # every token; then the output's copies and casts (``ULYSSES_*``)
-            per = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
-            merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per
-                                 + BH * tokens[r] * head_dim * (ULYSSES_INPUT_BYTES + ULYSSES_PIECE_BYTES * (G - 1) / G)),)
-                          for r in range(G))
-            launches = tuple((G * G,) for _ in range(G))
-        density = tuple(mine[r] / max(1, d.batch * split[r] * sum(tokens) ** 2) for r in range(G))
-        if order != contiguous_heads(d.heads):  # the heads reordered before the run, back after it
-            before, after = HEAD_ORDER_OPS
-            host["run_ops"] = tuple((a + before, b + before, c + after) for a, b, c in host["run_ops"])
-            host["issue_ops"] = tuple(i + before for i in host["issue_ops"])
-        return Work(strategy, schedule, G, flops, launches, recv, back, masking,
-                    merge_bytes=merge, gather_bytes=gathered, heads=d.heads, tokens=sum(tokens),
-                    density=density, **host)
+
+
+def _head_order(d: Demand, head_order: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The ``all-to-all`` schedule's heads in rank order: ``head_order`` as given, else as
+    ``ulysses`` runs (heads given to ranks by their kept pairs where they divide over the ranks,
+    contiguous groups otherwise)."""
+    if head_order is not None:
+        order = tuple(head_order)
+    elif d.heads % d.ranks == 0:
+        order = balanced_heads(d.head_pairs, d.ranks)
+    else:
+        order = contiguous_heads(d.heads)
+    if sorted(order) != list(range(d.heads)):
+        raise ValueError(f"head_order {order} is not a permutation of {d.heads} heads")
+    return order
+
+
+def _all_to_all_merges(d: Demand, split: list[int], head_dim: int) -> tuple[tuple, tuple]:
+    """(merge bytes, kernel launches) per rank of the ``all-to-all`` schedule: with whole-block
+    slices one kernel over the whole sequence (``ULYSSES_WHOLE_COPY_BYTES``), else one eager
+    merge chain per query slice over the G key slices, on this rank's heads for every token,
+    then the output's copies and casts (``ULYSSES_*``)."""
+    G, tokens, BH = d.ranks, d.tokens, d.batch * d.heads
+    if d.block_size and all(t % d.block_size == 0 for t in tokens[:-1]):
+        c = ULYSSES_WHOLE_COPY_BYTES * d.batch * head_dim
+        merge = tuple((round(c * (3 * tokens[r] * split[r]  # own head slices in
+                                  + (3 * (sum(tokens) - tokens[r]) * split[r] if d.batch > 1 else 0)
+                                  + tokens[r] * d.heads)),)  # the result: own and received
+                      for r in range(G))
+        return merge, tuple((1,) for _ in range(G))
+    per = ULYSSES_FIRST_BYTES + (G - 1) * ULYSSES_MERGE_BYTES + ULYSSES_RESULT_BYTES + 4 * (G - 1) / G
+    merge = tuple((round(d.batch * split[r] * sum(tokens) * head_dim * per
+                         + BH * tokens[r] * head_dim * (ULYSSES_INPUT_BYTES + ULYSSES_PIECE_BYTES * (G - 1) / G)),)
+                  for r in range(G))
+    return merge, tuple((G * G,) for _ in range(G))
+
+
+def _all_to_all(spec: StrategyFacts, d: Demand, host: dict, shared: dict, *, head_dim: int, dtype_bytes: int,
+                head_order: tuple[int, ...] | None) -> Work:
+    """``work`` of the ``all-to-all`` schedule: every rank receives Q, K, V of its H/G heads for
+    every token (phase 1) and sends each rank its tokens' output back; it computes the kept
+    pairs of the heads ``_head_order`` gives it, in one step."""
+    G, tokens = d.ranks, d.tokens
+    split = head_split(d.heads, G)
+    first = [sum(split[:r]) for r in range(G)]
+    order = _head_order(d, head_order)
+    mine = [sum(d.head_pairs[h] for h in order[first[r]:first[r] + split[r]]) for r in range(G)]
+    row = head_dim * dtype_bytes * d.batch
+    flops = tuple((4.0 * head_dim * mine[r],) for r in range(G))
+    recv = tuple(tuple(3 * tokens[(r - k) % G] * split[r] * row for k in range(1, G)) for r in range(G))
+    back = tuple(tuple(tokens[r] * split[(r - k) % G] * row for k in range(1, G)) for r in range(G))
+    merge, launches = _all_to_all_merges(d, split, head_dim)
+    density = tuple(mine[r] / max(1, d.batch * split[r] * sum(tokens) ** 2) for r in range(G))
+    if order != contiguous_heads(d.heads):  # the heads reordered before the run, back after it
+        before, after = HEAD_ORDER_OPS
+        host = dict(host, run_ops=tuple((a + before, b + before, c + after) for a, b, c in host["run_ops"]),
+                    issue_ops=tuple(i + before for i in host["issue_ops"]))
+    return Work(spec.name, "all-to-all", G, flops, launches, recv, back, merge_bytes=merge, density=density,
+                **shared, **host)
+
+
+def _rounds(spec: StrategyFacts, d: Demand, schedule: str, host: dict, shared: dict, *, head_dim: int,
+            dtype_bytes: int) -> Work:
+    """``work`` of the ``relay-ring`` and ``direct`` schedules: step 0 computes the local shard,
+    step k the shard of origin r−k, received in round k; what a round carries follows from the
+    byte rule (a full shard, exactly the demanded blocks, or a relay hop's)."""
+    G, BH, tokens = d.ranks, d.batch * d.heads, d.tokens
+    kv = 2 * head_dim * dtype_bytes  # K+V bytes per token and head
     dense = not spec.sparse
     flops = tuple(tuple(4.0 * head_dim * (BH * tokens[r] * tokens[(r - k) % G] if dense
                                           else d.pairs[r][(r - k) % G]) for k in range(G))
@@ -332,20 +371,21 @@ def work(spec: StrategyFacts, d: Demand, *, head_dim: int, dtype_bytes: int = 2,
         recv = tuple(tuple(d.direct[r][(r - k) % G] * kv for k in range(1, G)) for r in range(G))
     else:  # ring-relay: hop k into r carries origin r−k's blocks any of r, r+1, …, r−k−1 needs
         if d.relay is None:
-            raise ValueError(f"{strategy}: the demand was measured without relay=True")
+            raise ValueError(f"{spec.name}: the demand was measured without relay=True")
         recv = tuple(tuple(x * kv for x in d.relay[r]) for r in range(G))
     density = tuple(1.0 if dense else sum(d.pairs[r]) / max(1, BH * tokens[r] * sum(tokens)) for r in range(G))
-    return Work(strategy, schedule, G, flops, launches, recv, (), masking, merge_bytes=merge,
-                gather_bytes=gathered, heads=d.heads, tokens=sum(tokens), density=density, **host)
+    return Work(spec.name, schedule, G, flops, launches, recv, (), merge_bytes=merge, density=density,
+                **shared, **host)
 
 
 def resolve_local_first(setting: bool | None, spec: StrategyFacts, d: Demand, profile: Profile | None,
-                        transport: str | None, *, head_dim: int, dtype_bytes: int = 2) -> bool:
+                        transport: TransportFigure | str | None, *, head_dim: int, dtype_bytes: int = 2) -> bool:
     """Whether a call of ``strategy`` with ``SparspConfig.local_first`` = ``setting`` runs local
     first (``sp_attention``): never for a strategy not registered ``local_first``; True: always;
     False: never; None (automatic): where ``local_first_pays`` says so on every rank (the code
     decides per rank, the model simulates one order per call: a call whose ranks disagree is
-    simulated in order); without ``profile``, in order."""
+    simulated in order); without ``profile``, in order. ``transport``: its figure in
+    ``profile`` or a name (``Profile.transport``)."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"local_first must be None (automatic), True or False, got {setting!r}")
     if not spec.local_first or setting is False:
@@ -357,13 +397,14 @@ def resolve_local_first(setting: bool | None, spec: StrategyFacts, d: Demand, pr
     return all(local_first_pays(spec, d, profile, transport, head_dim=head_dim, dtype_bytes=dtype_bytes))
 
 
-def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport: str | None, *,
+def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport: TransportFigure | str | None, *,
                      head_dim: int, dtype_bytes: int = 2) -> tuple[bool, ...]:
     """Per rank: ``Call.local_first_pays`` (``SparspConfig.local_first=None``) on this demand,
     as a steady call of the geometry sees it (its last call's figures are this call's).
 
-    Never over ``nccl`` (``transport``: the call's transport name, None = the profile's
-    default). Else yes where the first round's payload rows (K and V) take no longer over the
+    Never over ``nccl`` (``transport``: the call's transport, its figure in ``profile`` or a
+    name, ``Profile.transport``: None = the profile's default). Else yes where the first
+    round's payload rows (K and V) take no longer over the
     pair's bandwidth than the local kept pairs take to compute, with the fabric figures the
     code uses (``chunks.profile_fabric`` of ``profile``: ``chunks.fabric`` reads the same from
     the built-in profile of the transport's kind or the profile ``env.profile()`` names). The
@@ -376,10 +417,10 @@ def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport
     G, BH = d.ranks, d.batch * d.heads
     if not spec.local_first:
         return (False,) * G
-    name = transport if transport is not None else profile.transport(None).name
-    if name == "nccl":
+    figure = profile.transport(transport)
+    if figure.name == "nccl":
         return (False,) * G
-    fab = profile_fabric(profile, name, head_dim)
+    fab = profile_fabric(profile, figure, head_dim)
     rule = spec.byte_rule
     out = []
     for r in range(G):
@@ -400,18 +441,19 @@ def local_first_pays(spec: StrategyFacts, d: Demand, profile: Profile, transport
     return tuple(out)
 
 
-def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
+def drain_units(d: Demand, profile: Profile, transport: TransportFigure | str | None, *, head_dim: int,
                 dtype_bytes: int) -> tuple[tuple[int, int], ...]:
     """Per rank: into how many head-group units a ``direct`` strategy cuts its two drain payloads (round
     G−1: the one it sends, the one it receives) before the host sync, by its own rule
     (``chunks.unit_count``, automatic chunking) on the fabric of ``profile``, with
     the pair's packed rows and kept block pairs known as the code knows them from a geometry's
     first call (here the call's own: ``direct`` and ``pairs`` over the block size²).
-    One unit each when the demand does not know its block size."""
+    ``transport``: its figure in ``profile`` or a name (``Profile.transport``). One unit each
+    when the demand does not know its block size."""
     G, bs = d.ranks, d.block_size
     if G < 2 or not bs:
         return ((1, 1),) * G
-    fab = profile_fabric(profile, profile.transport(transport).name, head_dim)
+    fab = profile_fabric(profile, transport, head_dim)
 
     def units(owner: int, consumer: int) -> int:
         n = -(-d.tokens[consumer] // bs)
@@ -425,7 +467,7 @@ def drain_units(d: Demand, profile: Profile, transport: str | None, *, head_dim:
     return tuple((units(r, (r + k) % G), units((r - k) % G, r)) for r in range(G))
 
 
-def chunk_ops(d: Demand, profile: Profile, transport: str | None, *, head_dim: int,
+def chunk_ops(d: Demand, profile: Profile, transport: TransportFigure | str | None, *, head_dim: int,
               dtype_bytes: int, graphed: bool = True) -> tuple[tuple[int, int], ...]:
     """Per rank: the ops its drain units add before the host read (``MASK_CUT_OPS``,
     ``MASK_UNIT_OPS``; their ``GRAPHED_`` counts when the stage is a CUDA graph) and in the

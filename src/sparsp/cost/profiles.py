@@ -245,14 +245,29 @@ class Profile:
         """The ``fabric`` value ``sparsp bench`` writes for this kind of path."""
         return "nvlink" if self.peer_access else "host"
 
-    def transport(self, name: str | None = None) -> TransportFigure:
+    def transport(self, name: "str | TransportFigure | None" = None) -> TransportFigure:
+        """The figure of transport ``name``: None, the profile's default (its first); a figure,
+        itself (one its caller resolved already). A name the profile does not describe raises
+        ``ValueError`` naming the ones it has: the cost model's one rule for an unknown name
+        (``work``, ``timeline`` and the chunk rules alike). A running call, which must not fail
+        over an estimate, maps its transport first (``call_transport``)."""
         if name is None:
             return self.transports[0]
+        if isinstance(name, TransportFigure):
+            return name
         for t in self.transports:
             if t.name == name:
                 return t
         raise ValueError(f"profile {self.name} has no transport {name!r}; it has "
                          f"{', '.join(t.name for t in self.transports)}")
+
+    def call_transport(self, name: str) -> TransportFigure:
+        """The figure a running call estimates its transport ``name`` with (``strategy="auto"``,
+        the chunk rules of ``sparsp``): the profile's figure of that name, else the profile's
+        default. A transport the profile does not describe (``peers``, one registered by the
+        user, a profile fitted without it) is estimated on the profile's default path, so that
+        a call never fails over an estimate."""
+        return self.transport(name if any(t.name == name for t in self.transports) else None)
 
     def kernel(self, head_dim: int) -> KernelFigure:
         return min(self.kernels, key=lambda k: (abs(k.head_dim - head_dim), -k.head_dim))

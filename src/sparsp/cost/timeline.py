@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from .model import SYNCS_PER_CALL, Work
-from .profiles import Profile
+from .profiles import Profile, TransportFigure
 
 
 def capacities(profile: Profile, ranks: int) -> dict[str, float]:
@@ -195,10 +195,12 @@ def _ms(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * 1e6)
 
 
-def timeline(work: Work, profile: Profile, *, transport: str | None = None, head_dim: int = 128,
+def timeline(work: Work, profile: Profile, *, transport: TransportFigure | str | None = None, head_dim: int = 128,
              prefetch: int = 1, skip: frozenset = frozenset()) -> Timeline:
-    """Schedule ``work`` on ``profile``. ``skip`` ⊆ {"compute", "transfer", "fixed"} makes those
-    costs zero (what-if runs that name the bottleneck)."""
+    """Schedule ``work`` on ``profile``. ``transport``: the call's, its figure in ``profile`` or a
+    name (``Profile.transport``: None = the default; a name the profile lacks raises). ``skip`` ⊆
+    {"compute", "transfer", "fixed"} makes those costs zero (what-if runs that name the
+    bottleneck)."""
     G = work.ranks
     if G > profile.gpus:
         raise ValueError(f"{G} ranks exceed the {profile.gpus} GPUs of profile {profile.name}")

@@ -235,7 +235,7 @@ def count_call(q, k, v, *, strategy: str, config, group=None) -> dict:
 
 def _count_warm(counter: _Counter, q, k, v, strategy: str, config, group) -> dict:
     from .. import plan, sp_attention
-    from ..strategies import base, captured
+    from ..strategies import call as base, captured
 
     saved = (plan.Metadata.block_mask, captured.stage, base.get_kernel, plan.Metadata.start_read,
              plan.Metadata.finish, base.Call.set_resolved)

@@ -1,10 +1,11 @@
 """``sp_attention``: one entry point, every registered strategy (README, "Strategies").
 
-Data path per call: validate → one metadata all-gather (header + summaries: ``plan``) → the
-plan stage (the whole block mask, the strategy's payload selections, the counts the host
-reads; a CUDA graph per geometry: ``captured``) → one host read (header checks, layouts; the
-transport's fence runs on the host while the device works towards it) → the strategy's run
-(transport → kernel → LSE merge: ``Call.run``).
+Data path per call (``request``): validate → one metadata all-gather (header + summaries:
+``plan``) → the plan stage (the whole block mask, the strategy's payload selections, the counts
+the host reads; a CUDA graph per geometry: ``captured``) → one host read (header checks,
+layouts; the transport's fence runs on the host while the device works towards it) → what runs
+(``auto``'s choice, the heads' ranks, one GPU's kernel) → the strategy's run (transport →
+kernel → LSE merge: ``Call.run``, ``merged``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from .. import caches
 from ..config import SparspConfig
 from ..transport import make_transport
 from . import ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
-from .base import Call, validate
-from .captured import Request
+from .call import Call
+from .request import Request, validate
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
 
 log = logging.getLogger("sparsp")
@@ -78,7 +79,7 @@ def sp_attention(
     (layers of one geometry differ in how dense their masks are, so each may take another
     strategy); the result does not depend on it. ``_global_mask``
     (bool [B, H, N, N], N = global blocks) replaces the CDF mask — for tests; ``_timer``
-    (a ``base.PhaseTimer``) times the phases — for benchmarks.
+    (a ``timing.PhaseTimer``) times the phases — for benchmarks.
     """
     validate(q, k, v, group, strategy, config)
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
@@ -88,9 +89,10 @@ def sp_attention(
     with torch.no_grad():
         meta = request.gather()  # every rank's header and summaries, one all-gather
         call, staged = request.stage(meta)  # the mask, the payloads' selections, the counts to read
-        call, spec = request.read(meta, call, staged)  # the one host read: checks, layouts, auto's choice
+        call, resolved = request.resolve(meta, call, staged)  # the one host read: checks, layouts, counts
+        call, spec = request.choose(call, resolved)  # auto's choice, the heads' ranks, one GPU's kernel
         call.run(spec)  # transfers, kernels, merges
-    return call.result()
+    return call.output.result()
 
 
 __all__ = ["Call", "StrategyName", "StrategySpec", "close_transports", "comm_bytes", "get_transport",

@@ -1,9 +1,9 @@
 """``strategy="auto"``: per call, the strategy the cost model predicts fastest.
 
 After the call's metadata all-gather every rank holds the whole block mask (``plan.py``), so
-it knows every rank's demand on every peer. ``figures`` measures that demand on the device
+it knows every rank's demand on every peer. The plan stage measures that demand on the device
 (kept token pairs per pair of ranks, demanded K/V per pair, kept pairs per head:
-``cost.figures.demand_figures``, a few reductions); the O(G² + H) integers ride in the call's
+``cost.figures.call_figures``, a few reductions); the O(G² + H) integers ride in the call's
 one host read, beside the counts of ``sparsp``'s payloads (``PLANNED``: auto's plan stage
 prepares them whatever it picks, ``captured.stage``). ``choose_from`` turns them into each
 candidate's per-rank, per-round work (``cost.model.work``: the byte rules of
@@ -27,7 +27,8 @@ The profile: ``use_profile(...)`` (a ``Profile`` or a name / profile JSON of
 ``sparsp.cost.get_profile``; ``sparsp simulate --calibrate`` writes one for this machine),
 else ``SPARSP_PROFILE``, else the measured 2×H200 profile of the transport's kind of path
 (``h200x2-nvlink`` for ``ipc``, ``h200x2-host`` otherwise), widened to the group's size. The
-transport figure is the call's transport if the profile has it, else the profile's default.
+transport figure is the call's transport if the profile has it, else the profile's default
+(``Profile.call_transport``).
 
 Predictions are cached per (profile, candidates, geometry) and demand rounded to three
 significant digits (``Demand.rounded``: a choice never hinges on a few blocks, and denoising
@@ -63,8 +64,8 @@ import torch
 
 from ..env import profile as env_profile
 from ..caches import lru_get, on_forget
-from ..cost import Blocks, demand_figures, demand_of, gather_bytes, get_profile, mask_bytes, resolve_local_first
-from ..cost import timeline, work
+from ..cost import demand_of, gather_bytes, get_profile, mask_bytes, resolve_local_first, timeline, work
+from ..cost.figures import call_blocks
 from ..plan import Shapes
 from .registry import strategy_names, strategy_spec
 
@@ -117,7 +118,6 @@ _env_profiles: dict[str, object] = {}  # SPARSP_PROFILE's value → its profile
 _settings: dict[tuple, int] = {}  # ``_nearby``'s settings → a small id (``_settings_id``)
 _widened: dict[tuple, object] = {}  # (SPARSP_PROFILE, ipc?, ranks) → the widened profile
 _logged: dict[tuple, str] = {}
-_blocks: dict[tuple, object] = {}
 _last: Decision | None = None
 _repeat: tuple | None = None  # (figures, shapes, settings, decision, layer) of the last call decided
 
@@ -148,7 +148,6 @@ def forget() -> None:
     _widened.clear()
     _settings.clear()
     _logged.clear()
-    _blocks.clear()
     _last = None
 
 
@@ -198,10 +197,9 @@ def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int,
     on ``PLANNED``'s payloads over ``transport`` with the figures of ``profile``). Auto's call is
     staged as ``PLANNED``'s, so only that candidate runs local first; another choice runs in
     order on a call of its own (``Call.without_plan``)."""
-    known = {t.name for t in profile.transports}
-    figure = transport if transport in known else None
+    figure = profile.call_transport(transport)
     planned_spec = strategy_spec(PLANNED)
-    local_first = resolve_local_first(local_first, planned_spec, d, profile, transport, head_dim=head_dim,
+    local_first = resolve_local_first(local_first, planned_spec, d, profile, figure, head_dim=head_dim,
                                       dtype_bytes=dtype_bytes)
     # auto computes the mask for every candidate: the same mask work and metadata all-gather
     masking = mask_bytes(d, head_dim=head_dim, dtype_bytes=dtype_bytes)
@@ -220,30 +218,6 @@ def decide(d, profile, transport: str, names: tuple[str, ...], *, head_dim: int,
     return next(s for s in names if times[s] <= best * (1 + MARGIN)), times
 
 
-def _blocks_of(sh: Shapes, device):
-    key = (sh.seq_lens, sh.block_size, str(device))
-    blocks = _blocks.get(key)
-    if blocks is None:  # device constants made once per geometry (a host-to-device copy syncs)
-        blocks = Blocks.of_call(sh.seq_lens, sh.block_size, device)
-        _blocks[key] = blocks
-    return blocks
-
-
-def figures(mask: torch.Tensor, sh: Shapes) -> torch.Tensor:
-    """The demand figures ``choose_from`` needs, on the mask's device (device ops only: the call
-    copies them to the host with its counts, in its one host read). ``mask`` bool [B, H, N, N]:
-    the call's whole mask."""
-    B, H, N = sh.batch, sh.heads, sh.total_blocks
-    return demand_figures(mask.reshape(B * H, N, N), _blocks_of(sh, mask.device), batch=B)
-
-
-def head_pairs(host: list[int], sh: Shapes) -> list[int]:
-    """Kept token pairs per head, from ``figures`` read on the host (what a head-sharded
-    strategy balances its ranks by, ``ulysses``)."""
-    G = sh.world_size
-    return host[2 * G * G: 2 * G * G + sh.heads]
-
-
 def _cached(cache: OrderedDict, key, make):
     """``cache[key]``, made by ``make()`` when missing; least recently used out past
     ``_CACHE_SIZE`` entries."""
@@ -252,8 +226,9 @@ def _cached(cache: OrderedDict, key, make):
 
 def choose_from(host: list[int], sh: Shapes, q: torch.Tensor, group, config, transport,
                 layer: int | None = None) -> str:
-    """The strategy for this call (same on every rank) from ``figures`` read on the host; see
-    the module docstring. ``layer``: the model layer of the call (None: not said), for the log."""
+    """The strategy for this call (same on every rank) from ``cost.figures.call_figures`` read
+    on the host; see the module docstring. ``layer``: the model layer of the call (None: not
+    said), for the log."""
     global _last, _repeat
     token = ("set", id(_profile)) if _profile is not None else ("env", env_profile() or "")
     settings = (transport.name, q.dtype, config.prefetch, config.local_first, token, id(group))
@@ -299,7 +274,7 @@ def _decision(host: list[int], sh: Shapes, q: torch.Tensor, config, transport,
     sid = _settings_id(settings)
     hit = _nearby(group, sid, host, cuts)
     if hit is None:
-        d = demand_of(host, _blocks_of(sh, q.device), B * H, N, batch=B).rounded(DIGITS)
+        d = demand_of(host, call_blocks(sh, q.device), B * H, N, batch=B).rounded(DIGITS)
         key = (profile.name, id(profile), transport.name, names, sh.head_dim, q.element_size(),
                config.prefetch, config.local_first, d)
         hit = _cached(_cache, key, lambda: decide(  # a pure function of the key: every group's
@@ -360,4 +335,4 @@ def _remember(group: int, sid: int, host: list[int], cuts: tuple, hit) -> None:
 
 
 __all__ = ["AUTO", "CANDIDATES", "DIGITS", "Decision", "MARGIN", "PLANNED", "candidates", "choose_from",
-           "decide", "figures", "forget", "last_decision", "profile_for", "use_profile"]
+           "decide", "forget", "last_decision", "profile_for", "use_profile"]

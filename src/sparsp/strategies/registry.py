@@ -48,7 +48,7 @@ class StrategySpec:
     name: str
     run: Callable[..., None]
     """``run(call)``: moves K/V and calls the kernel for one attention call (a
-    ``strategies.base.Call``)."""
+    ``strategies.call.Call``)."""
     plan: Callable[..., dict] | None
     """Before any payload moves: the payload selections whose layouts the run needs
     (``{key: (selected bool [B·H, n_p], p)}``, or [U, B·H, n_p] for U head-group units laid

@@ -9,7 +9,7 @@ the same full shards, the sparse mask picks blocks inside each received shard.
 
 from __future__ import annotations
 
-from .base import Call
+from .call import Call
 from .registry import register_strategy
 
 

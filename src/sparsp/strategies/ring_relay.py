@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..packing import halves, pack
-from .base import Call
+from .call import Call
 from .registry import register_strategy
 
 

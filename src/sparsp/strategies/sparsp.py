@@ -27,7 +27,7 @@ import torch
 from ..caches import per_geometry
 from ..packing import Layout, layout
 from ..cost import chunks
-from .base import Call
+from .call import Call
 from .registry import register_strategy
 
 
@@ -49,9 +49,8 @@ def _pair_cost(call: Call, consumer: int, known: tuple[int, int] | None = None) 
     in an earlier call, the reads per selected block are those measured, not estimated (the
     same figures on both ends, so both schedule alike)."""
     sh = call.shapes
-    fab = chunks.fabric(call.q.device.type, call.transport.name, sh.head_dim, call.kernel_name)
     n = sh.num_blocks[consumer]
-    return chunks.pair_cost(fab, head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
+    return chunks.pair_cost(call.fabric(), head_dim=sh.head_dim, dtype_bytes=call.q.element_size(),
                             block_size=sh.block_size, consumer_blocks=n,
                             read_fraction=chunks.read_fraction(known, block_size=sh.block_size, consumer_blocks=n))
 
@@ -180,7 +179,7 @@ def _remember_drain(call: Call) -> None:
 @dataclass
 class _Round:
     """One round's messages on this rank: its steps are issued in order, the first ``window``
-    at once and each later one after a landed chunk's kernel (``run``)."""
+    at once and each later one after a landed chunk's kernel (``_Pipeline``)."""
 
     src: int
     dst: int
@@ -207,27 +206,58 @@ class _Round:
                                "chunked by head groups, merged as chunks land")
 def run(call: Call) -> None:
     _remember_drain(call)
-    r, G = call.rank, call.world
-    t = call.transport
-    D = call.q.shape[-1]
-    cuda = call.q.device.type == "cuda"
-    # Slot transports (``ipc``, ``host``) hold ``window`` messages per peer: the step after
-    # that waits on the host until the peer released the first, i.e. until a whole chunk
-    # travelled. Issued before the local kernel's launch, that wait left the device idle for
-    # it (a 4-chunk drain at Wan 2.1 size over the host fabric: the local kernel started
-    # ≈ 11 ms late); so a round issues ``window`` steps at once and each later one after the
-    # kernel of a landed chunk, on the side stream (``Call.side``) so that neither its pack
-    # nor its copy queues behind the compute stream's kernels.
-    window = getattr(t, "window", None)
-    free = deque((buf, None) for buf in call.payload_buffers(call.config.prefetch + 1))
-    inflight: deque[_Round] = deque()
+    G, prefetch = call.world, call.config.prefetch
+    rounds = _Pipeline(call)
+    with call.side():  # beside the local kernel the call may have queued already
+        for k in range(1, min(G, prefetch + 1)):
+            rounds.start(k)
+    if call.q.device.type == "cuda" and rounds.window is not None:
+        call.stage_side()  # where a late step's stream starts: before the local kernel
+    call.attend_local()  # while the first payloads are in flight (done already when early)
+    for k in range(1, G):
+        rounds.land(k)
 
-    def issue(rnd: _Round, upto: int) -> None:
+
+class _Pipeline:
+    """The rounds of one call in flight: the payload buffers free for the next round (each with
+    the compute stream's last use of it), the rounds issued and not yet computed, and how many
+    steps a round issues at once.
+
+    Slot transports (``ipc``, ``host``) hold ``window`` messages per peer
+    (``Transport.window``): the step after that waits on the host until the peer released the
+    first, i.e. until a whole chunk travelled. Issued before the local kernel's launch, that
+    wait left the device idle for it (a 4-chunk drain at Wan 2.1 size over the host fabric: the
+    local kernel started ≈ 11 ms late); so a round issues ``window`` steps at once and each
+    later one after the kernel of a landed chunk, on the side stream (``Call.side``) so that
+    neither its pack nor its copy queues behind the compute stream's kernels. A transport
+    without a window (None: ``nccl``) takes every step at once."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.window = call.transport.window
+        self.free = deque((buf, None) for buf in call.payload_buffers(call.config.prefetch + 1))
+        self.inflight: deque[_Round] = deque()
+
+    def start(self, k: int) -> None:
+        """Round k's messages into the one free buffer: its first ``window`` steps issued now."""
+        call = self.call
+        r, G = call.rank, call.world
+        sends, recvs = payload_chunks(call, "send", k), payload_chunks(call, "recv", k)
+        if call.timer is not None and k == G - 1:  # benchmarks: how the drain travelled
+            call.timer.drain_chunks = len(recvs)
+        out, free_after = self.free.popleft()
+        rnd = _Round((r - k) % G, (r + k) % G, sends, recvs, out, free_after)
+        self.issue(rnd, rnd.steps if self.window is None else self.window)
+        self.inflight.append(rnd)
+
+    def issue(self, rnd: _Round, upto: int) -> None:
         """Steps of ``rnd`` up to ``upto`` (exclusive). One step per message: publish the
         i-th chunk for dst, then fetch the i-th from src (transport/base.py's round rule, per
         step; a side with fewer chunks sends or fetches 0 elements, which moves nothing and
         takes no slot). Every rank walks its steps in the same order, so a wait only ever
         depends on an earlier step of a peer."""
+        call, t = self.call, self.call.transport
+        D = call.q.shape[-1]
         late = rnd.issued > 0
         while rnd.issued < min(upto, rnd.steps):
             i = rnd.issued
@@ -253,38 +283,28 @@ def run(call: Call) -> None:
             t.release(rnd.src)
             rnd.issued += 1
 
-    def start(k: int) -> None:
-        sends, recvs = payload_chunks(call, "send", k), payload_chunks(call, "recv", k)
-        if call.timer is not None and k == G - 1:  # benchmarks: how the drain travelled
-            call.timer.drain_chunks = len(recvs)
-        out, free_after = free.popleft()
-        rnd = _Round((r - k) % G, (r + k) % G, sends, recvs, out, free_after)
-        issue(rnd, rnd.steps if window is None else window)
-        inflight.append(rnd)
-
-    with call.side():  # beside the local kernel the call may have queued already
-        for k in range(1, min(G, call.config.prefetch + 1)):
-            start(k)
-    if cuda and window is not None:
-        call.stage_side()  # where a late step's stream starts: before the local kernel
-    call.attend_local()  # while the first payloads are in flight (done already when early)
-    for k in range(1, G):
-        rnd = inflight.popleft()
+    def land(self, k: int) -> None:
+        """Round k's chunks computed as they land; once its last chunk landed, round
+        k + prefetch starts in the buffer freed before it (its transfer overlaps this compute),
+        and each chunk's landing lets one more late step go (a slot of that peer frees)."""
+        call = self.call
+        prefetch = call.config.prefetch
+        rnd = self.inflight.popleft()
         for j, (chunk, region, handle) in enumerate(rnd.landing):  # grows as late steps issue
             handle.wait()
             last = j == len(rnd.recvs) - 1
-            if last and k + call.config.prefetch < G:
+            if last and k + prefetch < call.world:
                 # the round's transfer is complete: the next one may use the link
                 with call.side():  # the round's last steps (sends only) go first
-                    issue(rnd, rnd.steps)
-                start(k + call.config.prefetch)  # into the one free buffer: overlaps this compute
+                    self.issue(rnd, rnd.steps)
+                self.start(k + prefetch)  # into the one free buffer: overlaps this compute
             if chunk.rows:
                 call.attend(region, chunk.lay, rnd.src, heads=chunk.heads)
             if rnd.issued < rnd.steps:  # a slot of this peer frees as this chunk lands there
                 with call.side():
-                    issue(rnd, rnd.steps if last else rnd.issued + 1)
+                    self.issue(rnd, rnd.steps if last else rnd.issued + 1)
         done = None
-        if cuda:
+        if call.q.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        free.append((rnd.out, done))
+        self.free.append((rnd.out, done))

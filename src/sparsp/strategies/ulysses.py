@@ -9,7 +9,7 @@ D in, (my tokens) · (other heads) · D back (the ``all-to-all`` byte rule).
 Heads go to ranks by density: the heads of one layer differ in how much of the mask they keep
 (real models: by an order of magnitude), and a rank that computes whole heads waits for the
 densest group. Each call orders its heads by ``cost.balance.balanced_heads`` of their kept token pairs
-(``auto.figures``, read on the host with the call's counts; every rank holds the same mask, so every rank derives
+(``cost.figures.head_pairs``, read on the host with the call's counts; every rank holds the same mask, so every rank derives
 the same order): rank r computes the r-th group of that order. Attention per head is
 independent, so the order changes which rank computes a head, not its output; where balancing
 gains nothing the contiguous order (rank r: heads [r·H/G, (r+1)·H/G)) stays and no head moves.
@@ -31,7 +31,7 @@ from ..caches import lru_get, per_geometry
 from ..cost.balance import balanced_heads, contiguous_heads
 from ..kernels import KVBuffer, LocalKV, kernel_indices, update_out_and_lse
 from ..packing import layout, pack
-from .base import Call
+from .call import Call
 from .registry import register_strategy
 
 
@@ -90,7 +90,7 @@ def run(call: Call) -> None:
     final = (_run_whole if _whole_blocks(call.shapes) else _run_slices)(call, q, k, v, mask)
     if order is not None:  # back to the caller's head order
         final = final.index_select(2, back)
-    call.final = final
+    call.output.set_final(final)
 
 
 def _orders(order: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,14 +94,24 @@ class Transport(abc.ABC):
     """Moves packed payloads between the ranks of one group; see the module docstring.
 
     Subclasses set ``name``, ``rank``, ``world_size`` and ``epoch`` and implement the five
-    protocol steps; ``reserve`` and ``describe`` have honest defaults, and the byte counters
-    are kept here (subclasses call ``_count_send``/``_count_recv``).
+    protocol steps; ``window``, ``fabric``, ``reserve``, ``describe``, ``settle`` and ``flush``
+    have honest defaults, and the byte counters are kept here (subclasses call
+    ``_count_send``/``_count_recv``).
     """
 
     name: str = "transport"
     rank: int
     world_size: int
     epoch: int = 0
+    window: int | None = None
+    """Messages a producer may have published to one peer before ``send_buffer`` waits on the
+    host for that peer's ``release`` of the oldest (the slot transports' slots per peer). None:
+    no bound, a send never waits for a release (payloads travel from the caller's own buffers)."""
+    fabric: str = "host"
+    """The path payloads take between GPUs (docs/design.md, "Words"): ``nvlink`` (peer copies,
+    NVLink or PCIe P2P) or ``host`` (staged through host memory). The chunk rules estimate a
+    transfer on it (``cost.chunks.fabric``). Default ``host``: a transport that does not say is
+    estimated on the slower path."""
 
     def __init__(self) -> None:
         self.bytes_sent: dict[int, int] = defaultdict(int)

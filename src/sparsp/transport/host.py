@@ -59,6 +59,7 @@ class HostTransport(SlotWindows):
     """Slots in shared host memory; pinned and fed by copy-engine D2H/H2D for CUDA tensors."""
 
     name = "host"
+    fabric = "host"
 
     def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
         self._staging: dict[tuple[int, int], torch.Tensor] = {}

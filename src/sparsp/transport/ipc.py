@@ -52,6 +52,7 @@ class IpcTransport(SlotWindows):
     """Peer copies over NVLink/PCIe P2P from slots exported with CUDA IPC (GPU only)."""
 
     name = "ipc"
+    fabric = "nvlink"
 
     def __init__(self, group=None, *, timeout_s: float = 60.0, device=None, **options) -> None:
         self._window: torch.Tensor | None = None

@@ -59,6 +59,23 @@ def _issue(ops: list, what: str, names: list[str]) -> list:
         raise TimeoutError(f"{what}: {', '.join(names)}: {e}") from e
 
 
+def peer_fabric(device) -> str:
+    """The fabric NCCL copies this rank's payloads on: ``nvlink`` where this process's GPU has
+    peer access to every other GPU it sees (NCCL then copies GPU to GPU), ``host`` where one
+    lacks it (NCCL stages through host memory) and on the CPU (gloo). A process that sees one
+    GPU cannot tell and says ``nvlink``: the chunk rules then err towards fewer chunks (the
+    unchunked call), never towards chunks a fast link does not need. Resolved once per
+    transport (``P2PTransport.fabric``)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "host"
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    others = [g for g in range(torch.cuda.device_count()) if g != me]
+    return "nvlink" if all(torch.cuda.can_device_access_peer(me, g) for g in others) else "host"
+
+
 class P2PTransport(Transport):
     """Payload exchange with ``torch.distributed`` isend/irecv on ``group``."""
 
@@ -76,6 +93,7 @@ class P2PTransport(Transport):
         self._pending_names: list[str] = []  # "send to peer p" for each queued op
         self._inflight: list[_Works] = []
         self._stream_wait = dist.get_backend(group) == "nccl"
+        self.fabric = peer_fabric(self.device)
 
     def _global(self, peer: int) -> int:
         return global_rank(self.group, peer)

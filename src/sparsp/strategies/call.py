@@ -1,81 +1,36 @@
-"""What every strategy shares: input validation, the per-call context, kernel + merge.
+"""The call every strategy runs on: one ``sp_attention`` call on one rank (``Call``).
 
 Strategies own communication (through a ``Transport``) and call the kernel through
-``Call.attend``; the merge is the single LSE merge of ``kernels.merge`` (docs/design.md, "Conventions"), so a
-comparison between strategies measures only how K/V moves.
+``Call.attend`` / ``Call.attend_local``; every partial result goes to the call's
+``MergedOutput`` (``strategies/merged.py``: the single LSE merge of ``kernels.merge``,
+docs/design.md "Conventions"), so a comparison between strategies measures only how K/V moves.
+Packs and transfers issued beside queued kernels go through ``Call.side``
+(``strategies/side.py``).
 
 A strategy has two phases (``registry.register_strategy``): ``plan(call)`` names the payload
 selections it will move (device tensors; nothing is read on the host), the call resolves them
-in its one host synchronisation (``plan.Metadata.stage`` / ``finish``), then ``run(call)`` moves and
-computes with ``call.layouts``.
+in its one host synchronisation (``plan.Metadata.stage`` / ``finish``, ``strategies/request.py``),
+then ``run(call)`` moves and computes with ``call.layouts``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..caches import per_geometry
 from ..config import SparspConfig
 from ..demand import remote_demand
 from ..groups import marker as record_function  # a no-op unless a profiler records
-from ..kernels import (KVBuffer, LocalKV, get_kernel, kernel_indices, merge_final, merge_into, merge_pair,
-                       reads_token_major, resolve_kernel)
+from ..kernels import KVBuffer, LocalKV, get_kernel, kernel_indices, reads_token_major, resolve_kernel
 from ..packing import Layout, layout, pack
 from ..plan import Shapes
+from ..timing import PhaseTimer, TimedHandle, phase_of
 from ..transport import Transport
 from ..cost import chunks
-from .registry import strategy_names, strategy_spec
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
-    """Every check that needs no communication; raises ``ValueError`` naming the argument."""
-    allowed = (*strategy_names(), "auto")  # "auto": strategies/auto.py picks one per call
-    if not isinstance(strategy, str) or strategy not in allowed:
-        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(allowed)}")
-    if not isinstance(config, SparspConfig):
-        raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be (B, S_local, H, D), got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOATS:
-            raise ValueError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, _FLOATS))}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
-                             f"call .contiguous() on it first")
-        if t.numel() == 0:
-            raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape "
-                         f"(self-attention over the same local tokens)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: call dist.init_process_group first "
-                         "(torchrun), or pass group=")
-    backend = dist.get_backend(group)
-    if backend == "nccl" and q.device.type != "cuda":
-        raise ValueError(f"the process group uses NCCL but q is on {q.device}; move q, k, v to the GPU")
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}")
-    G = dist.get_world_size(group)
-    if strategy != "auto" and strategy_spec(strategy).heads_divisible and q.shape[2] % G:
-        raise ValueError(f"{strategy} needs heads divisible by the group size: H={q.shape[2]}, G={G}")
-    if isinstance(config.cdf_threshold, tuple) and len(config.cdf_threshold) != q.shape[2]:
-        raise ValueError(f"config.cdf_threshold has {len(config.cdf_threshold)} values for {q.shape[2]} heads")
-    if isinstance(config.sim_threshold, tuple) and len(config.sim_threshold) != q.shape[2]:
-        raise ValueError(f"config.sim_threshold has {len(config.sim_threshold)} values for {q.shape[2]} heads")
+from .merged import MergedOutput
+from .side import SideStream
 
 
 def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Tensor:
@@ -84,57 +39,6 @@ def head_slice(t: torch.Tensor, batch: int, heads: tuple[int, int]) -> torch.Ten
     h0, h1 = heads
     rest = t.shape[1:]
     return t.reshape(batch, -1, *rest)[:, h0:h1].reshape(-1, *rest)
-
-
-class PhaseTimer:
-    """CUDA events around the phases of one call on the compute stream (benchmarks only).
-
-    ``phase(name)`` is a context manager; ``fetch_issued``/``fetch_landed`` bracket a payload's
-    transfer as the compute stream sees it. ``summary()`` (after a synchronize) sums each phase
-    in ms. Off (``None``) in normal calls: no events, no cost.
-    """
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: dict[int, torch.cuda.Event] = {}
-        self.local_first = False  # the call queued its local kernel before the host read
-        self.drain_chunks: int | None = None  # messages of the last round's received payload (sparsp)
-
-    def _event(self) -> torch.cuda.Event:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    class _Phase:
-        def __init__(self, timer: "PhaseTimer", name: str) -> None:
-            self.timer, self.name = timer, name
-
-        def __enter__(self):
-            self.start = self.timer._event()
-
-        def __exit__(self, *exc):
-            self.timer.events.append((self.name, self.start, self.timer._event()))
-            return False
-
-    def phase(self, name: str) -> "PhaseTimer._Phase":
-        return PhaseTimer._Phase(self, name)
-
-    def fetch_issued(self, key: int) -> None:
-        self._open[key] = self._event()
-
-    def fetch_landed(self, key: int) -> None:
-        start = self._open.pop(key, None)
-        if start is not None:
-            self.events.append(("transfer", start, self._event()))
-
-    def summary(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, a, b in self.events:
-            out[name] = out.get(name, 0.0) + a.elapsed_time(b)
-        return out
-
-
-_NO_PHASE = contextlib.nullcontext()  # a phase of a call no timer watches
 
 
 class _Geometry:
@@ -152,7 +56,8 @@ _GEOMETRIES = per_geometry("strategies: full layouts and payload buffers")  # ke
 
 @dataclass
 class Call:
-    """One attention call on one rank: inputs, the call's mask, layouts, accumulators."""
+    """One attention call on one rank: inputs, the call's mask, layouts, its merged output
+    (``output``) and its side stream (``side_stream``)."""
 
     q: torch.Tensor  # (B, S, H, D) as given
     k: torch.Tensor
@@ -162,7 +67,6 @@ class Call:
     group: object
     transport: Transport
     full_mask: torch.Tensor | None = None  # bool [B, H, N, N], all ranks' rows; None: dense
-    timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
 
     def __post_init__(self) -> None:
         self.kernel_name = resolve_kernel(self.config.kernel, self.q.device)
@@ -170,20 +74,15 @@ class Call:
         self._q_hm: torch.Tensor | None = None
         self._lists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kernel block lists
         self.consumes: dict = {}  # plan key -> (origin, heads or None): payloads it computes
-        self.out = None
-        self.lse = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last partial (``merge``)
-        self._direct: tuple[torch.Tensor, list] | None = None  # the output being written by head slices
-        self._accumulating = False  # ``out`` is this call's float32 accumulator (not a kept partial)
+        # two ranks: each head-sliced partial after the local one is its heads' last
+        self.output = MergedOutput(self.q.shape, self.q.dtype, self.q.device,
+                                   last_slices=self.shapes.world_size == 2)
         self.scale = self.q.shape[-1] ** -0.5
-        self.final: torch.Tensor | None = None  # a strategy that assembles its own output
         self.layouts: dict = {}
         self.kept: dict[int, int] = {}  # kept (query block, key block) pairs per origin
         self._demand: torch.Tensor | None = None
         self._local_done = False
-        self._staged: torch.cuda.Event | None = None  # the stage's end on the compute stream
-        self._side: torch.cuda.Stream | None = None  # where the first round was issued
-        self._in_side = False  # issuing on the side stream now (the timer names its pack apart)
+        self.side_stream = SideStream(self.q.device)  # packs and transfers beside queued kernels
         key = (id(self.group), self.shapes, self.q.dtype, str(self.q.device))
         self._geo = _GEOMETRIES.setdefault(key, _Geometry())
         # (packed rows, kept block pairs) of the last round's payloads ("send", "recv") in the
@@ -216,9 +115,19 @@ class Call:
             self._q_hm = q_hm
         return self._q_hm
 
+    @property
+    def timer(self) -> PhaseTimer | None:
+        """A benchmark's CUDA events per phase (``sp_attention(_timer=)``; None: not timed),
+        which the merged output times its merges with too."""
+        return self.output.timer
+
+    @timer.setter
+    def timer(self, timer: PhaseTimer | None) -> None:
+        self.output.timer = timer
+
     def phase(self, name: str):
         """Time a phase when a benchmark asked for it (``PhaseTimer``); else nothing."""
-        return _NO_PHASE if self.timer is None else self.timer.phase(name)
+        return phase_of(self.timer, name)
 
     def fetch(self, peer: int, out: torch.Tensor):
         """``transport.fetch`` with the transfer timed for benchmarks; returns a handle whose
@@ -228,7 +137,7 @@ class Call:
             return handle
         key = id(handle)
         self.timer.fetch_issued(key)
-        return _TimedHandle(handle, self.timer, key)
+        return TimedHandle(handle, self.timer, key)
 
     @property
     def rank(self) -> int:
@@ -310,7 +219,7 @@ class Call:
 
     def pack_local(self, lay: Layout, out: torch.Tensor) -> int:
         """Pack this rank's selected K/V blocks into ``out``; returns elements written."""
-        with self.phase("pack_side" if self._in_side else "pack"):
+        with self.phase("pack_side" if self.side_stream.active else "pack"):
             return pack(self.k, self.v, lay, self.shapes.heads, out)
 
     def rows_for(self, origin: int) -> torch.Tensor:
@@ -336,7 +245,7 @@ class Call:
         merge work. ``None``: every head."""
         if self.full_mask is not None and self.kept.get(origin, 1) == 0:
             return  # no local query block reads a block of origin (known from the host copy)
-        self._fold()
+        self.output.fold()
         q = self.q_hm
         with self.phase("compute"):
             if heads is None:
@@ -348,48 +257,7 @@ class Call:
                                         block_len=lay.block_len, num_aligned=lay.num_aligned,
                                         block_size=lay.block_size, head_dim=self.q.shape[-1])
             o, l = self.kernel(q, buf, kv_num, kv_idx, scale=self.scale)
-        self.merge(o, l, heads)
-
-    def merge(self, o: torch.Tensor, lse: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
-        """Fold a partial result (``o`` (B, H', S, D), ``lse`` (B, H', S)) of query heads
-        ``heads`` (all when ``None``) into the call's output.
-
-        The first whole-head partial is kept as the kernel returned it (no copy). A later
-        whole-head one waits in ``_pending``: the next kernel launch folds it into float32 first
-        (``_fold``: ``merge_pair``, one pass on CUDA), or, when no kernel follows, ``finish``
-        merges it straight into the caller's dtype and layout (``merge_final``)."""
-        whole = heads is None or heads == (0, self.shapes.heads)
-        if whole and self.out is None:
-            self.out, self.lse = o, lse
-            return
-        self._fold()
-        with self.phase("merge"):
-            if whole:
-                assert self._direct is None, "a whole-head partial after head-sliced ones written out"
-                self._pending = (o, lse)
-                return
-            h0, h1 = heads
-            if self._direct is not None or (self.world == 2 and self.out is not None and not self._accumulating):
-                # two ranks: the kept local partial and the one payload's disjoint head groups;
-                # each group is its heads' last partial, merged straight into the output
-                if self._direct is None:
-                    B, S, H, D = self.q.shape
-                    self._direct = (torch.empty(B, S, H, D, dtype=self.q.dtype, device=self.q.device), [])
-                final, done = self._direct
-                assert all(h1 <= a or b <= h0 for a, b in done), f"heads {heads} merged twice"
-                merge_into(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse,
-                           final.permute(0, 2, 1, 3)[:, h0:h1])
-                done.append((h0, h1))
-                return
-            if self.out is None:  # nothing merged yet: an empty partial for every head
-                B, S, H, D = self.q.shape
-                self.out = torch.zeros(B, H, S, D, dtype=torch.float32, device=self.q.device)
-                self.lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32,
-                                      device=self.q.device)
-            elif not self._accumulating:  # a kept first partial: accumulate in fp32 now
-                self.out, self.lse = self.out.float(), self.lse.float()
-            self._accumulating = True
-            merge_into(self.out[:, h0:h1], self.lse[:, h0:h1], o, lse, self.out[:, h0:h1], self.lse[:, h0:h1])
+        self.output.merge(o, l, heads)
 
     def attend_local(self) -> None:
         """The local queries over this rank's own K/V as given (``LocalKV``: per-head
@@ -401,16 +269,16 @@ class Call:
         self._local_done = True
         if self.dense_kernel is not None:  # one rank, a mask that keeps too much: the dense kernel
             with self.phase("compute"):
-                self.final = self.dense_kernel(self.q, self.k, self.v, self.scale).contiguous()
+                self.output.set_final(self.dense_kernel(self.q, self.k, self.v, self.scale).contiguous())
             return
         if self.full_mask is not None and self.kept.get(r, 1) == 0:
             return
-        self._fold()
+        self.output.fold()
         with self.phase("compute"):
             kv = LocalKV(self.k, self.v, self.shapes.block_size)
             kv_num, kv_idx = self.local_lists()
             o, l = self.kernel(self.q_hm, kv, kv_num, kv_idx, scale=self.scale)
-        self.merge(o, l)
+        self.output.merge(o, l)
 
     def attend_local_early(self) -> None:
         """Queue the local shard's kernel before the call's host read (``sp_attention``, for a
@@ -419,9 +287,7 @@ class Call:
         issues the first round (``side``). The read's copy is queued before it, so the read
         does not wait for the kernel. On CUDA, first marks the stage's end on the compute
         stream: the side stream starts from there."""
-        if self.q.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        self.side_stream.mark()
         if self.timer is not None:
             self.timer.local_first = True
         self.attend_local()
@@ -434,7 +300,7 @@ class Call:
         it does not where the first round's transfer is the longer path, since the pack is then
         issued after the local kernel's launch instead of before it, nor over ``nccl``, whose
         copy kernels need SMs the local kernel holds. Estimated with the fabric figures the
-        chunk rule uses (``chunks.fabric``): the first round's rows (K and V) over the pair's
+        chunk rule uses (``fabric``): the first round's rows (K and V) over the pair's
         bandwidth against the local kept block pairs over the kernel's rate. The first call of
         a geometry has no figures and runs in order. On the CPU it always says yes: the order
         changes nothing there, and the CPU suite then covers the early path."""
@@ -445,9 +311,15 @@ class Call:
             return False
         rows, pairs = last
         sh = self.shapes
-        return chunks.transfer_hides(chunks.fabric("cuda", self.transport.name, sh.head_dim, self.kernel_name),
-                                     rows=rows, pairs=pairs * sh.block_size ** 2,
+        return chunks.transfer_hides(self.fabric(), rows=rows, pairs=pairs * sh.block_size ** 2,
                                      head_dim=sh.head_dim, dtype_bytes=self.q.element_size())
+
+    def fabric(self) -> chunks.Fabric:
+        """What this call's transfers and kernels cost on this machine (``chunks.fabric``): the
+        path its transport reports (``Transport.fabric``), that transport's figure, the rate of
+        the call's kernel."""
+        return chunks.fabric(self.q.device.type, self.transport.name, self.shapes.head_dim, self.kernel_name,
+                             path=self.transport.fabric)
 
     def _remember_round(self) -> None:
         """After the host read: the first round's payload rows (the largest of the round-1
@@ -464,35 +336,19 @@ class Call:
         self._geo.last_round = (max(rows.values()), pairs)
 
     def stage_side(self) -> None:
-        """Mark the compute stream's present end as where ``side`` streams start, for packs
-        and transfers a strategy issues after it queued kernels (``sparsp``'s late steps);
-        nothing on the CPU or when ``attend_local_early`` marked it already. Call it before
-        the kernels the side work must not wait for."""
-        if self._staged is None and self.q.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        """Mark the compute stream's present end as where ``side`` starts, for packs and
+        transfers a strategy issues after it queued kernels (``sparsp``'s late steps); nothing
+        on the CPU or when ``attend_local_early`` marked it already. Call it before the kernels
+        the side work must not wait for."""
+        self.side_stream.mark()
 
     def side(self, on: bool = True):
         """Context for issuing packs and transfers (``Call.pack_local``,
-        ``send_buffer``/``publish``/``fetch``) beside queued kernels: the first round while
-        the early local kernel runs, or a round's late steps (``stage_side``). A high-priority
-        side stream that starts where the plan stage ended (its layouts and token rows), so
-        the pack's gathers and the transfer do not queue behind the kernels. Waits
-        (``handle.wait()``) stay on the compute stream, outside this context; ``join`` orders
-        the compute stream after the side stream once the run is queued. Before any mark (or
-        on the CPU), or with ``on`` false: no context."""
-        if self._staged is None or not on:
-            return contextlib.nullcontext()
-        stream = _side_stream(self.q.device)
-        stream.wait_event(self._staged)
-        self._side = stream
-        return _on_side(self, stream)
-
-    def join(self) -> None:
-        """The compute stream waits for everything issued on the side stream (``side``): the
-        call's output, and every later use of its inputs and buffers, come after it."""
-        if self._side is not None:
-            torch.cuda.current_stream(self.q.device).wait_stream(self._side)
+        ``send_buffer``/``publish``/``fetch``) beside queued kernels (``strategies/side.py``):
+        the first round while the early local kernel runs, or a round's late steps
+        (``stage_side``). Waits (``handle.wait()``) stay outside it. Before any mark (or on the
+        CPU), or with ``on`` false: no context."""
+        return self.side_stream.issue(on)
 
     def lists(self, origin: int, ids: torch.Tensor,
               heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,32 +375,6 @@ class Call:
         ids = LocalKV.ids_for(self.shapes.num_blocks[self.rank], self.bh, self.q.device)
         return self.lists(self.rank, ids)
 
-    def _fold(self) -> None:
-        """The pending partial into the float32 accumulator: another one follows it."""
-        if self._pending is not None:
-            with self.phase("merge"):
-                self.out, self.lse = merge_pair(self.out, self.lse, *self._pending)
-            self._pending = None
-            self._accumulating = True
-
-    def finish(self) -> None:
-        """The last partial merged into the caller's output (``merge_final``: one pass that
-        writes (B, S, H, D) in q's dtype), queued right after the run's last kernel; or the
-        heads no head-sliced partial reached copied into the output being written by slices."""
-        if self._pending is not None and self.final is None:
-            with self.phase("merge"):
-                self.final = merge_final(self.out, self.lse, *self._pending, self.q.dtype)
-            self.out = self.lse = self._pending = None
-        elif self._direct is not None and self.final is None:
-            final, done = self._direct
-            with self.phase("merge"):
-                h = 0
-                for a, b in sorted(done) + [(self.shapes.heads, self.shapes.heads)]:
-                    if h < a:  # heads no slice reached: the kept partial as it is
-                        final.permute(0, 2, 1, 3)[:, h:a].copy_(self.out[:, h:a])
-                    h = max(h, b)
-            self.final, self.out, self.lse, self._direct = final, None, None, None
-
     def run(self, spec) -> None:
         """Run strategy ``spec`` (a ``StrategySpec``) on this call, resolved by its host read:
         the transport's windows sized for the worst case, a full shard per peer (a collective
@@ -560,48 +390,7 @@ class Call:
                     self.attend_local()
                 else:
                     spec.run(self)
-                self.finish()  # the last merge, written as the output
+                self.output.finish()  # the last merge, written as the output
             finally:  # the compute stream after the side stream's packs and transfers, also
-                self.join()  # when the run raised: nothing of the call stays unordered
+                self.side_stream.join()  # when the run raised: nothing of the call stays unordered
         self.transport.settle()
-
-    def result(self) -> torch.Tensor:
-        """The merged output in the caller's layout and dtype, (B, S, H, D)."""
-        self.finish()
-        if self.final is not None:
-            return self.final
-        if self.out is None:  # no block selected at all: every row is empty, output zeros
-            return torch.zeros_like(self.q)
-        return self.out.permute(0, 2, 1, 3).to(self.q.dtype).contiguous()
-
-
-_SIDE_STREAMS: dict[str, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One high-priority stream per device for the first round's packs and transfers: their
-    blocks are scheduled ahead of the local kernel's pending ones (``Call.side``)."""
-    stream = _SIDE_STREAMS.get(str(device))
-    if stream is None:
-        _, high = torch.cuda.Stream.priority_range()
-        stream = _SIDE_STREAMS[str(device)] = torch.cuda.Stream(device, priority=high)
-    return stream
-
-
-@contextlib.contextmanager
-def _on_side(call: "Call", stream: torch.cuda.Stream):
-    call._in_side = True
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        call._in_side = False  # later rounds (issued after a wait) pack on the compute stream
-
-
-class _TimedHandle:
-    def __init__(self, handle, timer: PhaseTimer, key: int) -> None:
-        self._handle, self._timer, self._key = handle, timer, key
-
-    def wait(self) -> None:
-        self._handle.wait()
-        self._timer.fetch_landed(self._key)
