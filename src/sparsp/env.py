@@ -72,6 +72,13 @@ def triton_interpret() -> bool:
     return _get("TRITON_INTERPRET") == "1"
 
 
+def nccl_p2p_disabled() -> bool:
+    """True when ``NCCL_P2P_DISABLE`` is set to a true value: NCCL then stages every transfer
+    through host memory even between GPUs with peer access (NCCL's variable, not sparsp's;
+    ``transport.nccl.peer_fabric`` reports the fabric it leaves)."""
+    return (_get("NCCL_P2P_DISABLE") or "0").lower() not in ("0", "false", "no")
+
+
 def unknown() -> list[str]:
     """``SPARSP_*`` names set in the environment that sparsp does not read."""
     return sorted(n for n in os.environ if n.startswith("SPARSP_") and n not in KNOWN)
@@ -91,5 +98,5 @@ def warn_unknown() -> None:
                           RuntimeWarning, stacklevel=2)
 
 
-__all__ = ["HOST_ID", "KNOWN", "PROFILE", "SHM_TAG", "TRITON", "host_id", "profile", "shm_tag",
-           "triton_enabled", "triton_interpret", "unknown", "warn_unknown"]
+__all__ = ["HOST_ID", "KNOWN", "PROFILE", "SHM_TAG", "TRITON", "host_id", "nccl_p2p_disabled", "profile",
+           "shm_tag", "triton_enabled", "triton_interpret", "unknown", "warn_unknown"]

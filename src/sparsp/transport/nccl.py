@@ -15,6 +15,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..groups import global_rank
 from .base import DoneHandle, Topology, Transport, register_transport
 
@@ -64,12 +65,13 @@ def peer_fabric(device) -> str:
     peer access to every other GPU it sees (NCCL then copies GPU to GPU), ``host`` where one
     lacks it (NCCL stages through host memory) and on the CPU (gloo). A process that sees one
     GPU cannot tell and says ``nvlink``: the chunk rules then err towards fewer chunks (the
-    unchunked call), never towards chunks a fast link does not need. Resolved once per
-    transport (``P2PTransport.fabric``)."""
+    unchunked call), never towards chunks a fast link does not need. ``NCCL_P2P_DISABLE=1``
+    makes NCCL stage through host memory whatever the GPUs could do: ``host``. Resolved once
+    per transport (``P2PTransport.fabric``)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or env.nccl_p2p_disabled():
         return "host"
     me = device.index if device.index is not None else torch.cuda.current_device()
     others = [g for g in range(torch.cuda.device_count()) if g != me]
