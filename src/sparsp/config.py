@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from .thresholds import ThresholdTable, read_thresholds
 
 if TYPE_CHECKING:  # annotations only: importing the config (the command line's --help) needs no torch
     import torch
@@ -78,6 +82,28 @@ class SparspConfig:
     None: every pair by its rule. For tests (``host`` on CPU, whose rule declines CPU tensors)
     and for measuring one on-host path beside another on the same machine."""
 
+    thresholds: str | None = None
+    """A JSON table of ``cdf_threshold`` and ``sim_threshold`` per (layer, head)
+    (``sparsp.thresholds``, docs/configuration.md): a call with ``layer=L`` takes layer L's
+    values; a layer the table leaves out, or a call without a layer, takes the scalars above.
+    Read and checked when the config is made (``ValueError`` naming the file)."""
+    dense_steps: int = 0
+    """The denoising schedule (docs/configuration.md, "Schedules"): steps 0 … dense_steps − 1 of
+    a run run exact dense attention through the strategy's dense path (no mask, no demand).
+    Applies to calls that say their step (``sp_attention(step=)``; the Diffusers integration
+    counts steps itself); a call without a step plans afresh."""
+    replan_every: int = 1
+    """From step ``dense_steps`` on, step S solves its plan (the mask, the demand and payload
+    sizes, ``auto``'s choice, ``ulysses``' head order) where (S − dense_steps) % replan_every
+    == 0, and otherwise reuses the last plan solved for the same layer, branch and geometry
+    (or solves one if there is none). 1: every step plans, as a call without a step does."""
+    kept_plans: int = 256
+    """Plans kept for reuse (``replan_every`` > 1), per process, least recently used first out:
+    one per (model, layer, branch, geometry, strategy, config, dtype, device). Every rank makes
+    the same calls, so every rank keeps and drops the same plans. What one plan holds is in
+    docs/performance.md ("Plan and reuse calls")."""
+    _table: ThresholdTable | None = field(default=None, init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         _check_threshold("cdf_threshold", self.cdf_threshold, allow_none=False)
         _check_threshold("sim_threshold", self.sim_threshold, allow_none=True)
@@ -112,6 +138,49 @@ class SparspConfig:
             if self.local_transport not in local:
                 raise ValueError(f"local_transport must be None or one of {', '.join(local)}; "
                                  f"got {self.local_transport!r}")
+        if not _is_int(self.dense_steps) or self.dense_steps < 0:
+            raise ValueError(f"dense_steps must be an int >= 0, got {self.dense_steps!r}")
+        if not _is_int(self.replan_every) or self.replan_every < 1:
+            raise ValueError(f"replan_every must be an int >= 1 (1 = plan every step), got {self.replan_every!r}")
+        if not _is_int(self.kept_plans) or self.kept_plans < 1:
+            raise ValueError(f"kept_plans must be an int >= 1, got {self.kept_plans!r}")
+        if self.thresholds is not None:
+            if not isinstance(self.thresholds, (str, os.PathLike)):
+                raise ValueError(f"thresholds must be None or the path of a thresholds file, got "
+                                 f"{type(self.thresholds).__name__}")
+            object.__setattr__(self, "thresholds", os.fspath(self.thresholds))
+            object.__setattr__(self, "_table", read_thresholds(self.thresholds, option="thresholds"))
+
+    @classmethod
+    def from_thresholds(cls, path, **fields) -> "SparspConfig":
+        """A config whose per-(layer, head) thresholds come from the table at ``path``; ``fields``
+        set the rest (their scalars serve the layers the table leaves out)."""
+        return cls(thresholds=path, **fields)
+
+    @property
+    def table(self) -> ThresholdTable | None:
+        """The thresholds table read from ``thresholds`` (None without one)."""
+        return self._table
+
+    def at_layer(self, layer: int | None) -> "SparspConfig":
+        """The config a call attending for ``layer`` runs with: the table's values of that layer
+        in place of the scalars, and no table (the same object without a table or a layer)."""
+        if self._table is None:
+            return self
+        return _at_layer(self, layer)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether a call that says its step follows a schedule: some steps dense or some
+        plans reused."""
+        return self.dense_steps > 0 or self.replan_every > 1
+
+    def step_kind(self, step: int) -> str:
+        """What step ``step`` (from 0) of a run does: ``"dense"``, ``"plan"`` or ``"reuse"``
+        (a reuse step with no plan kept for its key plans instead)."""
+        if step < self.dense_steps:
+            return "dense"
+        return "plan" if (step - self.dense_steps) % self.replan_every == 0 else "reuse"
 
     def cdf_tensor(self, heads: int) -> torch.Tensor | float:
         return _per_head(self.cdf_threshold, heads, "cdf_threshold")
@@ -124,6 +193,14 @@ class SparspConfig:
         """True when the mask is all ones whatever the inputs (cdf 1, similarity off)."""
         values = self.cdf_threshold if isinstance(self.cdf_threshold, tuple) else (self.cdf_threshold,)
         return self.sim_threshold is None and all(v >= 1.0 for v in values)
+
+
+@lru_cache(maxsize=1024)
+def _at_layer(config: SparspConfig, layer: int | None) -> SparspConfig:
+    cdf, sim = config.table.at(layer)
+    return replace(config, thresholds=None,
+                   cdf_threshold=config.cdf_threshold if cdf is None else cdf,
+                   sim_threshold=config.sim_threshold if sim is None else sim)
 
 
 def _is_int(value) -> bool:
