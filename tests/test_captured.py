@@ -46,10 +46,11 @@ def _emulated_capture(q, k, v, meta, group, spec, config, transport, auto):
     from sparsp.strategies import captured
 
     rows = meta.rows if meta.rows_kept else meta.rows.clone()  # as captured._capture
-    args = (q, k, v, meta, rows, group, spec, config, transport, auto)
+    cdf = captured.threshold_tensor(config.cdf_threshold, meta.shapes.heads, q.device).clone()
+    args = (q, k, v, meta, rows, group, spec, config, transport, auto, cdf)
     call, staged = captured._stage(*args)
     graph = _EmulatedGraph(lambda: captured._stage(*args), _tensors(call, staged))
-    return captured._Stage(graph, rows, call.full_mask, call._demand, call._lists, staged)
+    return captured._Stage(graph, rows, cdf, call.full_mask, call._demand, call._lists, staged)
 
 
 def _emulate(monkeypatch_graphs: bool):
@@ -132,8 +133,8 @@ def _lru_worker(rank, world):
     captured.MAX_STAGES = 3
     q, k, v = structured_inputs(5, 1, 96, 4, 16)
     x = [t[:, 48 * rank:48 * (rank + 1)].contiguous() for t in (q, k, v)]
-    for cdf in (0.5, 0.6, 0.7, 0.8, 0.9):  # a new config, so a new stage, every time
-        cfg = SparspConfig(cdf_threshold=cdf, block_size=16, transport="nccl", kernel="torch")
+    for drain in (1, 2, 3, 4, 5):  # a new config, so a new stage, every time
+        cfg = SparspConfig(drain_chunks=drain, block_size=16, transport="nccl", kernel="torch")
         for _ in range(2):
             sp_attention(*x, strategy="sparsp", config=cfg)
     kept = len(captured._STAGES)
@@ -144,3 +145,31 @@ def _lru_worker(rank, world):
 def test_stages_are_bounded():
     """A caller sweeping configs does not accumulate graphs: the least recently used go."""
     assert run_distributed(_lru_worker, 2, timeout=120) == [3, 3]
+
+
+def _thresholds_worker(rank, world, path):
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.strategies import captured, close_transports
+
+    _emulate(True)
+    graphed = SparspConfig(thresholds=path, block_size=16, transport="nccl", kernel="torch")
+    eager = dataclasses.replace(graphed, cuda_graphs=False)
+    for step in range(3):  # eager, capture + replay, replay; the two layers alternate
+        for layer in (0, 1):
+            q, k, v = structured_inputs(20 + step, 1, 96, 4, 16)
+            x = [t[:, 48 * rank:48 * (rank + 1)].contiguous() for t in (q, k, v)]
+            got = sp_attention(*x, strategy="sparsp", config=graphed, layer=layer)
+            assert torch.equal(got, sp_attention(*x, strategy="sparsp", config=eager, layer=layer)), (step, layer)
+    stages = [s for s in captured._STAGES.values() if isinstance(s, captured._Stage)]
+    close_transports()
+    return len(stages)
+
+
+def test_layers_with_thresholds_of_their_own_share_one_stage(tmp_path):
+    """The CDF thresholds are the stage's input, not its key: two layers of one geometry with
+    different per-head thresholds replay one graph, each with its own values."""
+    from sparsp.thresholds import write_thresholds
+
+    path = tmp_path / "t.json"
+    write_thresholds(path, layers=2, heads=4, cdf=[[0.5, 0.7, 0.9, 0.95], [0.99, 0.6, 0.8, 0.3]])
+    assert run_distributed(_thresholds_worker, 2, str(path), timeout=120) == [1, 1]

@@ -18,6 +18,8 @@ def __getattr__(name):
         from . import strategies
 
         return getattr(strategies, name)
+    if name == "new_run":
+        return new_run
     if name in ("parallelize", "unparallelize"):  # needs diffusers only when called
         from .integrations import diffusers
 
@@ -25,4 +27,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'sparsp' has no attribute {name!r}")
 
 
-__all__ = ["SparspConfig", "sp_attention", "close_transports", "parallelize", "unparallelize", "__version__"]
+def new_run(transformer=None) -> None:
+    """Start a new denoising run (``SparspConfig``'s schedule counts steps from 0 again):
+    of the parallelized ``transformer``, or of direct ``sp_attention`` calls (None)."""
+    if transformer is None:
+        from .strategies import new_run as start
+    else:
+        from .integrations.diffusers import new_run as start
+    start(transformer)
+
+
+__all__ = ["SparspConfig", "new_run", "sp_attention", "close_transports", "parallelize", "unparallelize", "__version__"]

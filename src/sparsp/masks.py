@@ -74,9 +74,14 @@ def split_mask(q: torch.Tensor, k: torch.Tensor, seq_lens, block_size: int, *, c
 _THRESHOLDS = per_geometry("masks: per-head thresholds")
 
 
-def _per_head(value: Threshold, heads: int, name: str, device, dtype=torch.float64) -> torch.Tensor:
+def _per_head(value: Threshold, heads: int, name: str, device, dtype=torch.float64, *,
+              trusted: bool = False) -> torch.Tensor:
     """``dtype`` [heads] on ``device``. Checked on the host (the values are host numbers or a
-    CPU tensor from ``SparspConfig``) and cached per value and device: no host sync per call."""
+    CPU tensor from ``SparspConfig``) and cached per value and device: no host sync per call.
+    ``trusted``: a device tensor of [heads] values checked where they were made (a captured
+    plan stage's thresholds input, ``threshold_tensor``), used as it is."""
+    if trusted and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.to(dtype)
     src = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
     if src.device.type != "cpu":  # a caller's device tensor: checked where it lives
         t = src.to(device=device, dtype=torch.float64)
@@ -103,6 +108,12 @@ def _per_head(value: Threshold, heads: int, name: str, device, dtype=torch.float
     return t
 
 
+def threshold_tensor(value: Threshold, heads: int, device) -> torch.Tensor:
+    """A host threshold (a number or per-head values) as the float32 [heads] device tensor the
+    selection reads, checked and made once per value and device."""
+    return _per_head(value, heads, "cdf_threshold", device, torch.float32)
+
+
 def _keeps_all(value: Threshold) -> bool:
     """Whether some head's threshold may be 1 (known on the host for host values; a caller's
     device tensor is not read: assume it may)."""
@@ -118,11 +129,13 @@ def select_blocks(
     cdf_threshold: Threshold,
     sim_threshold: Threshold | None = None,
     scale: float | None = None,
+    trusted: bool = False,
 ) -> torch.Tensor:
-    """Bool mask [B, H, nQ, nK] of the K blocks each pooled Q block keeps."""
+    """Bool mask [B, H, nQ, nK] of the K blocks each pooled Q block keeps. ``trusted``: a
+    device ``cdf_threshold`` is used unchecked (``threshold_tensor`` made it)."""
     B, H, _, D = pq.mean.shape
     device = pq.mean.device
-    cdf = _per_head(cdf_threshold, H, "cdf_threshold", device, torch.float32)
+    cdf = _per_head(cdf_threshold, H, "cdf_threshold", device, torch.float32, trusted=trusted)
     scale = D**-0.5 if scale is None else scale
     scores = torch.matmul(pq.mean, pk.mean.transpose(-1, -2)).mul_(scale)
     if sim_threshold is not None:
@@ -245,6 +258,30 @@ def pattern_shares(mask: torch.Tensor, geom, *, column_share: float = 0.5) -> di
     return {p: counts[p] / kept for p in PATTERNS}
 
 
+_BIT_WEIGHTS: dict = {}  # device -> uint8 [8]: 1, 2, 4, ... 128
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask [..., n] as uint8 [..., ceil(n / 8)], eight blocks a byte (a kept plan holds
+    its mask this way: an eighth of the bool tensor). Device ops only, no host sync."""
+    n = mask.shape[-1]
+    pad = -n % 8
+    if pad:
+        mask = torch.nn.functional.pad(mask, (0, pad))
+    key = str(mask.device)
+    weights = _BIT_WEIGHTS.get(key)
+    if weights is None:
+        weights = _BIT_WEIGHTS[key] = (2 ** torch.arange(8, dtype=torch.int32)).to(torch.uint8).to(mask.device)
+    return (mask.reshape(*mask.shape[:-1], -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_bits``' inverse: bool [..., n]."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(*packed.shape[:-1], -1)[..., :n].bool()
+
+
 def _block_centres(geom) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block: mean frame index, mean spatial index (h·W + w), and whether it holds video."""
     n, bs = geom.num_blocks, geom.block_size
@@ -256,6 +293,6 @@ def _block_centres(geom) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return t.sum(1) / cnt, s.sum(1) / cnt, vid.any(1)
 
 
-__all__ = ["PATTERNS", "PooledBlocks", "SUM_FEATURES", "SumsTable", "Threshold", "block_lengths", "block_mask",
+__all__ = ["PATTERNS", "PooledBlocks", "SUM_FEATURES", "SumsTable", "Threshold", "block_lengths", "block_mask", "pack_bits", "threshold_tensor", "unpack_bits",
            "block_sums", "cached_zeros", "check_parts", "density", "fused_sums", "head_density", "key_sum",
            "pattern_shares", "pool_blocks", "select_blocks", "split_mask", "summaries_into", "summarize"]

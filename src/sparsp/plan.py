@@ -323,10 +323,12 @@ class Metadata:
         return all(summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, check=False)
                    <= self.capacity for n in sh.num_blocks)
 
-    def block_mask(self, config: SparspConfig) -> torch.Tensor:
+    def block_mask(self, config: SparspConfig, cdf: torch.Tensor | None = None) -> torch.Tensor:
         """The whole block mask from the gathered summaries (device ops only): bool [B, H, N, N],
-        N = all ranks' blocks in rank order."""
-        return _mask(self, self.shapes, config, self.center)
+        N = all ranks' blocks in rank order. ``cdf``: the per-head CDF thresholds as a device
+        tensor (``masks.threshold_tensor``) in place of ``config``'s, for a captured stage
+        that takes them as an input."""
+        return _mask(self, self.shapes, config, self.center, cdf)
 
     def true_shapes(self) -> Shapes:
         """The shapes the gathered headers describe (after ``finish`` read them)."""
@@ -367,7 +369,7 @@ def count_nonfinite(q, k, v, group, timeout_s: float) -> torch.Tensor:
 # --- the mask ------------------------------------------------------------------------------
 
 
-def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch.Tensor:
+def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center, cdf=None) -> torch.Tensor:
     """The whole block mask from every rank's summaries (cut with ``shapes``)."""
     B, H, D = shapes.batch, shapes.heads, shapes.head_dim
     off = HEADER_SLOTS + 1
@@ -397,8 +399,8 @@ def _mask(meta: Metadata, shapes: Shapes, config: SparspConfig, center) -> torch
         # pooled keys were not smoothed yet: subtract the global key mean now
         center = torch.stack(sums).sum(0) / sum(shapes.seq_lens)
         pk_all = pk_all.centered(center)
-    return select_blocks(pq_all, pk_all, cdf_threshold=config.cdf_tensor(H),
-                         sim_threshold=config.sim_tensor(H))
+    return select_blocks(pq_all, pk_all, cdf_threshold=config.cdf_tensor(H) if cdf is None else cdf,
+                         sim_threshold=config.sim_tensor(H), trusted=cdf is not None)
 
 
 __all__ = ["Layout", "Metadata", "Shapes", "Staged", "TAIL", "count_nonfinite", "gather_metadata", "remask"]

@@ -38,12 +38,14 @@ def split_block_mask(q: torch.Tensor, k: torch.Tensor, lens: list[int], config: 
 
 def reference_sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, lens: list[int],
                            strategy: str | None = None, config: SparspConfig = SparspConfig(),
-                           return_mask: bool = False):
+                           return_mask: bool = False, mask: torch.Tensor | None = None):
     """Attention of the whole placed sequence ``q, k, v`` (B, S, H, D) under the masks of a
     group whose ranks hold ``lens`` tokens each (``sum(lens) == S``); returns (B, S, H, D)
     (and the mask bool [B, H, N, N] when ``return_mask``). ``strategy``: a registered name
     (None: the primary one, ``sp_attention``'s default); a strategy registered as not sparse
-    (the dense baseline) and a dense config attend to everything, as it does distributed."""
+    (the dense baseline) and a dense config attend to everything, as it does distributed.
+    ``mask``: a mask to attend under instead of the one these inputs give (a schedule's reuse
+    step: the mask of the step that solved the plan)."""
     if sum(lens) != q.shape[1] or any(n < 1 for n in lens):
         raise ValueError(f"lens {lens} must be positive and sum to the {q.shape[1]} tokens of q")
     B, S, H, D = q.shape
@@ -54,7 +56,11 @@ def reference_sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if strategy == AUTO:
         raise ValueError(f"strategy={AUTO!r} picks a strategy per call from the group's own demand; "
                          f"the single-process sparse processor needs a fixed one (e.g. {primary!r})")
-    if not strategy_spec(strategy).sparse or config.dense:
+    if mask is not None:
+        if tuple(mask.shape) != (B, H, sum(nblocks), sum(nblocks)):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; these inputs need "
+                             f"{(B, H, sum(nblocks), sum(nblocks))}")
+    elif not strategy_spec(strategy).sparse or config.dense:
         mask = torch.ones(B, H, sum(nblocks), sum(nblocks), dtype=torch.bool, device=q.device)
     else:
         mask = split_block_mask(q, k, lens, config)

@@ -14,10 +14,12 @@ import logging
 
 import torch
 
+from dataclasses import replace
+
 from .. import caches
 from ..config import SparspConfig
 from ..transport import make_transport
-from . import ring, ring_relay, sparsp, ulysses  # noqa: F401  (each registers its strategies)
+from . import ring, ring_relay, schedule, sparsp, ulysses  # noqa: F401  (each registers its strategies)
 from .call import Call
 from .request import Request, validate
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
@@ -61,8 +63,11 @@ def sp_attention(
     strategy: str = "sparsp",
     config: SparspConfig = SparspConfig(),
     layer: int | None = None,
+    step: int | None = None,
+    branch=None,
     _global_mask: torch.Tensor | None = None,
     _timer=None,
+    _owner=None,
 ) -> torch.Tensor:
     """Sequence-parallel block-sparse attention over ``group``.
 
@@ -74,26 +79,71 @@ def sp_attention(
     ``block_mask`` when every slice but the last is a whole number of blocks).
     ``strategy="ring"`` is the dense baseline and ignores the thresholds; ``strategy="auto"``
     picks one per call from the call's own mask and a machine profile (``strategies/auto.py``).
+
     ``layer``: the index of the model layer this call attends for (an int >= 0; None: not
-    said). Only what is reported uses it: ``auto`` logs its choice once per geometry and layer
-    (layers of one geometry differ in how dense their masks are, so each may take another
-    strategy); the result does not depend on it. ``_global_mask``
-    (bool [B, H, N, N], N = global blocks) replaces the CDF mask — for tests; ``_timer``
-    (a ``timing.PhaseTimer``) times the phases — for benchmarks.
+    said): its thresholds where ``config.thresholds`` sets them per layer, ``auto``'s log line
+    per layer, and the key of its kept plans. ``step`` (an int >= 0; None: plan afresh) and
+    ``branch`` (any hashable; None: the i-th call of one (layer, step) is branch i): where the
+    call is in a denoising run, for ``config``'s schedule (``dense_steps``, ``replan_every``;
+    ``strategies/schedule.py``). ``_global_mask`` (bool [B, H, N, N], N = global blocks)
+    replaces the CDF mask — for tests; ``_timer`` (a ``timing.PhaseTimer``) times the phases —
+    for benchmarks; ``_owner``: whose plans these are (the parallelized model; None: direct
+    calls).
     """
     validate(q, k, v, group, strategy, config)
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
         raise ValueError(f"layer must be an int >= 0 or None, got {layer!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    if branch is not None and not isinstance(branch, (int, str)):
+        raise ValueError(f"branch must be None, an int or a str, got {type(branch).__name__}")
+    if config.table is not None:
+        config.table.check(heads=q.shape[2], what="q")
+    config = config.at_layer(layer)
     transport = get_transport(config.transport, group, q.device, config.timeout_s, config.local_transport)
-    request = Request(q, k, v, group, strategy, config, transport, _global_mask, _timer, layer=layer)
+    schedule.finite_checks.settle()  # earlier reuse calls' non-finite checks that are complete
+    key = None
     with torch.no_grad():
+        if step is not None and config.scheduled and _global_mask is None:
+            if config.step_kind(step) == "dense":  # exact dense attention, the strategy's dense path
+                strategy, config = schedule.dense_path(strategy), replace(config, cdf_threshold=1.0, sim_threshold=None)
+            elif config.replan_every > 1:
+                branch = schedule.branch_of(_owner, layer, step, branch)
+                key = schedule.plan_key(_owner, layer, branch, q, group, strategy, config)
+                plan = schedule.lookup(key) if config.step_kind(step) == "reuse" else None
+                if plan is not None:
+                    return _reuse(plan, q, k, v, group, config, transport, _timer)
+        request = Request(q, k, v, group, strategy, config, transport, _global_mask, _timer, layer=layer)
         meta = request.gather()  # every rank's header and summaries, one all-gather
         call, staged = request.stage(meta)  # the mask, the payloads' selections, the counts to read
         call, resolved = request.resolve(meta, call, staged)  # the one host read: checks, layouts, counts
         call, spec = request.choose(call, resolved)  # auto's choice, the heads' ranks, one GPU's kernel
+        if key is not None:  # a plan step whose plan later steps reuse
+            schedule.keep(key, schedule.KeptPlan.of(call, spec), config.kept_plans)
         call.run(spec)  # transfers, kernels, merges
     return call.output.result()
 
 
-__all__ = ["Call", "StrategyName", "StrategySpec", "close_transports", "comm_bytes", "get_transport",
+def _reuse(plan, q, k, v, group, config: SparspConfig, transport, timer) -> torch.Tensor:
+    """A call on a kept plan: no summaries, no metadata collective, no mask, no host read; the
+    transport's fence, then the plan's transfers, kernels and merges on this call's q, k, v."""
+    plan.check(q)
+    call = plan.call(q, k, v, config, group, transport)
+    call.timer = timer
+    if config.check_finite:
+        with call.phase("check"):
+            schedule.finite_checks.queue(q, k, v, call.rank)
+    transport.fence()
+    call.run(plan.spec)
+    return call.output.result()
+
+
+def new_run(owner=None) -> None:
+    """Start a new denoising run for direct calls of ``owner`` (None: ``sp_attention`` called
+    by hand): the branch counts start again. Plans stay; the run's first plan step replaces
+    them."""
+    schedule.new_run(owner)
+
+
+__all__ = ["Call", "StrategyName", "StrategySpec", "close_transports", "comm_bytes", "get_transport", "new_run",
            "register_strategy", "sp_attention", "strategy_names", "strategy_spec"]

@@ -67,8 +67,14 @@ class Call:
     group: object
     transport: Transport
     full_mask: torch.Tensor | None = None  # bool [B, H, N, N], all ranks' rows; None: dense
+    # this rank's rows of the mask, bool [B, H, n_local, N], where the whole mask is not at
+    # hand (a call that reuses a kept plan: ``strategies/schedule.py``)
+    rows: torch.Tensor | None = None
+    masked: bool | None = None  # the call runs under a mask (default: it has one)
 
     def __post_init__(self) -> None:
+        if self.masked is None:
+            self.masked = self.full_mask is not None or self.rows is not None
         self.kernel_name = resolve_kernel(self.config.kernel, self.q.device)
         self.kernel = get_kernel(self.kernel_name, self.q.device)
         self._q_hm: torch.Tensor | None = None
@@ -159,6 +165,8 @@ class Call:
     @property
     def mask(self) -> torch.Tensor | None:
         """This rank's rows: bool [B, H, n_local, N] (None when dense)."""
+        if self.rows is not None:
+            return self.rows
         if self.full_mask is None:
             return None
         return self.full_mask[:, :, self.shapes.blocks_of(self.rank)]
@@ -225,7 +233,7 @@ class Call:
     def rows_for(self, origin: int) -> torch.Tensor:
         """This rank's mask rows against ``origin``'s blocks: bool [B, H, n_local, n_origin]
         (all True when the call is dense)."""
-        if self.full_mask is None:
+        if not self.masked:
             nq, n = self.shapes.num_blocks[self.rank], self.shapes.num_blocks[origin]
             return torch.ones(self.shapes.batch, self.shapes.heads, nq, n, dtype=torch.bool,
                               device=self.q.device)
@@ -243,7 +251,7 @@ class Call:
         paper §7); the kernel runs on query heads [h0, h1) alone and its result merges into
         that head slice of the output, so splitting a payload into chunks does not grow the
         merge work. ``None``: every head."""
-        if self.full_mask is not None and self.kept.get(origin, 1) == 0:
+        if self.masked and self.kept.get(origin, 1) == 0:
             return  # no local query block reads a block of origin (known from the host copy)
         self.output.fold()
         q = self.q_hm
@@ -271,7 +279,7 @@ class Call:
             with self.phase("compute"):
                 self.output.set_final(self.dense_kernel(self.q, self.k, self.v, self.scale).contiguous())
             return
-        if self.full_mask is not None and self.kept.get(r, 1) == 0:
+        if self.masked and self.kept.get(r, 1) == 0:
             return
         self.output.fold()
         with self.phase("compute"):

@@ -24,18 +24,22 @@ per geometry, on its second call (a warm-up step of a denoising loop).
 ``strategy="auto"`` runs ``sparsp``'s stage with the figures its choice needs
 (``cost.figures.call_figures``) in the same host read, captured alike. Not captured: a
 ``sim_threshold`` config (key smoothing adds collectives before the mask), test masks
-(``_global_mask``) and dense configs (no mask to compute).
+(``_global_mask``) and dense configs (no mask to compute). The CDF thresholds are an input of
+the graph, copied in before each replay, not part of its key: the layers of one geometry with
+thresholds of their own (``SparspConfig.thresholds``) replay one graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
 from .. import _triton
 from ..caches import captured_on_second_sight, per_geometry
 from ..cost.figures import call_figures
+from ..masks import threshold_tensor
 from ..plan import Metadata, Staged
 from .call import Call
 
@@ -46,6 +50,7 @@ class _Stage:
 
     graph: torch.cuda.CUDAGraph
     rows: torch.Tensor  # the static input: the kept gathered rows, or a copy of them
+    cdf: torch.Tensor  # the static input: the CDF thresholds, float32 [H]
     mask: torch.Tensor  # the whole mask
     demand: torch.Tensor | None  # every rank's demand (None: the plan read none)
     lists: dict  # the kernels' block lists (``Call.lists``)
@@ -66,12 +71,13 @@ def eligible(q: torch.Tensor, spec, config, computed: bool) -> bool:
 
 
 def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=None, *,
-          auto: bool = False) -> tuple[Call, Staged, str | None]:
+          auto: bool = False, cdf: torch.Tensor | None = None) -> tuple[Call, Staged, str | None]:
     """The plan stage of a call on ``meta`` (the whole mask made here from its summaries):
     the ``Call`` of ``spec``, its staged
     counts (``Metadata.stage``) and a deferred error (raised once the shapes are confirmed).
     Device ops only, the same on the eager path and in a captured graph. ``auto``: ``spec`` is
-    ``auto.PLANNED``'s and the figures ``auto.choose_from`` reads ride with the counts."""
+    ``auto.PLANNED``'s and the figures ``auto.choose_from`` reads ride with the counts.
+    ``cdf``: the CDF thresholds as a device input (a captured stage's, ``replayed``)."""
     shapes = meta.shapes
     N = shapes.total_blocks
     full_mask, error = None, None
@@ -85,7 +91,7 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
         elif config.dense:
             full_mask = torch.ones(whole, dtype=torch.bool, device=q.device)
         else:  # the whole mask from the gathered summaries
-            full_mask = meta.block_mask(config)
+            full_mask = meta.block_mask(config, cdf)
     call = Call(q, k, v, shapes, config, group, transport, full_mask=full_mask)
     selections = spec.plan(call) if spec.plan is not None else {}
     # auto's figures ride with the counts; a head-sharded strategy balances its ranks by the
@@ -100,17 +106,27 @@ def stage(q, k, v, meta: Metadata, group, spec, config, transport, global_mask=N
     return call, staged, error
 
 
-def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport, auto: bool):
-    """``stage`` on the gathered ``rows`` (the captured function)."""
-    call, staged, _ = stage(q, k, v, meta.with_rows(rows), group, spec, config, transport, auto=auto)
+def _stage(q, k, v, meta: Metadata, rows: torch.Tensor, group, spec, config, transport, auto: bool, cdf):
+    """``stage`` on the gathered ``rows`` and the thresholds ``cdf`` (the captured function)."""
+    call, staged, _ = stage(q, k, v, meta.with_rows(rows), group, spec, config, transport, auto=auto, cdf=cdf)
     return call, staged
 
 
+@lru_cache(maxsize=256)
+def _keyed(config):
+    """``config`` as a stage's key holds it: the CDF thresholds are the stage's input, not part
+    of its key, so the layers of one geometry with thresholds of their own (``thresholds=``)
+    share one graph instead of one each (``MAX_STAGES``)."""
+    return replace(config, cdf_threshold=0.5)
+
+
 def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool) -> _Stage:
-    # the static input: the gathered rows themselves where the metadata step keeps them in one
-    # buffer per geometry (``summaries.gathered_rows``), so a replay copies nothing; else a copy
+    # the static inputs: the gathered rows themselves where the metadata step keeps them in one
+    # buffer per geometry (``summaries.gathered_rows``), so a replay copies nothing; else a
+    # copy; and the thresholds, copied in before each replay
     rows = meta.rows if meta.rows_kept else meta.rows.clone()
-    args = (q, k, v, meta, rows, group, spec, config, transport, auto)
+    cdf = threshold_tensor(config.cdf_threshold, meta.shapes.heads, q.device).clone()
+    args = (q, k, v, meta, rows, group, spec, config, transport, auto, cdf)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: library handles and workspaces before capture
@@ -127,14 +143,14 @@ def _capture(q, k, v, meta: Metadata, group, spec, config, transport, auto: bool
         host.copy_(staged.flat, non_blocking=True)
     staged = replace(staged, copied=(host, torch.cuda.Event()))
     # the capture's Call is dropped: it holds that call's q, k, v
-    return _Stage(graph, rows, call.full_mask, call._demand, call._lists, staged)
+    return _Stage(graph, rows, cdf, call.full_mask, call._demand, call._lists, staged)
 
 
 def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
              auto: bool = False) -> tuple[Call, Staged] | None:
     """This call's ``Call`` (mask and demand set) and staged counts from the geometry's graph,
     or None: run the stage eagerly (the geometry's first call, or capture failed)."""
-    key = (id(group), meta.shapes, meta.capacity, spec.name, auto, config, q.dtype, str(q.device),
+    key = (id(group), meta.shapes, meta.capacity, spec.name, auto, _keyed(config), q.dtype, str(q.device),
            transport.name, _triton.settings())
     st = captured_on_second_sight(_STAGES, key, lambda: _capture(q, k, v, meta, group, spec, config, transport, auto),
                                   MAX_STAGES, what="the plan stage", otherwise="runs it eagerly")
@@ -142,6 +158,7 @@ def replayed(q, k, v, meta: Metadata, group, spec, config, transport, *,
         return None
     if st.rows.data_ptr() != meta.rows.data_ptr():
         st.rows.copy_(meta.rows)
+    st.cdf.copy_(threshold_tensor(config.cdf_threshold, meta.shapes.heads, q.device))  # device to device
     st.graph.replay()
     call = Call(q, k, v, meta.shapes, config, group, transport, full_mask=st.mask)
     call._demand, call._lists = st.demand, dict(st.lists)
