@@ -346,7 +346,9 @@ def _use_backend(model, backend: str, other: str, one, args) -> None:
 
 
 def _tflops(flops: float, ms: float) -> float | None:
-    return round(flops / (ms * 1e-3) / 1e12, 4) if ms > 0 and flops > 0 else None
+    """The rate as measured (the result file keeps it whole: a tiny CPU model's rate rounded
+    to a few decimals reads 0.0); None without a time or FLOPs to divide."""
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 and flops > 0 else None
 
 
 def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int, *, one=None, args=None,
