@@ -385,3 +385,26 @@ def test_sync_count_records_the_second_of_two_calls(tmp_path):
     events = json.load(gzip.open(tmp_path / "row.json.gz"))["traceEvents"]
     names = {e.get("name") for e in events}
     assert "call2" in names and "call1" not in names and (tmp_path / "row.txt").is_file()
+
+
+# --------------------------------------------------------------------------- renamed flags
+
+
+def test_torch_profile_is_the_profilers_flag_and_the_old_spelling_is_refused(capsys):
+    """``--torch-profile DIR``: the torch profiler's tables and traces; ``--profile`` (its former
+    name; "profile" means a machine or density profile elsewhere) is refused in one line naming
+    the new spelling, exit status 2, with or without a value."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser()
+    bench_args.add_attention(p)
+    args = p.parse_args(["--torch-profile", "traces"])
+    assert args.torch_profile == Path("traces") and not hasattr(args, "profile")
+    assert p.parse_args([]).torch_profile is None
+    for argv in (["--profile", "traces"], ["--profile=traces"], ["--profile"]):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == "sparsp bench attention: error: --profile is now --torch-profile DIR\n"
+    assert "--profile " not in p.format_help() and "--torch-profile DIR" in p.format_help()

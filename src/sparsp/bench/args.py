@@ -68,6 +68,19 @@ def refuse(verb: str, message: str):
     raise SystemExit(2)
 
 
+class Renamed(argparse.Action):
+    """A flag's former spelling, hidden from ``--help``: given, it is refused in one line that
+    names the new spelling (``refuse``), with or without a value."""
+
+    def __init__(self, option_strings, dest, *, verb: str, new: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)
+        self.verb, self.new = verb, new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        refuse(self.verb, f"{option_string} is now {self.new}")
+
+
 def check_names(verb: str, flag: str, given, known) -> None:
     """Refuse (``refuse``) the first name of ``given`` that is not in ``known``, listing ``known``."""
     for name in given:
@@ -200,9 +213,11 @@ def add_attention(p) -> None:
                         "seed+N−1): the mask and its demand change from call to call as a "
                         "denoising loop's do, which is what strategy=auto's caches meet (1: the same inputs every "
                         "call; the split and bytes come from the first set)")
-    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+    p.add_argument("--torch-profile", type=Path, default=None, metavar="DIR",
                    help="write, per row and rank, torch.profiler tables of one call (ops by device "
-                        "and by host time) and a gzipped Chrome trace into DIR")
+                        "and by host time) and a gzipped Chrome trace into DIR (sparsp bench timeline "
+                        "prints one)")
+    p.add_argument("--profile", action=Renamed, verb="attention", new="--torch-profile DIR")
     add_density_profile_arguments(
         p, use=f"rows per --layer, each on q/k of synthetic heads calibrated to that layer; results go to "
                f"OUT/{PROFILE_DIR}/", fitted=f"the asked layers' fit to OUT/{PROFILE_DIR}/")

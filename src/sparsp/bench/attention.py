@@ -357,7 +357,7 @@ def main(args) -> int:
             dist.all_reduce(moved)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             split, mask_density, flops, chosen = _split(q, k, v, strategy, cfg, t, PhaseTimer, device)
-            stem = None if args.profile is None else args.profile / (
+            stem = None if args.torch_profile is None else args.torch_profile / (
                 f"{geom.name}-{args.fabric}-{strategy}-{t.name}-{kind}-cdf{cdf}"
                 + ("" if workload is None else f"-layer{workload.layer}")
                 + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "")

@@ -1,6 +1,6 @@
 """One profiled call as a timeline: the host's ranges, then each GPU stream's work in order.
 
-`sparsp bench attention --profile DIR` leaves a gzipped Chrome trace of one call per row and
+`sparsp bench attention --torch-profile DIR` leaves a gzipped Chrome trace of one call per row and
 rank. The op tables beside it sum time per op; what they cannot show is *when* each thing ran
 on which stream: whether the local kernel started while the payload was in flight, when each
 chunk landed, when its kernel ran. This prints, in ms from the start of `bench.call`:
@@ -65,7 +65,7 @@ def timeline(events: list[dict], min_us: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Traces: sparsp bench attention --profile DIR (one per row and rank).")
+                                epilog="Traces: sparsp bench attention --torch-profile DIR (one per row and rank).")
     p.add_argument("traces", nargs="+", type=Path, help="Chrome traces (.json or .json.gz)")
     p.add_argument("--min-us", type=float, default=20.0,
                    help="list GPU ops at least this long (µs; shorter ones are only counted; default 20)")
