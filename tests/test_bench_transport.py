@@ -79,8 +79,10 @@ def test_exchange_queues_every_message_before_waiting(monkeypatch, inflight):
 
 
 def test_pipeline_must_fit_the_window():
+    from sparsp.bench.args import add_transport
+
     parser = __import__("argparse").ArgumentParser()
-    bt.add_transport(parser)
+    add_transport(parser)
     args = parser.parse_args(["--pipeline", "4", "--window", "3"])
     with pytest.raises(SystemExit, match="--pipeline must be between 0 and the window"):
         bt.run(args)

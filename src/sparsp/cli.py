@@ -1,5 +1,5 @@
 """The ``sparsp`` command line: ``analyze`` and ``simulate`` (CPU), ``trace`` (a Diffusers model),
-``bench attention|e2e|kernel|transport`` (GPUs).
+``bench attention|e2e|kernel|transport`` (GPUs) and ``bench report|timeline`` (their results).
 
 Each verb's parser gets its arguments only when that verb is chosen (``_LazyParser``), and its
 choices come from plain-data modules (``sparsp.geometry``, ``sparsp.names``); strategy names
@@ -217,8 +217,8 @@ def _write_json_only(doc, out: Path):
 
 
 def _add_bench(sub) -> None:
-    sub.add_parser("bench", help="GPU benchmarks (run under torchrun)",
-                   description="GPU benchmarks; results go to bench/results/ as JSON + PNG.",
+    sub.add_parser("bench", help="GPU benchmarks (run under torchrun) and their reports",
+                   description="GPU benchmarks and their reports; results go to bench/results/ as JSON + PNG.",
                    populate=_bench_arguments)
 
 

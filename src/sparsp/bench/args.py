@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +67,23 @@ def refuse(verb: str, message: str):
     """Report a bad argument as argparse does (one line on stderr, exit status 2)."""
     print(f"sparsp bench {verb}: error: {' '.join(str(message).split())}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def check_out(verb: str, flag: str, path, *, file: bool = False) -> None:
+    """Refuse (``refuse``) an output that cannot be written, before any work starts and without
+    making anything: a directory (``file``: a file path) that is an existing file, or whose
+    nearest existing parent is a file or not writable."""
+    path = Path(path)
+    if path.exists() and path.is_dir() == file:
+        refuse(verb, f"{flag} {path} is a {'directory' if file else 'file'}; give a "
+                     f"{'file name' if file else 'directory'}")
+    folder = path.parent if file else path
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        refuse(verb, f"{flag} {path}: {folder} is a file, not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        refuse(verb, f"{flag} {path}: cannot write into {folder}")
 
 
 class Renamed(argparse.Action):
@@ -342,6 +360,23 @@ def add_transport(p) -> None:
     p.add_argument("--no-plot", action="store_true")
 
 
+def add_report(p) -> None:
+    p.add_argument("files", nargs="+", type=Path, metavar="RESULT.json",
+                   help="result files of any sparsp bench verb (each checked before anything is printed)")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
+                   help="also draw the attention files' speedup summary into OUT.png")
+    p.add_argument("--scaling", type=Path, default=None, metavar="OUT.png",
+                   help="also draw latency and speedup versus the number of GPUs from attention files "
+                        "of several machines into OUT.png")
+
+
+def add_timeline(p) -> None:
+    p.add_argument("traces", nargs="+", type=Path, metavar="TRACE",
+                   help="Chrome traces (.json or .json.gz) of bench attention --torch-profile DIR")
+    p.add_argument("--min-us", type=float, default=20.0,
+                   help="list GPU ops at least this long (µs; shorter ones are only counted)")
+
+
 VERBS = {
     "attention": ("one attention layer per strategy", argparse.ArgumentDefaultsHelpFormatter, add_attention),
     "e2e": ("denoising steps of a Diffusers transformer per strategy", HelpFormatter, add_e2e),
@@ -349,5 +384,9 @@ VERBS = {
                add_kernel),
     "transport": ("bandwidth per transport, alone and under attention load",
                   argparse.ArgumentDefaultsHelpFormatter, add_transport),
+    "report": ("a short table of result files, and the summary and scaling plots (CPU)", HelpFormatter,
+               add_report),
+    "timeline": ("a profiled call's trace as host ranges and per-stream GPU work (CPU)", HelpFormatter,
+                 add_timeline),
 }
 """``sparsp bench`` sub-verb (its module in ``sparsp.bench``) → (help line, formatter, arguments)."""

@@ -1,18 +1,26 @@
-"""Print a short table of benchmark result files: ``python -m sparsp.bench.report FILE...``;
-``--plot OUT.png`` also draws the attention files' summary (``summary_plot``), ``--scaling
-OUT.png`` latency and speedup versus the number of GPUs from attention files of several
-machines (``scaling_plot``, the paper's Figures 17–18 from measured rows).
+"""A short table of benchmark result files, and the attention files' figures.
+
+    sparsp bench report bench/results/attention-*-2xH200-*.json
+    sparsp bench report --plot summary.png bench/results/attention-*-2xH200-*.json
+    sparsp bench report --scaling scaling.png bench/results/attention-*-[248]xH200-*.json
+
+``--plot OUT.png`` also draws the attention files' summary (``summary_plot``: each strategy's
+speedup over one GPU per preset), ``--scaling OUT.png`` latency and speedup versus the number
+of GPUs from attention files of several machines (``scaling_plot``, the paper's Figures 17–18
+from measured rows). Every file is checked before anything is printed: one line naming a file
+that is no result, exit status 2.
 
 The strategies, their order and colours come from the strategy registry (``register_strategy``:
 ``color``, and ``primary`` for the bound the summary marks); the one-GPU rows of ``bench
-attention`` (``ONE_GPU``) come first."""
+attention`` (``ONE_GPU``) come first.
+"""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+from .args import check_out, refuse
 from .common import save_figure
 
 
@@ -140,6 +148,14 @@ def scaling_points(paths: list[str], cdf: float = 0.9) -> dict[tuple[str, str], 
     return points
 
 
+def _models(points: dict, cdf: float = 0.9) -> list[str]:
+    """The models of ``scaling_points``' points; ``ValueError`` when there are none."""
+    models = sorted({m for m, _ in points})
+    if not models:
+        raise ValueError(f"no attention rows at cdf {cdf} in the files given")
+    return models
+
+
 def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
     """Latency (top) and speedup over ``1gpu-dense`` (bottom) versus G per strategy, one column
     per model, NVLink solid and the host fabric dashed; the one-GPU sparse row as a marker."""
@@ -152,9 +168,7 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
 
     points = scaling_points(paths, cdf)
     color = colors(strategy_names())
-    models = sorted({m for m, _ in points})
-    if not models:
-        raise ValueError(f"no attention rows at cdf {cdf} in the files given")
+    models = _models(points, cdf)
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
     for col, model in enumerate(models):
         lat, spd = axes[0][col], axes[1][col]
@@ -191,18 +205,6 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
     return save_figure(fig, out, dpi=110)
 
 
-def _option(args: list[str], flag: str) -> tuple[str | None, str | None]:
-    """Pop ``flag VALUE`` from ``args``: (value, error)."""
-    if flag not in args:
-        return None, None
-    i = args.index(flag)
-    if i + 1 >= len(args):
-        return None, f"{flag} needs an output path"
-    value = args[i + 1]
-    del args[i: i + 2]
-    return value, None
-
-
 def _check_result(path: str) -> str | None:
     """What is wrong with ``path`` as a bench result file (None: nothing)."""
     from ..inputs import read_json
@@ -217,33 +219,24 @@ def _check_result(path: str) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(argv if argv is not None else sys.argv[1:])
-    if "-h" in args or "--help" in args:
-        print(f"usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...\n\n"
-              f"{__doc__}")
-        return 0
-    plot_to, error = _option(args, "--plot")
-    scaling_to, error2 = _option(args, "--scaling")
-    if error or error2:
-        print(error or error2, file=sys.stderr)
-        return 2
-    if not args:
-        print("usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...",
-              file=sys.stderr)
-        return 2
-    for path in args:  # every file checked first: one line naming it, exit status 2
+def main(args) -> int:
+    """``sparsp bench report``: every file and output checked first (``refuse``: one line, exit
+    status 2), then the table and the figures asked for."""
+    for path in args.files:
         error = _check_result(path)
         if error:
-            print(f"python -m sparsp.bench.report: error: {error}", file=sys.stderr)
-            return 2
-    print(summarize(args))
-    if plot_to:
-        print(f"wrote {summary_plot(args, Path(plot_to))}")
-    if scaling_to:
-        print(f"wrote {scaling_plot(args, Path(scaling_to))}")
+            refuse("report", error)
+    for flag, out in (("--plot", args.plot), ("--scaling", args.scaling)):
+        if out is not None:
+            check_out("report", flag, out, file=True)
+    if args.scaling:  # rows to draw, in attention files only
+        try:
+            _models(scaling_points(args.files))
+        except ValueError as e:
+            refuse("report", f"--scaling: {e}")
+    print(summarize(args.files))
+    if args.plot:
+        print(f"wrote {summary_plot(args.files, args.plot)}")
+    if args.scaling:
+        print(f"wrote {scaling_plot(args.files, args.scaling)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .args import add_transport
 from .common import init_distributed, median, result_path, save_figure, write_result
 
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
@@ -396,11 +395,3 @@ def plot(path: Path) -> Path:
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 
-
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m sparsp.bench.transport ...
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_transport(parser)
-    run(parser.parse_args())
