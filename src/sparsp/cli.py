@@ -226,16 +226,15 @@ def _bench_arguments(p) -> None:
     from .bench.args import VERBS  # light: each verb's module (torch) loads when the verb runs
 
     bsub = p.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(VERBS) + "}")
-    for verb, (help_line, formatter, add) in VERBS.items():
-        bsub.add_parser(verb, help=help_line,
-                        populate=lambda q, v=verb, f=formatter, a=add: _bench_verb(q, v, f, a))
+    for verb, (help_line, add) in VERBS.items():
+        bsub.add_parser(verb, help=help_line, populate=lambda q, v=verb, a=add: _bench_verb(q, v, a))
 
 
-def _bench_verb(p, verb: str, formatter, add) -> None:
-    from .bench.args import description
+def _bench_verb(p, verb: str, add) -> None:
+    from .bench.args import HELP_FORMATTER, description
 
     p.description = description(verb)
-    p.formatter_class = formatter
+    p.formatter_class = HELP_FORMATTER
     add(p)
     p.set_defaults(func=lambda args: _run_bench(verb, args))
 

@@ -378,15 +378,14 @@ def add_timeline(p) -> None:
 
 
 VERBS = {
-    "attention": ("one attention layer per strategy", argparse.ArgumentDefaultsHelpFormatter, add_attention),
-    "e2e": ("denoising steps of a Diffusers transformer per strategy", HelpFormatter, add_e2e),
-    "kernel": ("block-sparse kernels vs dense kernels on one GPU", argparse.RawDescriptionHelpFormatter,
-               add_kernel),
-    "transport": ("bandwidth per transport, alone and under attention load",
-                  argparse.ArgumentDefaultsHelpFormatter, add_transport),
-    "report": ("a short table of result files, and the summary and scaling plots (CPU)", HelpFormatter,
-               add_report),
-    "timeline": ("a profiled call's trace as host ranges and per-stream GPU work (CPU)", HelpFormatter,
-                 add_timeline),
+    "attention": ("one attention layer per strategy", add_attention),
+    "e2e": ("denoising steps of a Diffusers transformer per strategy", add_e2e),
+    "kernel": ("block-sparse kernels vs dense kernels on one GPU", add_kernel),
+    "transport": ("bandwidth per transport, alone and under attention load", add_transport),
+    "report": ("a short table of result files, and the summary and scaling plots (CPU)", add_report),
+    "timeline": ("a profiled call's trace as host ranges and per-stream GPU work (CPU)", add_timeline),
 }
-"""``sparsp bench`` sub-verb (its module in ``sparsp.bench``) → (help line, formatter, arguments)."""
+"""``sparsp bench`` sub-verb (its module in ``sparsp.bench``) → (help line, arguments). Every
+verb's ``--help`` shows its module's docstring as written (``HELP_FORMATTER``: paragraphs and
+example commands keep their lines) and each default but ``None``."""
+HELP_FORMATTER = HelpFormatter

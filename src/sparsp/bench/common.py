@@ -124,6 +124,15 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     return out
 
 
+def wide_console(width: int = 100, **kwargs):
+    """A rich console at least ``width`` columns wide (``kwargs``: ``rich.console.Console``'s):
+    in a pipe rich assumes 80, where a result table cuts its names to ``diffusers-…``."""
+    from rich.console import Console
+
+    console = Console(**kwargs)
+    return console if console.width >= width else Console(width=width, **kwargs)
+
+
 def config_overrides(items: list[tuple[str, object]], *, reserved: dict[str, str]) -> dict:
     """The ``--config`` items as ``SparspConfig`` keyword arguments (the last of a key wins);
     ``SystemExit`` naming the flag for a field the benchmark sets itself."""

@@ -65,7 +65,7 @@ from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_OUT, E2E_RESERVED, E2E_TINY_B
                    check_names, refuse)
 from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
 from .common import (config_overrides, init_distributed, median, profile_name, save_figure, time_ms,
-                     write_result)
+                     wide_console, write_result)
 
 RESERVED = E2E_RESERVED
 ONE_GPU = ("1gpu-dense", "1gpu-sparse")
@@ -467,9 +467,6 @@ def settle_arguments(args) -> bool:
 
 
 def main(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     overrides = config_overrides(args.config, reserved=RESERVED)
@@ -483,7 +480,7 @@ def main(args) -> int:
     rank, world, device = init_distributed(None if want_cuda else "gloo")
     if not want_cuda:
         device = torch.device("cpu")
-    console = Console() if rank == 0 else None
+    console = wide_console() if rank == 0 else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     transport = args.transport or ("host" if args.fabric == "host" and device.type == "cuda" else "auto")
     # the one-GPU rows' group: rank 0 alone (every rank takes part in making it)
@@ -526,7 +523,20 @@ def main(args) -> int:
         extra = {"workload": "density-profile", "profile": str(args.density_profile), "source": calibration.source,
                  "step": args.step, "calibration_within": round(_share_within(calibration), 4)}
     path = write_result("e2e", _result_name(args), rows, args.out, extra=extra)
-    table = Table(title=f"e2e {args.model}, {world} ranks, {args.fabric}, weights={args.weights}")
+    console.print(result_table(rows, f"e2e {args.model}, {world} ranks, {args.fabric}, weights={args.weights}"))
+    outputs = [path] if args.no_plot else [path, plot(path)]
+    console.print("wrote " + ", ".join(map(str, outputs)))
+    dist.barrier()
+    _shutdown()
+    return 0
+
+
+def result_table(rows: list[dict], title: str):
+    """The rows as printed: step, per-layer and attention time per strategy (on a
+    ``wide_console``: every name and header whole)."""
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in ("strategy", "ranks", "transport", "density", "step ms", "ms/layer", "attention ms"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in rows:
@@ -535,12 +545,7 @@ def main(args) -> int:
                       "-" if r["density"] is None else f"{100 * r['density']:.1f}%",
                       f"{r['step_ms']:.1f}" if ok else "failed", f"{r['per_layer_ms']:.2f}" if ok else "-",
                       f"{r['attention_ms']:.1f}" if ok else "-")
-    console.print(table)
-    outputs = [path] if args.no_plot else [path, plot(path)]
-    console.print("wrote " + ", ".join(map(str, outputs)))
-    dist.barrier()
-    _shutdown()
-    return 0
+    return table
 
 
 def _what_ran(row: dict) -> str:

@@ -228,13 +228,12 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def main(args) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .common import write_result
+    from .common import wide_console, write_result
 
-    console = Console()
+    console = wide_console()
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

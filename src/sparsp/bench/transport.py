@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import init_distributed, median, result_path, save_figure, write_result
+from .common import init_distributed, median, result_path, save_figure, wide_console, write_result
 
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
 LOAD_ORDERS = {"exchange-first": (EXCHANGE_FIRST,), "attention-first": (ATTENTION_FIRST,),
@@ -176,7 +176,6 @@ def _time_attention(attn, stream, iters: int, device) -> list[float]:
 
 
 def run(args) -> dict:
-    from rich.console import Console
 
     from ..transport import make_transport
 
@@ -193,7 +192,7 @@ def run(args) -> dict:
     rank, world, device = init_distributed("nccl")
     if world != 2:
         raise SystemExit(f"run with 2 ranks (torchrun --nproc-per-node 2), not {world}")
-    console = Console() if rank == 0 else None
+    console = wide_console() if rank == 0 else None
     peer = 1 - rank
     peer_access = torch.cuda.can_device_access_peer(device.index, (device.index + 1) % 2) \
         if torch.cuda.device_count() > 1 else False
