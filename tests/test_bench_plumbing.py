@@ -408,3 +408,27 @@ def test_torch_profile_is_the_profilers_flag_and_the_old_spelling_is_refused(cap
         err = capsys.readouterr().err
         assert e.value.code == 2 and err == "sparsp bench attention: error: --profile is now --torch-profile DIR\n"
     assert "--profile " not in p.format_help() and "--torch-profile DIR" in p.format_help()
+
+
+# --------------------------------------------------------------------------- where results go
+
+
+def test_a_cpu_run_writes_under_results_never_into_the_tracked_results(tmp_path, monkeypatch):
+    """``sparsp bench kernel --device cpu`` (an example of its own ``--help``) without ``--out``:
+    the file goes to ``results/bench``; ``bench/results``, which ``sparsp simulate`` reads as a
+    GPU's measurements, is not made."""
+    from sparsp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "kernel", "--device", "cpu", "--shape", "96x160x2x16", "--block-size", "32",
+                 "--density", "0.5", "--cdf", "--warmup", "0", "--iters", "10", "--layout", "local"]) == 0
+    (path,) = tmp_path.rglob("*.json")
+    assert path.parent == tmp_path / "results" / "bench" and path.name.startswith("kernel-all-cpu-")
+    assert not (tmp_path / "bench").exists()
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_default_out_by_device(cuda):
+    from pathlib import Path
+
+    assert bench_args.default_out(cuda) == Path("bench/results" if cuda else "results/bench")

@@ -87,16 +87,23 @@ def _settled(*argv):
     return args
 
 
-def test_tiny_defaults_give_way_to_given_values():
-    """``--tiny``: block size 8 and ``results/bench`` unless given; a full-size run keeps 128
-    and ``bench/results``; a CPU run's fabric is ``gloo``."""
+def test_tiny_defaults_give_way_to_given_values(monkeypatch):
+    """``--tiny``: block size 8 and ``results/bench`` unless given; a full-size run keeps 128;
+    a CPU run writes to ``results/bench`` too (never into the tracked ``bench/results``, which
+    only a full-size GPU run writes to); a CPU run's fabric is ``gloo``."""
     tiny = _settled("--tiny", "--device", "cpu")
     assert (tiny.block_size, tiny.out, tiny.fabric) == (8, Path("results/bench"), "gloo")
     given = _settled("--tiny", "--device", "cpu", "--block-size", "16", "--out", "x")
     assert (given.block_size, given.out) == (16, Path("x"))
     full = _settled("--device", "cpu")
-    assert (full.block_size, full.out, full.fabric) == (128, Path("bench/results"), "gloo")
+    assert (full.block_size, full.out, full.fabric) == (128, Path("results/bench"), "gloo")
     assert "ring-sparse" in full.strategy and "1gpu-dense" in full.strategy
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = _settled("--device", "cuda")
+    assert (gpu.block_size, gpu.out, gpu.fabric) == (128, Path("bench/results"), "nvlink")
+    assert _settled("--device", "cuda", "--tiny").out == Path("results/bench")
 
 
 @pytest.mark.parametrize("argv, match", [

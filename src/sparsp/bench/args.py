@@ -45,10 +45,17 @@ E2E_BLOCK_SIZE = 128
 E2E_TINY_BLOCK_SIZE = 8
 """``bench e2e --block-size`` with ``--tiny``: the tiny latent (3x8x8) patchifies to 48 tokens on
 Wan and HunyuanVideo (192 on LTX), one block of 128 that no two ranks can split; 8 gives 6."""
-E2E_OUT = Path("bench/results")
-E2E_TINY_OUT = Path("results/bench")
-"""``bench e2e --out`` with ``--tiny``: a smoke run's figures are not results, so they stay out
-of the tracked ``bench/results``."""
+RESULTS = Path("bench/results")
+"""``--out`` of a GPU run: the tracked results, which ``sparsp simulate`` reads."""
+CPU_RESULTS = Path("results/bench")
+"""``--out`` of a CPU run (and of ``bench e2e --tiny``): a CPU's figures are no results to
+track, and in ``bench/results`` a fit of a GPU's profile would take them for one."""
+OUT_HELP = f"output directory (default: {RESULTS} on GPUs, {CPU_RESULTS} on a CPU)"
+
+
+def default_out(on_gpu: bool) -> Path:
+    """Where a run's results go unless ``--out`` is given (``RESULTS``, ``CPU_RESULTS``)."""
+    return RESULTS if on_gpu else CPU_RESULTS
 KERNEL_SHAPES = ("hunyuan-video", "wan2.1-14b", "ltx-video", "ltx-2")
 """``bench kernel``'s preset shapes."""
 LOAD_ORDERS = ("exchange-first", "attention-first", "both")
@@ -242,7 +249,8 @@ def add_attention(p) -> None:
     p.add_argument("--layer", nargs="+", type=layer_arg, default=None, metavar="L",
                    help="with --density-profile (and needed by it): the layers to run, each a 0-based index or "
                         f"{', '.join(LAYER_PICKS)} (by the layers' mean density at --step, or over steps)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help=OUT_HELP + "; the bound's link bandwidth is read from its transport files")
 
 
 def check_attention(args) -> None:
@@ -299,12 +307,11 @@ def add_e2e(p) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu (gloo smoke run)")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny config and latent (CPU smoke test of the plumbing): --block-size "
-                        f"{E2E_TINY_BLOCK_SIZE} and --out {E2E_TINY_OUT} unless given")
+                        f"{E2E_TINY_BLOCK_SIZE} and --out {CPU_RESULTS} unless given")
     p.add_argument("--latent", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
                    help="latent frames, height, width before patchify (default: the preset's video)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output directory (default: {E2E_OUT}; {E2E_TINY_OUT} with --tiny)")
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP + f"; {CPU_RESULTS} with --tiny")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
@@ -325,7 +332,7 @@ def add_kernel(p) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
 
 
 def add_transport(p) -> None:
@@ -356,7 +363,7 @@ def add_transport(p) -> None:
     p.add_argument("--chunk-bytes", type=parse_size, default=16 << 20, help="host transport chunk")
     p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--no-plot", action="store_true")
 
 

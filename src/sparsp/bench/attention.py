@@ -75,7 +75,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, refuse
+from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, default_out, refuse
 from .common import (config_overrides, init_distributed, median, profile_name, time_interleaved,
                      time_ms, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
@@ -296,6 +296,8 @@ def main(args) -> int:
 
     if args.iters < 10:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+    if args.out is None:
+        args.out = default_out(torch.cuda.is_available())
     check_attention(args)
     check_strategies(args)
     overrides = config_overrides(args.config, reserved=RESERVED)

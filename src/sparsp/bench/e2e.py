@@ -37,8 +37,9 @@ on q/k values).
 Results: ``bench/results/e2e-<model>-<machine>-<date>.json`` (kind ``e2e``) + a PNG of step
 time per strategy. ``--tiny --device cpu`` is the CPU smoke path (gloo; under ``torchrun
 --nproc-per-node 2`` for the parallel rows): a tiny config and latent, ``--block-size 8`` unless
-given (the tiny models have 48 to 192 tokens), fabric ``gloo`` and, unless ``--out`` is given,
-``results/bench`` instead of the tracked ``bench/results``. ``--config KEY=VALUE``
+given (the tiny models have 48 to 192 tokens), fabric ``gloo``. A CPU run, or a ``--tiny`` one,
+writes to ``results/bench`` unless ``--out`` is given, never to the tracked ``bench/results``.
+``--config KEY=VALUE``
 (repeatable) sets a ``SparspConfig`` field of the sparsp rows (e.g. ``cuda_graphs=off``); the
 row's ``config`` holds what was set.
 
@@ -61,8 +62,7 @@ import torch
 import torch.distributed as dist
 
 from ..timing import times_ms
-from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_OUT, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, E2E_TINY_OUT,
-                   check_names, refuse)
+from .args import CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, check_names, default_out, refuse
 from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
 from .common import (config_overrides, init_distributed, median, profile_name, save_figure, time_ms,
                      wide_console, write_result)
@@ -432,8 +432,8 @@ def _drop_all_valid_text_masks(model, inputs: dict, kind: str, dense: bool) -> N
 def settle_arguments(args) -> bool:
     """Fill the defaults that depend on other arguments and refuse what cannot apply; whether
     the run is on CUDA. ``--tiny``: ``--block-size 8`` (its 48-192 tokens in blocks enough for
-    every rank) and ``--out results/bench`` (a smoke run is no result to track); a CPU run's
-    rows say fabric ``gloo``, the only path between its processes."""
+    every rank); a CPU run or a ``--tiny`` one: ``--out results/bench`` (no result to track);
+    a CPU run's rows say fabric ``gloo``, the only path between its processes."""
     from ..strategies import strategy_names
 
     known = (*ONE_GPU, *DIFFUSERS, *strategy_names())
@@ -462,7 +462,7 @@ def settle_arguments(args) -> bool:
     if args.block_size is None:
         args.block_size = E2E_TINY_BLOCK_SIZE if args.tiny else E2E_BLOCK_SIZE
     if args.out is None:
-        args.out = E2E_TINY_OUT if args.tiny else E2E_OUT
+        args.out = default_out(want_cuda and not args.tiny)
     return want_cuda
 
 

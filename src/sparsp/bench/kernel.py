@@ -21,7 +21,8 @@ of ``--iters`` (>= 10). TFLOP/s are counted on kept blocks with real token count
 k rows · D per kept (query block, key block) pair per head, no causal discount; dense rows
 count every pair. ``vs_cudnn`` and ``vs_best_dense`` divide by cuDNN's and by the fastest
 dense kernel's TFLOP/s at the same shape. Result: ``bench/results/kernel-all-<machine>-<date>.json``
-(kind ``kernel``; a later run the same day adds its rows) and a PNG next to it.
+(kind ``kernel``; a later run the same day adds its rows) and a PNG next to it; a CPU run's go
+to ``results/bench`` unless ``--out`` is given, never to the tracked ``bench/results``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..timing import times_ms
-from .args import KERNEL_SHAPES
+from .args import KERNEL_SHAPES, default_out
 
 PRESET_SHAPES = KERNEL_SHAPES
 
@@ -239,6 +240,8 @@ def main(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if args.out is None:
+        args.out = default_out(device.type == "cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     try:
         shapes = [parse_shape(s, args.ranks, args.block_size) for s in args.shape]

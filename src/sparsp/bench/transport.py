@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .args import default_out
 from .common import init_distributed, median, result_path, save_figure, wide_console, write_result
 
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
@@ -183,6 +184,8 @@ def run(args) -> dict:
         raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
     if args.repeats < 1 or args.gate_ms < 0:
         raise SystemExit("--repeats must be >= 1 and --gate-ms >= 0")
+    if args.out is None:
+        args.out = default_out(torch.cuda.is_available())
     pipeline = args.window if args.pipeline is None else args.pipeline
     if pipeline < 0 or pipeline > args.window:
         raise SystemExit(f"--pipeline must be between 0 and the window ({args.window}): each "
