@@ -35,7 +35,12 @@ def _bench_worker(rank, world, cwd, model, weights):
 
 @pytest.mark.parametrize("model, weights", [(None, "random"), ("hunyuan-video", "synthetic-structure")])
 def test_bench_e2e_cpu_smoke(tmp_path, model, weights):
+    import torch
+
+    from sparsp.bench.e2e import diffusers_refusal
+
     argv = ["--model", model] if model else []  # None: the default model (Wan)
+    kind = "hunyuan-video" if model else "wan"
     assert run_distributed(_bench_worker, 2, tmp_path, argv, weights, timeout=240) == [0, 0]
     preset = model or "wan2.1-14b"
     (path,) = tmp_path.glob("**/*.json")
@@ -47,8 +52,11 @@ def test_bench_e2e_cpu_smoke(tmp_path, model, weights):
     for name, r in rows.items():
         assert FIELDS <= set(r), (name, FIELDS - set(r))
         assert r["weights"] == weights and r["fabric"] == "gloo" and r["steps"] == 2
-    # Diffusers' own context parallelism needs an accelerator: on CPU the row records why.
-    assert rows["diffusers-ring"]["step_ms"] is None and rows["diffusers-ring"]["error"]
+    # Diffusers' own context parallelism needs an accelerator, and HunyuanVideo has no plan for
+    # it: the row records which, decided before trying
+    ring = rows["diffusers-ring"]
+    assert ring["step_ms"] is None and ring["error"] == diffusers_refusal("diffusers-ring", kind, torch.device("cpu"))
+    assert ("no context-parallel plan" if model == "hunyuan-video" else "needs an accelerator") in ring["error"]
     layers = 2  # every tiny model has two blocks (HunyuanVideo: one dual, one single)
     for name in ("1gpu-dense", "1gpu-sparse", "ring-sparse", "ulysses", "sparsp"):
         r = rows[name]

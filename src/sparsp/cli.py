@@ -243,14 +243,7 @@ def _run_bench(verb: str, args) -> int:
     import importlib
 
     mod = importlib.import_module(f".bench.{verb}", __package__)
-    if verb == "transport":
-        return _run_result(mod.run, args)
     return mod.main(args)
-
-
-def _run_result(fn, args) -> int:
-    fn(args)
-    return 0
 
 
 def _add_simulate(sub) -> None:

@@ -75,9 +75,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, default_out, refuse
+from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, check_out, default_out, refuse
 from .common import (config_overrides, init_distributed, median, profile_name, time_interleaved,
-                     time_ms, write_result)
+                     time_ms, wide_console, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 
 COPY_ENGINE = {"nvlink": "ipc", "host": "host"}  # sparsp's own transport on each fabric
@@ -284,7 +284,6 @@ def ablation_config(ablation: str | None) -> dict:
 def main(args) -> int:
     from dataclasses import replace
 
-    from rich.console import Console
     from rich.table import Table
 
     from .. import SparspConfig, sp_attention
@@ -295,9 +294,10 @@ def main(args) -> int:
     from ..strategies.base import PhaseTimer
 
     if args.iters < 10:
-        raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+        refuse("attention", "--iters must be >= 10 (medians of at least ten timed iterations)")
     if args.out is None:
         args.out = default_out(torch.cuda.is_available())
+    check_out("attention", "--out", args.out)
     check_attention(args)
     check_strategies(args)
     overrides = config_overrides(args.config, reserved=RESERVED)
@@ -312,17 +312,17 @@ def main(args) -> int:
         args.seed = workloads[0].seed  # the seed the heads were fitted with
     elif args.seed is None:
         args.seed = 0
+    if not torch.cuda.is_available():
+        refuse("attention", "needs CUDA GPUs (run it under torchrun on a GPU machine); this machine has none")
+    gbps = args.link_gbps or link_gbps(args.fabric, args.out)
+    if gbps is None:
+        refuse("attention", f"no 256 MiB transport row for fabric {args.fabric} in {args.out}; run `sparsp bench "
+                            "transport` first or pass --link-gbps")
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed()
-    if device.type != "cuda":
-        raise SystemExit("bench attention needs CUDA GPUs (run it under torchrun on a GPU machine)")
-    console = Console() if rank == 0 else None
+    console = wide_console() if rank == 0 else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    gbps = args.link_gbps or link_gbps(args.fabric, args.out)
-    if gbps is None:
-        raise SystemExit(f"no 256 MiB transport row for fabric {args.fabric} in {args.out}; run "
-                         "`sparsp bench transport` first or pass --link-gbps")
     rows, dense = [], None
     one_gpu = dist.new_group([0]) if world > 1 else None
     for n, (workload, cdf) in enumerate((w, c) for w in workloads for c in args.cdf):

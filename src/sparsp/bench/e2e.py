@@ -62,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from ..timing import times_ms
-from .args import CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, check_names, default_out, refuse
+from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, check_names, check_out,
+                   default_out, refuse)
 from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
 from .common import (config_overrides, init_distributed, median, profile_name, save_figure, time_ms,
                      wide_console, write_result)
@@ -463,14 +464,43 @@ def settle_arguments(args) -> bool:
         args.block_size = E2E_TINY_BLOCK_SIZE if args.tiny else E2E_BLOCK_SIZE
     if args.out is None:
         args.out = default_out(want_cuda and not args.tiny)
+    check_out("e2e", "--out", args.out)
     return want_cuda
+
+
+def require_diffusers() -> None:
+    """Refuse (one line naming the extra to install) a run without Diffusers, before any process
+    group starts: every row builds a Diffusers transformer."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as e:
+        refuse("e2e", f"needs Diffusers ({e}): pip install -e \".[diffusers]\"")
+
+
+def diffusers_refusal(name: str, kind: str, device) -> str | None:
+    """Why Diffusers' own context parallelism (the ``diffusers-*`` rows) cannot run the model
+    ``kind`` on ``device``, decided before trying (None: it can): a model without a
+    context-parallel plan, or no accelerator to put each rank on."""
+    import diffusers
+
+    from ..integrations.models import CLASSES, model_class
+
+    if name not in DIFFUSERS:
+        return None
+    if not getattr(model_class(kind), "_cp_plan", None):
+        return f"Diffusers {diffusers.__version__} has no context-parallel plan for {CLASSES[kind]}"
+    if device.type == "cpu":
+        return "Diffusers' context parallelism needs an accelerator (it puts each rank on one); this run is on the CPU"
+    return None
 
 
 def main(args) -> int:
     if args.steps < 1 or args.warmup < 0:
-        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+        refuse("e2e", "--steps must be >= 1 and --warmup >= 0")
     overrides = config_overrides(args.config, reserved=RESERVED)
     want_cuda = settle_arguments(args)
+    require_diffusers()
+    from ..integrations.models import PRESETS
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     # the profile read and the heads fitted before the process group starts: a bad file ends
@@ -490,10 +520,11 @@ def main(args) -> int:
         base = {"model": args.model, "ranks": 1 if name in ONE_GPU else world, "fabric": args.fabric,
                 "strategy": name, "weights": args.weights, "steps": args.steps, "device": device.type,
                 "cuda_graphs": overrides.get("cuda_graphs", True), "config": overrides or None}
-        error = None
+        error = diffusers_refusal(name, PRESETS[args.model].kind, device)
         try:
-            row = {**base, **_run_strategy(name, args, rank, world, device, dtype, transport, one, calibration,
-                                           other)}
+            if error is None:
+                row = {**base, **_run_strategy(name, args, rank, world, device, dtype, transport, one, calibration,
+                                               other)}
         except Exception as e:  # a baseline that cannot run here is a result, not a crash
             error = f"{type(e).__name__}: {e}"[:500]
         errors = [None] * world

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .args import default_out
+from .args import check_out, default_out, refuse
 from .common import init_distributed, median, result_path, save_figure, wide_console, write_result
 
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
@@ -176,25 +176,36 @@ def _time_attention(attn, stream, iters: int, device) -> list[float]:
     return _slowest(times, device)
 
 
-def run(args) -> dict:
-
-    from ..transport import make_transport
-
+def check(args) -> int:
+    """Refuse (one line, exit status 2) what cannot run, before anything starts: the options,
+    ``--out``, a machine without CUDA, a group of other than 2 processes. The pipeline depth."""
     if args.iters < 10:
-        raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+        refuse("transport", "--iters must be >= 10 (medians of at least ten timed iterations)")
     if args.repeats < 1 or args.gate_ms < 0:
-        raise SystemExit("--repeats must be >= 1 and --gate-ms >= 0")
-    if args.out is None:
-        args.out = default_out(torch.cuda.is_available())
+        refuse("transport", "--repeats must be >= 1 and --gate-ms >= 0")
     pipeline = args.window if args.pipeline is None else args.pipeline
     if pipeline < 0 or pipeline > args.window:
-        raise SystemExit(f"--pipeline must be between 0 and the window ({args.window}): each "
-                         "exchange in flight holds a slot until the peer releases it")
+        refuse("transport", f"--pipeline must be between 0 and the window ({args.window}): each exchange in "
+                            "flight holds a slot until the peer releases it")
+    if args.out is None:
+        args.out = default_out(torch.cuda.is_available())
+    check_out("transport", "--out", args.out)
+    if not torch.cuda.is_available():
+        refuse("transport", "needs CUDA GPUs: it measures transfers between two GPUs (torchrun --nproc-per-node 2 "
+                            "on a GPU machine); this machine has none")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, read before the group starts
+    if world != 2:
+        refuse("transport", f"run with 2 ranks (torchrun --nproc-per-node 2), not {world}")
+    return pipeline
+
+
+def main(args) -> int:
+    from ..transport import make_transport
+
+    pipeline = check(args)
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     rank, world, device = init_distributed("nccl")
-    if world != 2:
-        raise SystemExit(f"run with 2 ranks (torchrun --nproc-per-node 2), not {world}")
     console = wide_console() if rank == 0 else None
     peer = 1 - rank
     peer_access = torch.cuda.can_device_access_peer(device.index, (device.index + 1) % 2) \
@@ -243,12 +254,11 @@ def run(args) -> dict:
                               + "".join(f", under load ({r['load_order']}) {r['gbps']:7.2f} GB/s, attention "
                                         f"{100 * r['attention_slowdown']:+.1f} %" for r in loaded))
         t.close()
-    doc = {}
     if rank == 0:
-        doc = _write(rows, args, console)
+        _write(rows, args, console)
     dist.barrier()
     dist.destroy_process_group()
-    return doc
+    return 0
 
 
 def _timed(exchange: _Exchange, n: int, expect, args, device, name: str, fabric: str, t) -> dict:
