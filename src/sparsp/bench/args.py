@@ -37,6 +37,9 @@ PROFILE_DIR = "density-profile"
 """The folder under ``bench attention --out`` that its ``--density-profile`` results and fits
 go to: whatever looks up a preset's results in ``--out`` (``sparsp simulate --validate``, the
 report's file globs) never meets rows of another workload."""
+ONE_GPU_ROWS = ("1gpu-dense", "1gpu-sparse")
+"""The one-GPU rows of ``bench attention`` and ``bench e2e`` (rank 0, the whole sequence): the
+fastest dense kernel (what a user without sparsp runs), and the primary strategy on one GPU."""
 E2E_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--block-size", "transport": "--transport",
                 "kernel": "--kernel"}
 """``SparspConfig`` fields ``bench e2e`` sets from its own flags (``--config`` may not)."""

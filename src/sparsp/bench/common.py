@@ -34,6 +34,15 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def shutdown() -> None:
+    """Release sparsp's transports (IPC handles, shared memory) and leave the process group."""
+    from ..strategies import close_transports
+
+    close_transports()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -62,14 +62,13 @@ import torch
 import torch.distributed as dist
 
 from ..timing import times_ms
-from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, check_names, check_out,
-                   default_out, refuse)
+from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, check_names,
+                   check_out, default_out, refuse)
 from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
-from .common import (config_overrides, init_distributed, median, profile_name, save_figure, time_ms,
-                     wide_console, write_result)
+from .common import (config_overrides, init_distributed, median, profile_name, save_figure, shutdown,
+                     time_ms, wide_console, write_result)
 
 RESERVED = E2E_RESERVED
-ONE_GPU = ("1gpu-dense", "1gpu-sparse")
 PROCESSOR_DENSE = "sparsp-dense"
 """A dense candidate of ``1gpu-dense`` beside Diffusers' backends: sparsp's processors running
 the fastest dense kernel on the GPU, FlashAttention-4's dense forward where it runs
@@ -84,7 +83,7 @@ def default_strategies() -> list[str]:
     from ..strategies.registry import strategies_where, strategy_spec
 
     sparse = [s for s in strategies_where(sparse=True) if strategy_spec(s).byte_rule != "relay"]
-    return [*ONE_GPU, *DIFFUSERS, *sparse]
+    return [*ONE_GPU_ROWS, *DIFFUSERS, *sparse]
 
 
 
@@ -221,7 +220,7 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport, one,
 
     preset = PRESETS[args.model]
     cfg = TINY[preset.kind] if args.tiny else preset.config
-    active = name not in ONE_GPU or rank == 0  # one-GPU rows: rank 0 works, the others wait
+    active = name not in ONE_GPU_ROWS or rank == 0  # one-GPU rows: rank 0 works, the others wait
     row = {"layers": None, "transport": None, "cdf": None, "density": None}
     model = rt = None
     step, modules, choices, warmup = (lambda: None), [], [], args.warmup
@@ -291,7 +290,7 @@ def _run_strategy(name, args, rank, world, device, dtype, fabric_transport, one,
     attn = torch.tensor([attn_ms / args.steps], dtype=torch.float64, device=device)
     dist.all_reduce(attn, op=dist.ReduceOp.MAX)
     timer.remove()
-    if name in ONE_GPU[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
+    if name in ONE_GPU_ROWS[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
         tflops = torch.tensor([flops / args.steps * (world if name in DIFFUSERS else 1)], dtype=torch.float64,
                               device=device)
         dist.all_reduce(tflops, op=dist.ReduceOp.MAX)
@@ -437,7 +436,7 @@ def settle_arguments(args) -> bool:
     a CPU run's rows say fabric ``gloo``, the only path between its processes."""
     from ..strategies import strategy_names
 
-    known = (*ONE_GPU, *DIFFUSERS, *strategy_names())
+    known = (*ONE_GPU_ROWS, *DIFFUSERS, *strategy_names())
     if args.strategy is None:
         args.strategy = default_strategies()
     check_names("e2e", "--strategy", args.strategy, known)
@@ -514,10 +513,10 @@ def main(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     transport = args.transport or ("host" if args.fabric == "host" and device.type == "cuda" else "auto")
     # the one-GPU rows' group: rank 0 alone (every rank takes part in making it)
-    one = dist.new_group([0]) if any(n in ONE_GPU for n in args.strategy) else None
+    one = dist.new_group([0]) if any(n in ONE_GPU_ROWS for n in args.strategy) else None
     rows, other = [], None
     for name in args.strategy:
-        base = {"model": args.model, "ranks": 1 if name in ONE_GPU else world, "fabric": args.fabric,
+        base = {"model": args.model, "ranks": 1 if name in ONE_GPU_ROWS else world, "fabric": args.fabric,
                 "strategy": name, "weights": args.weights, "steps": args.steps, "device": device.type,
                 "cuda_graphs": overrides.get("cuda_graphs", True), "config": overrides or None}
         error = diffusers_refusal(name, PRESETS[args.model].kind, device)
@@ -547,7 +546,7 @@ def main(args) -> int:
             r["density"] = densities.get(r["cdf"])
     if rank != 0:
         dist.barrier()
-        _shutdown()
+        shutdown()
         return 0
     extra = None
     if calibration is not None:  # a profile's workload: its own file, never a preset's uniform result
@@ -558,7 +557,7 @@ def main(args) -> int:
     outputs = [path] if args.no_plot else [path, plot(path)]
     console.print("wrote " + ", ".join(map(str, outputs)))
     dist.barrier()
-    _shutdown()
+    shutdown()
     return 0
 
 
@@ -625,14 +624,6 @@ def _calibration(args, verbose: bool):
         path = cal.write(Path(args.out) / f"calibration-{_result_name(args)}.json")
         print(f"wrote {path} (pass it as --calibration next time)", flush=True)
     return cal
-
-
-def _shutdown() -> None:
-    """Release sparsp's transports (IPC handles, shared memory) and the process group."""
-    from ..strategies import close_transports
-
-    close_transports()
-    dist.destroy_process_group()
 
 
 def plot(path: Path) -> Path:

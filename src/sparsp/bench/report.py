@@ -12,7 +12,7 @@ that is no result, exit status 2.
 
 The strategies, their order and colours come from the strategy registry (``register_strategy``:
 ``color``, and ``primary`` for the bound the summary marks); the one-GPU rows of ``bench
-attention`` (``ONE_GPU``) come first.
+attention`` (``ONE_GPU_ROWS``) come first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .args import check_out, refuse
+from .args import ONE_GPU_ROWS, check_out, refuse
 from .common import save_figure
 
 
@@ -49,8 +49,6 @@ def summarize(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-ONE_GPU = ("1gpu-dense", "1gpu-sparse")
-"""``bench attention``'s one-GPU rows: the dense kernel, and the primary strategy on one GPU."""
 ONE_GPU_COLORS = ("C0", "C1")
 
 
@@ -58,7 +56,7 @@ def summary_names() -> tuple[str, ...]:
     """The rows the summary shows: the one-GPU rows, then every registered strategy."""
     from ..strategies.registry import strategy_names
 
-    return ONE_GPU + strategy_names()
+    return ONE_GPU_ROWS + strategy_names()
 
 
 def colors(names: tuple[str, ...]) -> dict[str, str]:
@@ -66,7 +64,7 @@ def colors(names: tuple[str, ...]) -> dict[str, str]:
     rest the matplotlib cycle's colours no one claimed, in order."""
     from ..strategies.registry import strategy_names, strategy_spec
 
-    fixed = dict(zip(ONE_GPU, ONE_GPU_COLORS))
+    fixed = dict(zip(ONE_GPU_ROWS, ONE_GPU_COLORS))
     fixed.update({s: strategy_spec(s).color for s in strategy_names() if strategy_spec(s).color})
     free = (f"C{i}" for i in range(100) if f"C{i}" not in fixed.values())
     return {n: fixed.get(n) or next(free) for n in names}
@@ -108,7 +106,7 @@ def summary_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
         names = []
         for i, d in enumerate(docs):
             best = best_rows(d["rows"], cdf)
-            dense = best.get((fab, ONE_GPU[0]))
+            dense = best.get((fab, ONE_GPU_ROWS[0]))
             if dense is None:
                 continue
             names.append(d["rows"][0]["model"])
@@ -142,7 +140,7 @@ def scaling_points(paths: list[str], cdf: float = 0.9) -> dict[tuple[str, str], 
         if doc.get("kind") != "attention":
             raise ValueError(f"{path}: not a bench attention result (kind {doc.get('kind')!r})")
         for (fabric, strategy), r in best_rows(doc["rows"], cdf).items():
-            G = 1 if strategy in ONE_GPU else int(r["ranks"])
+            G = 1 if strategy in ONE_GPU_ROWS else int(r["ranks"])
             series = points.setdefault((r["model"], fabric), {}).setdefault(strategy, {})
             series[G] = min(series.get(G, float("inf")), float(r["median_ms"]))
     return points
@@ -176,7 +174,7 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
             series = points.get((model, fabric))
             if not series:
                 continue
-            dense = series.get(ONE_GPU[0], {}).get(1)
+            dense = series.get(ONE_GPU_ROWS[0], {}).get(1)
             for strategy in strategy_names():
                 pts = sorted(series.get(strategy, {}).items())
                 if not pts:
@@ -186,10 +184,10 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
                 if dense:
                     spd.plot([g for g, _ in pts], [dense / ms for _, ms in pts], style, color=color[strategy], ms=4,
                              label=label)
-            one = series.get(ONE_GPU[1], {}).get(1)
+            one = series.get(ONE_GPU_ROWS[1], {}).get(1)
             if one:
                 lat.scatter([1], [one], marker="*", color="k", s=50, zorder=3,
-                            label=f"{ONE_GPU[1]} ({fabric})" if fabric == "nvlink" else None)
+                            label=f"{ONE_GPU_ROWS[1]} ({fabric})" if fabric == "nvlink" else None)
                 if dense:
                     spd.scatter([1], [dense / one], marker="*", color="k", s=50, zorder=3)
         ranks = sorted({g for (m, _), s in points.items() if m == model for v in s.values() for g in v})
