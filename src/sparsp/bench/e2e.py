@@ -56,6 +56,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -205,112 +206,165 @@ def _step_fn(model, inputs: dict, steps_sigmas, latent_key: str = "hidden_states
     return step
 
 
-def _run_strategy(name, args, rank, world, device, dtype, fabric_transport, one, calibration=None, other=None):
-    """Build, set up, time one strategy; the row (without the shared fields). ``one``: the
-    process group of rank 0 alone (the one-GPU rows run ``sp_attention`` on it). ``other``: the
+@dataclass(frozen=True)
+class _Run:
+    """What every strategy of a run shares: this rank, the group's size, the device and dtype,
+    sparsp's transport, and the process group of rank 0 alone (the one-GPU rows run
+    ``sp_attention`` on it; None without one-GPU rows)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    transport: str
+    one: object
+
+
+@dataclass
+class _Built:
+    """One strategy's model as this rank runs it: one denoising step per ``step()`` call, its
+    video self-attention ``modules``, the attention choices of a ``1gpu-sparse`` step
+    (``choices``), the untimed steps first, and the row so far. A rank with nothing to run
+    (ranks but 0 in a one-GPU row) keeps the defaults: a step that does nothing."""
+
+    warmup: int
+    row: dict
+    model: object = None
+    step: object = lambda: None
+    modules: list = field(default_factory=list)
+    choices: list = field(default_factory=list)
+
+
+def _run_strategy(name, args, run: _Run, calibration=None, other=None) -> dict:
+    """Build, set up, time one strategy; the row (without the shared fields). ``other``: the
     Diffusers backend of the attention sparsp does not replace (cross-attention, text): the
     one ``1gpu-dense`` found fastest when it ran before, else cuDNN where it applies."""
-    import sparsp
-    from sparsp import SparspConfig
+    active = name not in ONE_GPU_ROWS or run.rank == 0  # one-GPU rows: rank 0 works, the others wait
+    built = _build(name, args, run, calibration, other) if active else _Built(
+        args.warmup, {"layers": None, "transport": None, "cdf": None, "density": None})
+    layers = torch.tensor([built.row["layers"] or 0], device=run.device)
+    dist.all_reduce(layers, op=dist.ReduceOp.MAX)
+    built.row["layers"] = int(layers.item())
+    timer = _AttentionTimer(built.modules, run.device)
+    if name in DIFFUSERS or (name == "1gpu-dense" and active):
+        _pick_backend(name, built, timer, args, run)
+    built.row.update(_time_steps(name, built, timer, args, run))
+    timer.remove()
+    row = built.row
+    del built
+    gc.collect()
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
+
+def _build(name, args, run: _Run, calibration, other) -> _Built:
+    """The model of row ``name`` on this rank: built from its config with the run's weights and
+    inputs, its other attention on ``other`` (or cuDNN where it applies), parallelized as the
+    row runs it, the synthetic or calibrated q/k where the weights say so."""
     from ..integrations.diffusers import runtime_of
     from ..integrations.models import PRESETS, TINY, build_transformer, dummy_inputs, num_layers
     from ..strategies import one_gpu
-    from ..strategies.registry import strategies_where
 
     preset = PRESETS[args.model]
-    cfg = TINY[preset.kind] if args.tiny else preset.config
-    active = name not in ONE_GPU_ROWS or rank == 0  # one-GPU rows: rank 0 works, the others wait
-    row = {"layers": None, "transport": None, "cdf": None, "density": None}
-    model = rt = None
-    step, modules, choices, warmup = (lambda: None), [], [], args.warmup
-    if active:
-        model = build_transformer(preset.kind, config=cfg, layers=args.layers, seed=args.seed, dtype=dtype,
-                                  device=device)
-        latent = tuple(args.latent) if args.latent else ((3, 8, 8) if args.tiny else preset.latent)
-        inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens,
-                              seed=args.seed + 1)
-        row["layers"] = num_layers(model)
-        dense = name == "1gpu-dense" or name in DIFFUSERS
-        _drop_all_valid_text_masks(model, inputs, preset.kind, dense)
-        # The sparse rows' other attention (cross-attention, text): ``other`` (the dense row's fastest
-        # Diffusers backend), else cuDNN where it applies (bf16/fp16, no key-padding mask); the
-        # dense rows pick theirs by measurement below.
-        backend = other or "native"
-        if other is None and device.type == "cuda" and dtype != torch.float32 and preset.kind != "hunyuan-video":
-            backend = "_native_cudnn"
-        if backend != "native":
-            model.set_attention_backend(backend)
-        row["attention_backend"] = backend
-        config = SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, transport=fabric_transport,
-                              kernel=args.kernel, **dict(args.config))
-        if name == "1gpu-sparse":  # the primary strategy on a group of one, as ``bench attention`` runs it
-            sparsp.parallelize(model, group=one, config=_one_gpu_config(config),
-                               strategy=strategies_where(primary=True)[0])
-            row.update(cdf=args.cdf)
-            warmup = max(warmup, one_gpu.MEASURE_AT)  # the kernels' rates measured before the timed steps
-        elif name in DIFFUSERS:
-            from diffusers import ContextParallelConfig
+    model = build_transformer(preset.kind, config=TINY[preset.kind] if args.tiny else preset.config,
+                              layers=args.layers, seed=args.seed, dtype=run.dtype, device=run.device)
+    latent = tuple(args.latent) if args.latent else ((3, 8, 8) if args.tiny else preset.latent)
+    inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens, seed=args.seed + 1)
+    built = _Built(args.warmup, {"layers": num_layers(model), "transport": None, "cdf": None, "density": None},
+                   model=model)
+    _drop_all_valid_text_masks(model, inputs, preset.kind, dense=name == "1gpu-dense" or name in DIFFUSERS)
+    # The sparse rows' other attention (cross-attention, text): ``other`` (the dense row's fastest
+    # Diffusers backend), else cuDNN where it applies (bf16/fp16, no key-padding mask); the
+    # dense rows pick theirs by measurement (``_pick_backend``).
+    backend = other or "native"
+    if other is None and run.device.type == "cuda" and run.dtype != torch.float32 and preset.kind != "hunyuan-video":
+        backend = "_native_cudnn"
+    if backend != "native":
+        model.set_attention_backend(backend)
+    built.row["attention_backend"] = backend
+    _parallelize(name, built, args, run)
+    rt = runtime_of(model)
+    if rt is not None and args.weights == "synthetic-structure":
+        rt.qk_override = _synthetic_qk(model, args.seed, calibration)
+        built.row["qk"] = "synthetic" if calibration is None else "calibrated"
+    built.step = _step_fn(model, inputs, torch.linspace(1.0, 0.0, built.warmup + args.steps + 1).tolist())
+    built.modules = _attention_modules(model)
+    if name == "1gpu-sparse":  # what each attention call chose (``strategies/one_gpu.py``)
+        for i, m in enumerate(built.modules):
+            m.register_forward_hook(lambda *_, i=i: built.choices.append((i, one_gpu.last_choice())))
+    return built
 
-            row.update(transport="nccl")
-            model.enable_parallelism(config=ContextParallelConfig(**{DIFFUSERS[name]: world}))
-        elif name != "1gpu-dense":
-            sparsp.parallelize(model, config=config, strategy=name)
-            row.update(transport=fabric_transport, cdf=args.cdf)
-        rt = runtime_of(model)
-        if rt is not None and args.weights == "synthetic-structure":
-            rt.qk_override = _synthetic_qk(model, args.seed, calibration)
-            row["qk"] = "synthetic" if calibration is None else "calibrated"
-        sigmas = torch.linspace(1.0, 0.0, warmup + args.steps + 1).tolist()
-        step = _step_fn(model, inputs, sigmas)
-        modules = _attention_modules(model)
-        if name == "1gpu-sparse":  # what each attention call chose (``strategies/one_gpu.py``)
-            for i, m in enumerate(modules):
-                m.register_forward_hook(lambda *_, i=i: choices.append((i, one_gpu.last_choice())))
-    layers = torch.tensor([row["layers"] or 0], device=device)
-    dist.all_reduce(layers, op=dist.ReduceOp.MAX)
-    row["layers"] = int(layers.item())
-    timer = _AttentionTimer(modules, device)
-    if name in DIFFUSERS or (name == "1gpu-dense" and active):
-        # What a Diffusers user runs at best: the fastest backend on this machine, measured
-        gang, tries = (world if name in DIFFUSERS else 1), min(args.steps, 2)
-        chosen, tried = pick_fastest(CANDIDATES, lambda b: _try_backend(model, b, step, timer, device, gang, tries))
-        row["other_backend"] = other = chosen
-        if name == "1gpu-dense":  # sparsp's processors with the dense kernel, the rest on Diffusers' best
-            chosen, tried = fastest(tried + try_each((PROCESSOR_DENSE,), lambda b: _try_backend(
-                model, b, step, timer, device, gang, tries, one=one, args=args, other=other)))
-        row["attention_backend"], row["backends_tried"] = chosen, tried
-        _use_backend(model, chosen, row["other_backend"], one, args)
-    for _ in range(warmup):  # here, not in time_ms, so the attention spans exclude them
-        step()
+
+def _parallelize(name, built: _Built, args, run: _Run) -> None:
+    """Parallelize the model as row ``name`` runs: sparsp's primary strategy on the group of one
+    (``1gpu-sparse``, as ``bench attention`` runs it), Diffusers' own context parallelism
+    (``diffusers-*``), a sparsp strategy over the group; ``1gpu-dense`` as it is."""
+    import sparsp
+
+    from ..strategies import one_gpu
+    from ..strategies.registry import strategies_where
+
+    config = sparsp.SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, transport=run.transport,
+                                 kernel=args.kernel, **dict(args.config))
+    if name == "1gpu-sparse":
+        sparsp.parallelize(built.model, group=run.one, config=_one_gpu_config(config),
+                           strategy=strategies_where(primary=True)[0])
+        built.row.update(cdf=args.cdf)
+        built.warmup = max(built.warmup, one_gpu.MEASURE_AT)  # the kernels' rates measured before the timed steps
+    elif name in DIFFUSERS:
+        from diffusers import ContextParallelConfig
+
+        built.row.update(transport="nccl")
+        built.model.enable_parallelism(config=ContextParallelConfig(**{DIFFUSERS[name]: run.world}))
+    elif name != "1gpu-dense":
+        sparsp.parallelize(built.model, config=config, strategy=name)
+        built.row.update(transport=run.transport, cdf=args.cdf)
+
+
+def _pick_backend(name, built: _Built, timer, args, run: _Run) -> None:
+    """A dense row's attention on the fastest backend a Diffusers user has on this machine,
+    measured (``diffusers-*``: every rank together); ``1gpu-dense`` also tries sparsp's
+    processors with the dense kernel, the rest on Diffusers' best. The row records each try."""
+    model, step, row = built.model, built.step, built.row
+    gang, tries = (run.world if name in DIFFUSERS else 1), min(args.steps, 2)
+    chosen, tried = pick_fastest(CANDIDATES, lambda b: _try_backend(model, b, step, timer, run.device, gang, tries))
+    row["other_backend"] = other = chosen
+    if name == "1gpu-dense":
+        chosen, tried = fastest(tried + try_each((PROCESSOR_DENSE,), lambda b: _try_backend(
+            model, b, step, timer, run.device, gang, tries, one=run.one, args=args, other=other)))
+    row["attention_backend"], row["backends_tried"] = chosen, tried
+    _use_backend(model, chosen, row["other_backend"], run.one, args)
+
+
+def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
+    """The row's figures: ``--steps`` steps timed after the untimed ones, the slowest rank's;
+    the attention's time per step (and a dense row's rate); a ``1gpu-sparse`` row's density
+    and kernels per step."""
+    for _ in range(built.warmup):  # here, not in time_ms, so the attention spans exclude them
+        built.step()
     timer.take_ms()
-    choices.clear()
-    times = time_ms(step, warmup=0, iters=args.steps, device=device)
+    built.choices.clear()
+    times = time_ms(built.step, warmup=0, iters=args.steps, device=run.device)
     attn_ms, flops = timer.take()
-    attn = torch.tensor([attn_ms / args.steps], dtype=torch.float64, device=device)
-    dist.all_reduce(attn, op=dist.ReduceOp.MAX)
-    timer.remove()
+    gang = run.world if name in DIFFUSERS else 1
+    choices = built.choices
+    kept = sum(c.kept for _, c in choices) / len(choices) if choices else -1.0
+    # the slowest rank's attention time and the dense FLOPs of a step (per GPU), and the density
+    figures = torch.tensor([attn_ms / args.steps, flops / args.steps * gang, kept], dtype=torch.float64,
+                           device=run.device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    attn, step_flops, density = figures.tolist()
+    out = {"density": density if density >= 0 else None}
     if name in ONE_GPU_ROWS[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
-        tflops = torch.tensor([flops / args.steps * (world if name in DIFFUSERS else 1)], dtype=torch.float64,
-                              device=device)
-        dist.all_reduce(tflops, op=dist.ReduceOp.MAX)
-        row["attention_tflops"] = _tflops(tflops.item(), attn.item())
-    density = torch.tensor([-1.0], dtype=torch.float64, device=device)
+        out["attention_tflops"] = _tflops(step_flops, attn)
     if choices:
-        density[0] = sum(c.kept for _, c in choices) / len(choices)
-        row["dense_layers"] = sorted({i for i, c in choices if c.dense})
-        row["attention_kernels"] = {k: sum(c.kernel == k for _, c in choices) // args.steps
+        out["dense_layers"] = sorted({i for i, c in choices if c.dense})
+        out["attention_kernels"] = {k: sum(c.kernel == k for _, c in choices) // args.steps
                                     for k in sorted({c.kernel for _, c in choices})}
-    dist.all_reduce(density, op=dist.ReduceOp.MAX)
-    row["density"] = density.item() if density.item() >= 0 else None
     step_ms = median(times)
-    row.update(step_ms=step_ms, per_layer_ms=step_ms / row["layers"], attention_ms=attn.item(),
-               step_ms_all=times, warmup=warmup)
-    del model, step
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    return {**out, "step_ms": step_ms, "per_layer_ms": step_ms / built.row["layers"], "attention_ms": attn,
+            "step_ms_all": times, "warmup": built.warmup}
 
 
 def _one_gpu_config(config):
@@ -514,6 +568,7 @@ def main(args) -> int:
     transport = args.transport or ("host" if args.fabric == "host" and device.type == "cuda" else "auto")
     # the one-GPU rows' group: rank 0 alone (every rank takes part in making it)
     one = dist.new_group([0]) if any(n in ONE_GPU_ROWS for n in args.strategy) else None
+    run = _Run(rank, world, device, dtype, transport, one)
     rows, other = [], None
     for name in args.strategy:
         base = {"model": args.model, "ranks": 1 if name in ONE_GPU_ROWS else world, "fabric": args.fabric,
@@ -522,8 +577,7 @@ def main(args) -> int:
         error = diffusers_refusal(name, PRESETS[args.model].kind, device)
         try:
             if error is None:
-                row = {**base, **_run_strategy(name, args, rank, world, device, dtype, transport, one, calibration,
-                                               other)}
+                row = {**base, **_run_strategy(name, args, run, calibration, other)}
         except Exception as e:  # a baseline that cannot run here is a result, not a crash
             error = f"{type(e).__name__}: {e}"[:500]
         errors = [None] * world
