@@ -231,19 +231,12 @@ def _bench_arguments(p) -> None:
 
 
 def _bench_verb(p, verb: str, add) -> None:
-    from .bench.args import HELP_FORMATTER, description
+    from .bench.args import HELP_FORMATTER, description, run
 
     p.description = description(verb)
     p.formatter_class = HELP_FORMATTER
     add(p)
-    p.set_defaults(func=lambda args: _run_bench(verb, args))
-
-
-def _run_bench(verb: str, args) -> int:
-    import importlib
-
-    mod = importlib.import_module(f".bench.{verb}", __package__)
-    return mod.main(args)
+    p.set_defaults(func=lambda args: run(verb, args))
 
 
 def _add_simulate(sub) -> None:

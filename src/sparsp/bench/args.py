@@ -73,6 +73,25 @@ def description(verb: str) -> str | None:
     return None
 
 
+class BenchFailed(RuntimeError):
+    """A benchmark's failure that every rank agreed on (``common.agree``): the same one-line
+    message, raised on every rank at the same point, so none waits in a collective for a peer
+    that has stopped."""
+
+
+def run(verb: str, args) -> int:
+    """Run ``sparsp bench VERB`` (its module loads now); a failure the ranks agreed on ends it
+    with one line on stderr and exit status 1, the same on every rank."""
+    import importlib
+
+    module = importlib.import_module(f"sparsp.bench.{verb}")
+    try:
+        return module.main(args)
+    except BenchFailed as e:
+        print(f"sparsp bench {verb}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
 def refuse(verb: str, message: str):
     """Report a bad argument as argparse does (one line on stderr, exit status 2)."""
     print(f"sparsp bench {verb}: error: {' '.join(str(message).split())}", file=sys.stderr)

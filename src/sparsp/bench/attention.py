@@ -73,10 +73,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..timing import call_ms
 from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, check_out, default_out, refuse
 from .attention_rows import SPLIT, AttentionRow, plot, table
-from .common import (config_overrides, init_distributed, profile_name, shutdown, time_interleaved, time_ms,
-                     wide_console, write_result)
+from .common import (barrier, config_overrides, init_distributed, over_ranks, profile_name, shutdown, stage,
+                     time_interleaved, time_ms, wide_console, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 from .profile_layers import LayerWorkload, read_layers, workloads_of
 
@@ -128,15 +129,17 @@ def main(args) -> int:
         workloads, extra = workloads_of(args, setup.geom, setup.layers, verbose=os.environ.get("RANK", "0") == "0")
         args.seed = workloads[0].seed  # the seed the heads were fitted with
     run = _start(args, setup)
-    rows = []
-    for workload in workloads:
-        inputs = {}  # each placement's inputs of this layer: kept while its rows are timed together
-        for cdf in args.cdf:
-            rows += _time_rows(run, _rows_of(run, workload, cdf, inputs))
-    if run.rank == 0:
-        _report(run, rows, extra)
-    dist.barrier()
-    shutdown()
+    try:
+        rows = []
+        for workload in workloads:
+            inputs = {}  # each placement's inputs of this layer: kept while its rows are timed together
+            for cdf in args.cdf:
+                rows += _time_rows(run, _rows_of(run, workload, cdf, inputs))
+        with stage("writing the results"):
+            if run.rank == 0:
+                _report(run, rows, extra)
+    finally:
+        shutdown()
     return 0
 
 
@@ -187,7 +190,8 @@ def _rows_of(run: _Run, workload: LayerWorkload | None, cdf: float, inputs: dict
     timed = [_strategy_row(run, workload, cdf, config, inputs)
              for config in _configs(run.args, run.world, run.setup.geom.heads)]
     if not run.args.no_1gpu:  # timed with the rows above: the comparison the targets make
-        timed += _one_gpu_rows(run, cdf, workload)
+        with stage("the one-GPU rows"):  # rank 0's work, agreed on by every rank
+            timed += _one_gpu_rows(run, cdf, workload)
     return timed
 
 
@@ -270,10 +274,6 @@ def _inputs(run: _Run, kind: str, workload: LayerWorkload | None, inputs: dict):
     return inputs[kind]
 
 
-def _max(x: float, device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None]]:
     """(strategy, placement, transport, ablation) of every row."""
     from ..strategies import strategy_names, strategy_spec
@@ -333,29 +333,28 @@ def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config:
 
     args, device = run.args, run.device
     strategy, kind, transport, ablation = config
-    _, sets = _inputs(run, kind, workload, inputs)
-    cfg = SparspConfig(cdf_threshold=cdf, block_size=run.setup.geom.block_size, transport=transport,
-                       kernel=args.kernel, timeout_s=300.0, **(run.setup.overrides | ablation_config(ablation)))
-    t = get_transport(transport, None, device, cfg.timeout_s, local=cfg.local_transport)
-    attend = lambda q, k, v: sp_attention(q, k, v, strategy=strategy, config=cfg)  # noqa: E731
-    for other in sets[1:]:
-        attend(*other)
-    attend(*sets[0])
-    t.fence()
-    t.reset_counters()
-    attend(*sets[0])  # the bytes and the split: the first set's
-    t.fence()
-    moved = torch.tensor([t.total_received], dtype=torch.long, device=device)
-    most = moved.clone()
-    dist.all_reduce(moved)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    with stage(f"setting up {strategy} over {transport}"):
+        _, sets = _inputs(run, kind, workload, inputs)
+        cfg = SparspConfig(cdf_threshold=cdf, block_size=run.setup.geom.block_size, transport=transport,
+                           kernel=args.kernel, timeout_s=300.0, **(run.setup.overrides | ablation_config(ablation)))
+        t = get_transport(transport, None, device, cfg.timeout_s, local=cfg.local_transport)
+        attend = lambda q, k, v: sp_attention(q, k, v, strategy=strategy, config=cfg)  # noqa: E731
+        for other in sets[1:]:
+            attend(*other)
+        attend(*sets[0])
+        t.fence()
+        t.reset_counters()
+        attend(*sets[0])  # the bytes and the split: the first set's
+        t.fence()
+    moved, most = (int(over_ranks([t.total_received], device, op)[0]) for op in ("sum", "max"))
     split, density, flops, chosen = _split(*sets[0], strategy, cfg, t, device)
-    call = cycling(sets, attend)
-    syncs, colls = count_syncs_and_collectives(call, _trace_stem(run, cdf, workload, config, t.name))
-    c_ms = _max(flops, device) / (run.dense[0] * 1e9)
-    t_ms = int(most.item()) / (run.setup.gbps * 1e6)
+    with stage(f"profiling {strategy} over {transport}"):
+        call = cycling(sets, attend)
+        syncs, colls = count_syncs_and_collectives(call, _trace_stem(run, cdf, workload, config, t.name))
+    c_ms = over_ranks([flops], device)[0] / (run.dense[0] * 1e9)
+    t_ms = most / (run.setup.gbps * 1e6)
     row = run.row(cdf, workload, ranks=run.world, strategy=strategy, transport=t.name, placement=kind,
-                  kernel=args.kernel, bytes_moved=int(moved.item()), bytes_max_rank=int(most.item()),
+                  kernel=args.kernel, bytes_moved=moved, bytes_max_rank=most,
                   density=density, **{key: split.get(key, 0.0) for key in SPLIT},
                   pack_side_ms=split["pack_side_ms"], transfer_ms=split.get("transfer_ms", 0.0), host_syncs=syncs,
                   collectives=colls, compute_bound_ms=c_ms, transfer_bound_ms=t_ms, bound_ms=max(c_ms, t_ms),
@@ -387,37 +386,32 @@ def _split(q, k, v, strategy, cfg, transport, device):
     from ..strategies.base import PhaseTimer
 
     timer = PhaseTimer()
-    dist.barrier()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    sp_attention(q, k, v, strategy=strategy, config=cfg, _timer=timer)
-    end.record()
-    end.synchronize()
-    total = start.elapsed_time(end)
-    s = timer.summary()
-    split = {f"{key}_ms": s.get(key, 0.0) for key in ("mask", "pack", "compute", "merge", "transfer")}
-    # a pack on the side stream (Call.side) overlaps the local kernel: not on the compute
-    # stream's path, so not subtracted; the compute stream's wait for it is exposed time
-    split["exposed_comm_ms"] = max(0.0, total - sum(split[f"{key}_ms"] for key in
-                                                    ("mask", "pack", "compute", "merge")))
-    split["pack_side_ms"] = s.get("pack_side", 0.0)
-    split["pack_ms"] += split["pack_side_ms"]
-    split = {key: _max(value, device) for key, value in split.items()}
+    barrier()
+    with stage(f"{strategy}'s timed split"):
+        total = call_ms(lambda: sp_attention(q, k, v, strategy=strategy, config=cfg, _timer=timer), device)
+        s = timer.summary()
+        split = {f"{key}_ms": s.get(key, 0.0) for key in ("mask", "pack", "compute", "merge", "transfer")}
+        # a pack on the side stream (Call.side) overlaps the local kernel: not on the compute
+        # stream's path, so not subtracted; the compute stream's wait for it is exposed time
+        split["exposed_comm_ms"] = max(0.0, total - sum(split[f"{key}_ms"] for key in
+                                                        ("mask", "pack", "compute", "merge")))
+        split["pack_side_ms"] = s.get("pack_side", 0.0)
+        split["pack_ms"] += split["pack_side_ms"]
+        transport.fence()
+        if strategy == auto.AUTO:
+            strategy = auto.last_decision().strategy
+    split = dict(zip(split, over_ranks(split.values(), device)))
     split["local_first"] = timer.local_first  # what this call did (the config may leave it open)
     split["drain_chunks"] = timer.drain_chunks  # sparsp: messages of the last round's payload
-    transport.fence()
-    if strategy == auto.AUTO:
-        strategy = auto.last_decision().strategy
-    meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=strategy_spec(strategy).sparse)
-    sh = meta.shapes
-    mask = meta.block_mask(cfg)[:, :, sh.blocks_of(sh.rank)] if strategy_spec(strategy).sparse else None
-    d = torch.tensor([0.0 if mask is None else float(mask.sum()), 1.0 if mask is None else mask.numel()],
-                     dtype=torch.float64, device=device)
-    if mask is None:
-        d[0] = d[1]
-    dist.all_reduce(d)
-    return split, float(d[0] / d[1]), kept_flops(mask, sh), strategy
+    sparse = strategy_spec(strategy).sparse
+    meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=sparse)
+    with stage(f"{strategy}'s mask"):
+        sh = meta.shapes
+        mask = meta.block_mask(cfg)[:, :, sh.blocks_of(sh.rank)] if sparse else None
+        kept, pairs = (1.0, 1.0) if mask is None else (float(mask.sum()), float(mask.numel()))
+        flops = kept_flops(mask, sh)
+    kept, pairs = over_ranks([kept, pairs], device, "sum")
+    return split, kept / pairs, flops, strategy
 
 
 def _one_gpu_rows(run: _Run, cdf: float, workload: LayerWorkload | None = None) -> list[tuple]:

@@ -63,11 +63,11 @@ import torch
 import torch.distributed as dist
 
 from ..timing import times_ms
-from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, check_names,
-                   check_out, default_out, refuse)
+from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, BenchFailed,
+                   check_names, check_out, default_out, refuse)
 from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
-from .common import (config_overrides, init_distributed, median, profile_name, save_figure, shutdown,
-                     time_ms, wide_console, write_result)
+from .common import (config_overrides, failure_text, first_error, init_distributed, median, over_ranks,
+                     profile_name, save_figure, share, shutdown, stage, time_ms, wide_console, write_result)
 
 RESERVED = E2E_RESERVED
 PROCESSOR_DENSE = "sparsp-dense"
@@ -209,8 +209,8 @@ def _step_fn(model, inputs: dict, steps_sigmas, latent_key: str = "hidden_states
 @dataclass(frozen=True)
 class _Run:
     """What every strategy of a run shares: this rank, the group's size, the device and dtype,
-    sparsp's transport, and the process group of rank 0 alone (the one-GPU rows run
-    ``sp_attention`` on it; None without one-GPU rows)."""
+    sparsp's transport, the process group of rank 0 alone (the one-GPU rows run
+    ``sp_attention`` on it; None without one-GPU rows), the ``--config`` fields, the console."""
 
     rank: int
     world: int
@@ -218,18 +218,21 @@ class _Run:
     dtype: torch.dtype
     transport: str
     one: object
+    overrides: dict  # the --config fields
+    console: object  # rank 0's; None on the others
 
 
 @dataclass
 class _Built:
-    """One strategy's model as this rank runs it: one denoising step per ``step()`` call, its
-    video self-attention ``modules``, the attention choices of a ``1gpu-sparse`` step
-    (``choices``), the untimed steps first, and the row so far. A rank with nothing to run
-    (ranks but 0 in a one-GPU row) keeps the defaults: a step that does nothing."""
+    """One strategy's model as this rank runs it, with its inputs: one denoising step per
+    ``step()`` call, its video self-attention ``modules``, the attention choices of a
+    ``1gpu-sparse`` step (``choices``), the untimed steps first, and the row so far. A rank with
+    nothing to run (ranks but 0 in a one-GPU row) keeps the defaults: a step that does nothing."""
 
     warmup: int
     row: dict
     model: object = None
+    inputs: dict | None = None  # one step's keyword arguments
     step: object = lambda: None
     modules: list = field(default_factory=list)
     choices: list = field(default_factory=list)
@@ -240,16 +243,27 @@ def _run_strategy(name, args, run: _Run, calibration=None, other=None) -> dict:
     Diffusers backend of the attention sparsp does not replace (cross-attention, text): the
     one ``1gpu-dense`` found fastest when it ran before, else cuDNN where it applies."""
     active = name not in ONE_GPU_ROWS or run.rank == 0  # one-GPU rows: rank 0 works, the others wait
-    built = _build(name, args, run, calibration, other) if active else _Built(
-        args.warmup, {"layers": None, "transport": None, "cdf": None, "density": None})
-    layers = torch.tensor([built.row["layers"] or 0], device=run.device)
-    dist.all_reduce(layers, op=dist.ReduceOp.MAX)
-    built.row["layers"] = int(layers.item())
-    timer = _AttentionTimer(built.modules, run.device)
-    if name in DIFFUSERS or (name == "1gpu-dense" and active):
-        _pick_backend(name, built, timer, args, run)
-    built.row.update(_time_steps(name, built, timer, args, run))
-    timer.remove()
+    # every stage on every rank, active or not: its work is this rank's alone (or a group of
+    # one's), and the ranks agree after it, before the next collective
+    with stage("building the model"):
+        built = _build(name, args, run, other) if active else _Built(
+            args.warmup, {"layers": None, "transport": None, "cdf": None, "density": None})
+    with stage("parallelizing the model"):
+        if active:
+            _parallelize(name, built, args, run)
+    with stage("setting up the steps"):
+        if active:
+            _set_up_steps(name, built, args, calibration)
+        timer = _AttentionTimer(built.modules, run.device)
+    built.row["layers"] = int(over_ranks([built.row["layers"] or 0], run.device)[0])
+    try:
+        if name in DIFFUSERS or name == "1gpu-dense":
+            with stage("choosing the dense attention backend"):
+                if active:
+                    _pick_backend(name, built, timer, args, run)
+        built.row.update(_time_steps(name, built, timer, args, run))
+    finally:
+        timer.remove()
     row = built.row
     del built
     gc.collect()
@@ -258,13 +272,10 @@ def _run_strategy(name, args, run: _Run, calibration=None, other=None) -> dict:
     return row
 
 
-def _build(name, args, run: _Run, calibration, other) -> _Built:
-    """The model of row ``name`` on this rank: built from its config with the run's weights and
-    inputs, its other attention on ``other`` (or cuDNN where it applies), parallelized as the
-    row runs it, the synthetic or calibrated q/k where the weights say so."""
-    from ..integrations.diffusers import runtime_of
+def _build(name, args, run: _Run, other) -> _Built:
+    """The model of row ``name`` on this rank, built from its config with the run's weights,
+    and its inputs; its other attention on ``other`` (or cuDNN where it applies)."""
     from ..integrations.models import PRESETS, TINY, build_transformer, dummy_inputs, num_layers
-    from ..strategies import one_gpu
 
     preset = PRESETS[args.model]
     model = build_transformer(preset.kind, config=TINY[preset.kind] if args.tiny else preset.config,
@@ -272,7 +283,7 @@ def _build(name, args, run: _Run, calibration, other) -> _Built:
     latent = tuple(args.latent) if args.latent else ((3, 8, 8) if args.tiny else preset.latent)
     inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens, seed=args.seed + 1)
     built = _Built(args.warmup, {"layers": num_layers(model), "transport": None, "cdf": None, "density": None},
-                   model=model)
+                   model=model, inputs=inputs)
     _drop_all_valid_text_masks(model, inputs, preset.kind, dense=name == "1gpu-dense" or name in DIFFUSERS)
     # The sparse rows' other attention (cross-attention, text): ``other`` (the dense row's fastest
     # Diffusers backend), else cuDNN where it applies (bf16/fp16, no key-padding mask); the
@@ -283,17 +294,25 @@ def _build(name, args, run: _Run, calibration, other) -> _Built:
     if backend != "native":
         model.set_attention_backend(backend)
     built.row["attention_backend"] = backend
-    _parallelize(name, built, args, run)
-    rt = runtime_of(model)
+    return built
+
+
+def _set_up_steps(name, built: _Built, args, calibration) -> None:
+    """The parallelized model's step function and attention modules: the synthetic or
+    calibrated q/k where the weights say so, a ``1gpu-sparse`` row's choices recorded."""
+    from ..integrations.diffusers import runtime_of
+    from ..strategies import one_gpu
+
+    rt = runtime_of(built.model)
     if rt is not None and args.weights == "synthetic-structure":
-        rt.qk_override = _synthetic_qk(model, args.seed, calibration)
+        rt.qk_override = _synthetic_qk(built.model, args.seed, calibration)
         built.row["qk"] = "synthetic" if calibration is None else "calibrated"
-    built.step = _step_fn(model, inputs, torch.linspace(1.0, 0.0, built.warmup + args.steps + 1).tolist())
-    built.modules = _attention_modules(model)
+    sigmas = torch.linspace(1.0, 0.0, built.warmup + args.steps + 1).tolist()
+    built.step = _step_fn(built.model, built.inputs, sigmas)
+    built.modules = _attention_modules(built.model)
     if name == "1gpu-sparse":  # what each attention call chose (``strategies/one_gpu.py``)
         for i, m in enumerate(built.modules):
             m.register_forward_hook(lambda *_, i=i: built.choices.append((i, one_gpu.last_choice())))
-    return built
 
 
 def _parallelize(name, built: _Built, args, run: _Run) -> None:
@@ -341,20 +360,19 @@ def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
     """The row's figures: ``--steps`` steps timed after the untimed ones, the slowest rank's;
     the attention's time per step (and a dense row's rate); a ``1gpu-sparse`` row's density
     and kernels per step."""
-    for _ in range(built.warmup):  # here, not in time_ms, so the attention spans exclude them
-        built.step()
-    timer.take_ms()
-    built.choices.clear()
-    times = time_ms(built.step, warmup=0, iters=args.steps, device=run.device)
-    attn_ms, flops = timer.take()
-    gang = run.world if name in DIFFUSERS else 1
+    with stage("the warm-up steps"):  # here, not in time_ms, so the attention spans exclude them
+        for _ in range(built.warmup):
+            built.step()
+        timer.take_ms()
+        built.choices.clear()
+    times = time_ms(built.step, warmup=0, iters=args.steps, device=run.device, what="the timed steps")
     choices = built.choices
-    kept = sum(c.kept for _, c in choices) / len(choices) if choices else -1.0
+    with stage("the step's figures"):
+        attn_ms, flops = timer.take()
+        kept = sum(c.kept for _, c in choices) / len(choices) if choices else -1.0
     # the slowest rank's attention time and the dense FLOPs of a step (per GPU), and the density
-    figures = torch.tensor([attn_ms / args.steps, flops / args.steps * gang, kept], dtype=torch.float64,
-                           device=run.device)
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    attn, step_flops, density = figures.tolist()
+    gang = run.world if name in DIFFUSERS else 1
+    attn, step_flops, density = over_ranks([attn_ms / args.steps, flops / args.steps * gang, kept], run.device)
     out = {"density": density if density >= 0 else None}
     if name in ONE_GPU_ROWS[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
         out["attention_tflops"] = _tflops(step_flops, attn)
@@ -416,10 +434,7 @@ def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int
     from ..strategies import one_gpu
 
     def agreed(error):
-        if gang > 1:
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((e for e in errors if e is not None), None)
+        error = first_error(error) if gang > 1 else error
         if error is not None:
             raise BackendFailed(error)
 
@@ -427,7 +442,7 @@ def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int
         try:
             fn()
         except Exception as e:  # reported by ``agreed``, on every rank
-            return f"{type(e).__name__}: {e}"
+            return failure_text(e)
         return None
 
     ours = backend == PROCESSOR_DENSE
@@ -440,7 +455,10 @@ def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int
             agreed(attempt(step))
         timer.take()
         if gang > 1:
-            times = time_ms(step, warmup=0, iters=iters, device=device)
+            try:
+                times = time_ms(step, warmup=0, iters=iters, device=device)
+            except BenchFailed as e:  # on every rank: this backend's error, the next one is tried
+                raise BackendFailed(str(e)) from None
         else:  # rank 0 alone (a one-GPU row): no collective
             times = times_ms(step, warmup=0, iters=iters, device=device)
         ms, flops = timer.take()
@@ -448,10 +466,8 @@ def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int
     finally:
         if ours:
             unparallelize(model)
-    figures = torch.tensor([ms / iters, flops / iters * gang], dtype=torch.float64, device=device)
-    if gang > 1:
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    attn_ms, flops = figures.tolist()
+    figures = [ms / iters, flops / iters * gang]
+    attn_ms, flops = over_ranks(figures, device) if gang > 1 else figures
     out = {"step_ms": median(times), "attention_ms": attn_ms, "attention_tflops": _tflops(flops, attn_ms)}
     return out if kernel is None else {**out, "kernel": kernel}
 
@@ -553,66 +569,80 @@ def main(args) -> int:
     overrides = config_overrides(args.config, reserved=RESERVED)
     want_cuda = settle_arguments(args)
     require_diffusers()
-    from ..integrations.models import PRESETS
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
     # the profile read and the heads fitted before the process group starts: a bad file ends
     # every rank with one line, none waits for a peer
     first = os.environ.get("RANK", "0") == "0"
     calibration = _calibration(args, first) if args.density_profile is not None else None
+    run = _start(args, want_cuda, overrides)
+    try:
+        rows, other = [], None
+        for name in args.strategy:
+            rows.append(_strategy_row(name, args, run, calibration, other))
+            if name == "1gpu-dense":  # the later rows' other attention: Diffusers' fastest here (rank 0 measured it)
+                other = share(rows[-1].get("other_backend"))
+        densities = {r["cdf"]: r["density"] for r in rows if r["density"] is not None}
+        for r in rows:  # every sparse row of a cdf has the masks 1gpu-sparse measured
+            if r["cdf"] is not None and r["density"] is None:
+                r["density"] = densities.get(r["cdf"])
+        with stage("writing the results"):
+            if run.rank == 0:
+                _write(rows, args, run, calibration)
+    finally:
+        shutdown()
+    return 0
+
+
+def _start(args, want_cuda: bool, overrides: dict) -> _Run:
+    """Join the process group (gloo on a CPU) and make what every strategy shares."""
     rank, world, device = init_distributed(None if want_cuda else "gloo")
     if not want_cuda:
         device = torch.device("cpu")
-    console = wide_console() if rank == 0 else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     transport = args.transport or ("host" if args.fabric == "host" and device.type == "cuda" else "auto")
     # the one-GPU rows' group: rank 0 alone (every rank takes part in making it)
     one = dist.new_group([0]) if any(n in ONE_GPU_ROWS for n in args.strategy) else None
-    run = _Run(rank, world, device, dtype, transport, one)
-    rows, other = [], None
-    for name in args.strategy:
-        base = {"model": args.model, "ranks": 1 if name in ONE_GPU_ROWS else world, "fabric": args.fabric,
-                "strategy": name, "weights": args.weights, "steps": args.steps, "device": device.type,
-                "cuda_graphs": overrides.get("cuda_graphs", True), "config": overrides or None}
-        error = diffusers_refusal(name, PRESETS[args.model].kind, device)
+    return _Run(rank, world, device, dtype, transport, one, overrides, wide_console() if rank == 0 else None)
+
+
+def _strategy_row(name, args, run: _Run, calibration, other) -> dict:
+    """Row ``name``, the same outcome on every rank: its figures, or why it could not run
+    (decided before trying where it can be, else the first failing rank's error): a baseline
+    that cannot run here is a result, not a crash."""
+    from ..integrations.models import PRESETS
+
+    base = {"model": args.model, "ranks": 1 if name in ONE_GPU_ROWS else run.world, "fabric": args.fabric,
+            "strategy": name, "weights": args.weights, "steps": args.steps, "device": run.device.type,
+            "cuda_graphs": run.overrides.get("cuda_graphs", True), "config": run.overrides or None}
+    row, error = None, diffusers_refusal(name, PRESETS[args.model].kind, run.device)
+    if error is None:
         try:
-            if error is None:
-                row = {**base, **_run_strategy(name, args, run, calibration, other)}
-        except Exception as e:  # a baseline that cannot run here is a result, not a crash
-            error = f"{type(e).__name__}: {e}"[:500]
-        errors = [None] * world
-        dist.all_gather_object(errors, error)  # every rank records the same outcome
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            row = {**base, "transport": None, "cdf": None, "density": None, "layers": args.layers,
-                   "step_ms": None, "per_layer_ms": None, "attention_ms": None, "error": error}
-        rows.append(row)
-        if name == "1gpu-dense":  # the later rows' other attention: Diffusers' fastest here (rank 0 measured it)
-            got = [row.get("other_backend")]
-            dist.broadcast_object_list(got, src=0)
-            other = got[0]
-        if console:
-            console.print(f"{name}: " + (f"{row['step_ms']:.1f} ms/step" if row["step_ms"] is not None
+            row = {**base, **_run_strategy(name, args, run, calibration, other)}
+        except Exception as e:  # agreed by every rank below
+            error = failure_text(e)[:500]
+    error = first_error(error)
+    if error is not None:
+        row = {**base, "transport": None, "cdf": None, "density": None, "layers": args.layers,
+               "step_ms": None, "per_layer_ms": None, "attention_ms": None, "error": error}
+    if run.console:
+        run.console.print(f"{name}: " + (f"{row['step_ms']:.1f} ms/step" if row["step_ms"] is not None
                                          else row["error"]) + _what_ran(row))
-    densities = {r["cdf"]: r["density"] for r in rows if r["density"] is not None}
-    for r in rows:  # every sparse row of a cdf has the masks 1gpu-sparse measured
-        if r["cdf"] is not None and r["density"] is None:
-            r["density"] = densities.get(r["cdf"])
-    if rank != 0:
-        dist.barrier()
-        shutdown()
-        return 0
+    return row
+
+
+def _write(rows: list[dict], args, run: _Run, calibration) -> None:
+    """Rank 0: the result file (a profile's workload: its own, never a preset's uniform
+    result), its table and its plot."""
     extra = None
-    if calibration is not None:  # a profile's workload: its own file, never a preset's uniform result
+    if calibration is not None:
         extra = {"workload": "density-profile", "profile": str(args.density_profile), "source": calibration.source,
                  "step": args.step, "calibration_within": round(_share_within(calibration), 4)}
     path = write_result("e2e", _result_name(args), rows, args.out, extra=extra)
-    console.print(result_table(rows, f"e2e {args.model}, {world} ranks, {args.fabric}, weights={args.weights}"))
+    run.console.print(result_table(rows, f"e2e {args.model}, {run.world} ranks, {args.fabric}, "
+                                         f"weights={args.weights}"))
     outputs = [path] if args.no_plot else [path, plot(path)]
-    console.print("wrote " + ", ".join(map(str, outputs)))
-    dist.barrier()
-    shutdown()
-    return 0
+    run.console.print("wrote " + ", ".join(map(str, outputs)))
 
 
 def result_table(rows: list[dict], title: str):
