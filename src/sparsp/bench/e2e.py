@@ -12,9 +12,12 @@ precomputed random text embeddings, for each strategy:
 * ``1gpu-sparse``: rank 0 alone, sparsp's primary strategy on a group of one (``sp_attention``:
   per call the block-sparse or the dense kernel, whichever its mask pays for,
   ``strategies/one_gpu.py``); the row's ``attention_kernels`` and ``dense_layers`` say which ran;
-* ``diffusers-ring`` / ``diffusers-ulysses``: Diffusers' own ``ContextParallelConfig``; a
-  failure is recorded in the row's ``error`` and the run goes on;
+* ``diffusers-ring`` / ``diffusers-ulysses``: Diffusers' own ``ContextParallelConfig`` (a model
+  without Diffusers' context-parallel plan, or a CPU run, is recorded as such before trying);
 * any sparsp strategy (``ring-sparse``, ``ulysses``, ``sparsp``, ...): ``sparsp.parallelize``.
+
+A row that fails, on any rank, records the first failing rank's error in its ``error`` on every
+rank, and the run goes on (``bench.common``: the ranks agree on failure before each collective).
 
 The dense rows (``1gpu-dense``, ``diffusers-*``) run on the fastest Diffusers attention
 backend installed for the model and its mask, chosen by measurement (``bench/backends.py``;
