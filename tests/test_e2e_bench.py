@@ -157,12 +157,12 @@ def test_dense_hunyuan_gets_no_text_mask_when_every_token_is_valid(valid_text):
     None in its place; a mask that masks something stays."""
     import torch
 
-    from sparsp.bench.e2e import _drop_all_valid_text_masks
+    from sparsp.bench.e2e_model import drop_all_valid_text_masks
     from sparsp.integrations.models import TINY, build_transformer, dummy_inputs
 
     model = build_transformer("hunyuan-video", config=TINY["hunyuan-video"], dtype=torch.float32, device="cpu")
     inputs = dummy_inputs(model, (3, 8, 8), text_tokens=8, seed=1, valid_text=valid_text)
-    _drop_all_valid_text_masks(model, inputs, "hunyuan-video", dense=True)
+    drop_all_valid_text_masks(model, inputs, "hunyuan-video", dense=True)
     seen = []
     for block in (*model.transformer_blocks, *model.single_transformer_blocks):
         block.register_forward_pre_hook(lambda m, args: seen.append(args[3]))
@@ -197,7 +197,7 @@ def test_a_density_profile_run_has_calibrated_weights_and_its_own_file_name():
 
 
 def test_calibrated_qk_follow_each_layer():
-    """``_synthetic_qk`` with a calibration: each layer its own fitted heads (the generator's q/k
+    """``synthetic_qk`` with a calibration: each layer its own fitted heads (the generator's q/k
     of that layer's parameters), cached per layer; a layer past the fit raises; without a
     calibration every layer shares one draw."""
     import dataclasses
@@ -206,7 +206,7 @@ def test_calibrated_qk_follow_each_layer():
     import torch
 
     from sparsp.workloads import calibration as C
-    from sparsp.bench.e2e import _rope_for, _synthetic_qk
+    from sparsp.bench.e2e_model import rope_for, synthetic_qk
     from sparsp.workloads.density import DensityProfile
     from sparsp.geometry import preset
     from sparsp.integrations.models import TINY, build_transformer
@@ -216,12 +216,12 @@ def test_calibrated_qk_follow_each_layer():
     heads, dim = model.config.num_attention_heads, model.config.attention_head_dim
     geom = dataclasses.replace(preset("wan2.1-1.3b", width=128, height=128, frames=5), heads=heads, head_dim=dim,
                                layers=2, rope=None)
-    geom = dataclasses.replace(geom, rope=_rope_for(model))
+    geom = dataclasses.replace(geom, rope=rope_for(model))
     grid = [[[0.05, 0.4][layer]] * heads for layer in range(2)]
     cal = C.calibrate(geom, DensityProfile(source="toy", steps=1, layers=2, heads=heads, densities=[grid]), rows=32)
     layout = SimpleNamespace(geometry=geom, attn_tokens=torch.arange(geom.num_tokens), cache={})
     like = torch.empty(1, geom.num_tokens, heads, dim)
-    qk = _synthetic_qk(model, 0, cal)
+    qk = synthetic_qk(model, 0, cal)
     q0, k0 = qk(layout, like, 0)
     q1, _ = qk(layout, like, 1)
     assert qk(layout, like, 0)[0] is q0  # made once per geometry and layer
@@ -230,7 +230,7 @@ def test_calibrated_qk_follow_each_layer():
     assert torch.equal(q1, want) and not torch.equal(q0, q1)
     with pytest.raises(ValueError, match="the calibration has 2 layers"):
         qk(layout, like, 2)
-    plain = _synthetic_qk(model, 0)
+    plain = synthetic_qk(model, 0)
     layout.cache.clear()
     assert torch.equal(plain(layout, like, 0)[0], plain(layout, like, 1)[0])
 
@@ -238,7 +238,7 @@ def test_calibrated_qk_follow_each_layer():
 def test_a_rate_is_stored_whole():
     """A tiny model's attention on a slow CPU runs at a few MFLOP/s: the row keeps the rate as
     measured (rounded to 4 decimals of TFLOP/s it read 0.0); rounding is for printing."""
-    from sparsp.bench.e2e import _tflops
+    from sparsp.bench.backends import tflops
 
-    assert _tflops(442368.0, 66.6) == pytest.approx(442368.0 / 66.6e-3 / 1e12, rel=1e-12)
-    assert _tflops(442368.0, 0.0) is None and _tflops(0.0, 1.0) is None
+    assert tflops(442368.0, 66.6) == pytest.approx(442368.0 / 66.6e-3 / 1e12, rel=1e-12)
+    assert tflops(442368.0, 0.0) is None and tflops(0.0, 1.0) is None

@@ -58,25 +58,21 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..timing import times_ms
-from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, BenchFailed,
-                   check_names, check_out, default_out, refuse)
-from .backends import CANDIDATES, BackendFailed, attention_flops, fastest, pick_fastest, try_each
+from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, check_names,
+                   check_out, default_out, refuse)
+from .backends import (CANDIDATES, PROCESSOR_DENSE, fastest, one_gpu_config, pick_fastest, tflops, try_backend,
+                       try_each, use_backend)
 from .common import (config_overrides, failure_text, first_error, init_distributed, median, over_ranks,
                      profile_name, save_figure, share, shutdown, stage, time_ms, wide_console, write_result)
+from .e2e_model import AttentionTimer, attention_modules, drop_all_valid_text_masks, step_fn, synthetic_qk
 
 RESERVED = E2E_RESERVED
-PROCESSOR_DENSE = "sparsp-dense"
-"""A dense candidate of ``1gpu-dense`` beside Diffusers' backends: sparsp's processors running
-the fastest dense kernel on the GPU, FlashAttention-4's dense forward where it runs
-(``_sparsp_dense``)."""
 DIFFUSERS = {"diffusers-ring": "ring_degree", "diffusers-ulysses": "ulysses_degree"}
 
 
@@ -90,123 +86,6 @@ def default_strategies() -> list[str]:
     return [*ONE_GPU_ROWS, *DIFFUSERS, *sparse]
 
 
-
-
-class _AttentionTimer:
-    """Wall time of the video self-attention modules in one step (CUDA events on GPU), and the
-    dense FLOPs of their calls (``flops``, since the last ``take_ms``)."""
-
-    def __init__(self, modules, device: torch.device) -> None:
-        self.device, self.spans, self.handles, self.flops = device, [], [], 0.0
-        for m in modules:
-            self.handles.append(m.register_forward_pre_hook(self._start, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._stop))
-
-    def _now(self):
-        if self.device.type == "cuda":
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def _start(self, module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:  # joint attention: the text joins the video
-            text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-            tokens = hidden.shape[1] + (text.shape[1] if isinstance(text, torch.Tensor) else 0)
-            self.flops += attention_flops(hidden.shape[0], tokens, getattr(module, "inner_dim", hidden.shape[-1]))
-        self.spans.append([self._now(), None])
-
-    def _stop(self, module, args, output):
-        self.spans[-1][1] = self._now()
-
-    def take_ms(self) -> float:
-        """Total of the spans since the last call (synchronises the device); a span a failed
-        call left open (a backend that could not run) counts nothing."""
-        spans = [(a, b) for a, b in self.spans if b is not None]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            total = sum(a.elapsed_time(b) for a, b in spans)
-        else:
-            total = sum(b - a for a, b in spans) * 1e3
-        self.spans, self.flops = [], 0.0
-        return total
-
-    def take(self) -> tuple[float, float]:
-        """(ms, dense FLOPs) of the attention calls since the last take."""
-        flops = self.flops
-        return self.take_ms(), flops
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _attention_modules(model):
-    import fnmatch
-
-    from ..integrations.plans import plan_for
-
-    pats = plan_for(model).self_attention
-    return [m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in pats)]
-
-
-def _synthetic_qk(model, seed: int, calibration=None):
-    """q/k override for the runtime: the synthetic video q/k of this process's attention tokens;
-    with a ``calibration`` (``sparsp.workloads.calibration``), each layer's own calibrated heads."""
-    from dataclasses import replace
-
-    from ..workloads.synthetic import token_qk
-
-    heads = calibration.head_params() if calibration is not None else None
-
-    def qk(layout, like: torch.Tensor, layer: int | None = None):
-        at = 0 if heads is None else layer  # uncalibrated: every layer draws the same heads
-        if heads is not None and (at is None or not 0 <= at < len(heads)):
-            raise ValueError(f"the calibration has {len(heads)} layers; attention call of layer {layer}")
-        key = ("synthetic-qk", str(like.device), like.dtype, at)
-        if key not in layout.cache:
-            geom = replace(layout.geometry, rope=_rope_for(model))
-            extra = {} if heads is None else {"heads": heads[at], "mix": calibration.mix, "layer": at}
-            q, k = token_qk(geom, seed=seed if heads is None else calibration.seed, tokens=layout.attn_tokens,
-                            device=like.device, dtype=like.dtype, **extra)
-            layout.cache[key] = (q.expand(like.shape[0], -1, -1, -1).contiguous(),
-                                 k.expand(like.shape[0], -1, -1, -1).contiguous())
-        return layout.cache[key]
-
-    return qk
-
-
-def _rope_for(model):
-    from ..geometry import MODELS
-    from ..integrations.models import kind_of
-
-    preset = {"hunyuan-video": "hunyuan-video", "wan": "wan2.1-14b", "ltx-video": "ltx-video", "ltx-2": "ltx-2"}
-    spec = MODELS[preset[kind_of(model)]]
-    rope = spec.rope
-    D = model.config.attention_head_dim
-    if sum(rope.axes_dim) > D:  # a tiny or custom head dim: split it like the model does, t gets the rest
-        hw = 2 * (D // 6)
-        rope = type(rope)(axes_dim=(D - 2 * hw, hw, hw), theta=rope.theta, scale=rope.scale)
-    return rope
-
-
-def _step_fn(model, inputs: dict, steps_sigmas, latent_key: str = "hidden_states"):
-    """One flow-matching Euler step per call: x ← x + (σ_next − σ)·v(x, σ)."""
-    from ..integrations.models import sample_of
-
-    state = {"x": inputs[latent_key].clone(), "i": 0}
-
-    def step():
-        i = state["i"] % (len(steps_sigmas) - 1)
-        sigma, nxt = steps_sigmas[i], steps_sigmas[i + 1]
-        t = torch.full_like(inputs["timestep"], sigma * 1000.0)
-        with torch.no_grad():
-            v = sample_of(model(**{**inputs, latent_key: state["x"], "timestep": t}, return_dict=False))
-        state["x"] = state["x"] + (nxt - sigma) * v.to(state["x"].dtype)
-        state["i"] += 1
-
-    return step
 
 
 @dataclass(frozen=True)
@@ -257,7 +136,7 @@ def _run_strategy(name, args, run: _Run, calibration=None, other=None) -> dict:
     with stage("setting up the steps"):
         if active:
             _set_up_steps(name, built, args, calibration)
-        timer = _AttentionTimer(built.modules, run.device)
+        timer = AttentionTimer(built.modules, run.device)
     built.row["layers"] = int(over_ranks([built.row["layers"] or 0], run.device)[0])
     try:
         if name in DIFFUSERS or name == "1gpu-dense":
@@ -287,7 +166,7 @@ def _build(name, args, run: _Run, other) -> _Built:
     inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens, seed=args.seed + 1)
     built = _Built(args.warmup, {"layers": num_layers(model), "transport": None, "cdf": None, "density": None},
                    model=model, inputs=inputs)
-    _drop_all_valid_text_masks(model, inputs, preset.kind, dense=name == "1gpu-dense" or name in DIFFUSERS)
+    drop_all_valid_text_masks(model, inputs, preset.kind, dense=name == "1gpu-dense" or name in DIFFUSERS)
     # The sparse rows' other attention (cross-attention, text): ``other`` (the dense row's fastest
     # Diffusers backend), else cuDNN where it applies (bf16/fp16, no key-padding mask); the
     # dense rows pick theirs by measurement (``_pick_backend``).
@@ -308,11 +187,11 @@ def _set_up_steps(name, built: _Built, args, calibration) -> None:
 
     rt = runtime_of(built.model)
     if rt is not None and args.weights == "synthetic-structure":
-        rt.qk_override = _synthetic_qk(built.model, args.seed, calibration)
+        rt.qk_override = synthetic_qk(built.model, args.seed, calibration)
         built.row["qk"] = "synthetic" if calibration is None else "calibrated"
     sigmas = torch.linspace(1.0, 0.0, built.warmup + args.steps + 1).tolist()
-    built.step = _step_fn(built.model, built.inputs, sigmas)
-    built.modules = _attention_modules(built.model)
+    built.step = step_fn(built.model, built.inputs, sigmas)
+    built.modules = attention_modules(built.model)
     if name == "1gpu-sparse":  # what each attention call chose (``strategies/one_gpu.py``)
         for i, m in enumerate(built.modules):
             m.register_forward_hook(lambda *_, i=i: built.choices.append((i, one_gpu.last_choice())))
@@ -330,7 +209,7 @@ def _parallelize(name, built: _Built, args, run: _Run) -> None:
     config = sparsp.SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, transport=run.transport,
                                  kernel=args.kernel, **dict(args.config))
     if name == "1gpu-sparse":
-        sparsp.parallelize(built.model, group=run.one, config=_one_gpu_config(config),
+        sparsp.parallelize(built.model, group=run.one, config=one_gpu_config(config),
                            strategy=strategies_where(primary=True)[0])
         built.row.update(cdf=args.cdf)
         built.warmup = max(built.warmup, one_gpu.MEASURE_AT)  # the kernels' rates measured before the timed steps
@@ -350,13 +229,13 @@ def _pick_backend(name, built: _Built, timer, args, run: _Run) -> None:
     processors with the dense kernel, the rest on Diffusers' best. The row records each try."""
     model, step, row = built.model, built.step, built.row
     gang, tries = (run.world if name in DIFFUSERS else 1), min(args.steps, 2)
-    chosen, tried = pick_fastest(CANDIDATES, lambda b: _try_backend(model, b, step, timer, run.device, gang, tries))
+    chosen, tried = pick_fastest(CANDIDATES, lambda b: try_backend(model, b, step, timer, run.device, gang, tries))
     row["other_backend"] = other = chosen
     if name == "1gpu-dense":
-        chosen, tried = fastest(tried + try_each((PROCESSOR_DENSE,), lambda b: _try_backend(
+        chosen, tried = fastest(tried + try_each((PROCESSOR_DENSE,), lambda b: try_backend(
             model, b, step, timer, run.device, gang, tries, one=run.one, args=args, other=other)))
     row["attention_backend"], row["backends_tried"] = chosen, tried
-    _use_backend(model, chosen, row["other_backend"], run.one, args)
+    use_backend(model, chosen, row["other_backend"], run.one, args)
 
 
 def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
@@ -378,7 +257,7 @@ def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
     attn, step_flops, density = over_ranks([attn_ms / args.steps, flops / args.steps * gang, kept], run.device)
     out = {"density": density if density >= 0 else None}
     if name in ONE_GPU_ROWS[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
-        out["attention_tflops"] = _tflops(step_flops, attn)
+        out["attention_tflops"] = tflops(step_flops, attn)
     if choices:
         out["dense_layers"] = sorted({i for i, c in choices if c.dense})
         out["attention_kernels"] = {k: sum(c.kernel == k for _, c in choices) // args.steps
@@ -386,120 +265,6 @@ def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
     step_ms = median(times)
     return {**out, "step_ms": step_ms, "per_layer_ms": step_ms / built.row["layers"], "attention_ms": attn,
             "step_ms_all": times, "warmup": built.warmup}
-
-
-def _one_gpu_config(config):
-    """The one-GPU rows' config: nothing moves on a group of one; its metadata all-gather goes
-    through the group's own backend (``nccl``: torch.distributed, as ``bench attention``'s
-    one-GPU row)."""
-    from dataclasses import replace
-
-    return replace(config, transport="nccl")
-
-
-def _sparsp_dense(model, one, args, other: str) -> None:
-    """``PROCESSOR_DENSE``: sparsp's processors on the group of one with the dense baseline
-    strategy, so the video self-attention runs the fastest dense kernel ``strategies/one_gpu.py``
-    measures (FA4's dense forward among them); the model's other attention on ``other``, the
-    fastest Diffusers backend."""
-    import sparsp
-
-    from ..strategies.registry import strategies_where
-
-    model.set_attention_backend(other)
-    config = sparsp.SparspConfig(block_size=args.block_size, kernel=args.kernel, **dict(args.config))
-    sparsp.parallelize(model, group=one, config=_one_gpu_config(config), strategy=strategies_where(baseline=True)[0])
-
-
-def _use_backend(model, backend: str, other: str, one, args) -> None:
-    """Run ``model`` on ``backend`` (the fastest tried) from now on; ``PROCESSOR_DENSE`` with its
-    other attention on ``other``."""
-    if backend == PROCESSOR_DENSE:
-        _sparsp_dense(model, one, args, other)
-    else:
-        model.set_attention_backend(backend)
-
-
-def _tflops(flops: float, ms: float) -> float | None:
-    """The rate as measured (the result file keeps it whole: a tiny CPU model's rate rounded
-    to a few decimals reads 0.0); None without a time or FLOPs to divide."""
-    return flops / (ms * 1e-3) / 1e12 if ms > 0 and flops > 0 else None
-
-
-def _try_backend(model, backend: str, step, timer, device, gang: int, iters: int, *, one=None, args=None,
-                 other: str | None = None) -> dict:
-    """Step time, attention time and dense attention TFLOP/s (per GPU) of ``model`` on
-    ``backend``: untimed steps first (one; enough for ``PROCESSOR_DENSE`` to measure its kernels),
-    then ``iters`` timed ones. ``gang`` > 1: every rank of the process group runs it together
-    (Diffusers' context parallelism), and a failure on any rank is raised on all of them, so
-    they all go on to the next backend together. ``PROCESSOR_DENSE`` is undone after its try."""
-    from ..integrations.diffusers import unparallelize
-    from ..strategies import one_gpu
-
-    def agreed(error):
-        error = first_error(error) if gang > 1 else error
-        if error is not None:
-            raise BackendFailed(error)
-
-    def attempt(fn):
-        try:
-            fn()
-        except Exception as e:  # reported by ``agreed``, on every rank
-            return failure_text(e)
-        return None
-
-    ours = backend == PROCESSOR_DENSE
-    try:
-        if ours:
-            agreed(attempt(lambda: _sparsp_dense(model, one, args, other)))
-        else:
-            agreed(attempt(lambda: model.set_attention_backend(backend)))
-        for _ in range(one_gpu.MEASURE_AT if ours else 1):
-            agreed(attempt(step))
-        timer.take()
-        if gang > 1:
-            try:
-                times = time_ms(step, warmup=0, iters=iters, device=device)
-            except BenchFailed as e:  # on every rank: this backend's error, the next one is tried
-                raise BackendFailed(str(e)) from None
-        else:  # rank 0 alone (a one-GPU row): no collective
-            times = times_ms(step, warmup=0, iters=iters, device=device)
-        ms, flops = timer.take()
-        kernel = one_gpu.last_choice().kernel if ours and one_gpu.last_choice() else None
-    finally:
-        if ours:
-            unparallelize(model)
-    figures = [ms / iters, flops / iters * gang]
-    attn_ms, flops = over_ranks(figures, device) if gang > 1 else figures
-    out = {"step_ms": median(times), "attention_ms": attn_ms, "attention_tflops": _tflops(flops, attn_ms)}
-    return out if kernel is None else {**out, "kernel": kernel}
-
-
-def _drop_all_valid_text_masks(model, inputs: dict, kind: str, dense: bool) -> None:
-    """A text mask that marks every token valid masks nothing, yet it keeps the fastest
-    backends (cuDNN, flash: no arbitrary mask) from applying: pass None instead. HunyuanVideo
-    builds its joint attention's mask from ``encoder_attention_mask`` whatever it holds, so
-    there the blocks of a dense row get None in its place (sparsp's rows read the mask
-    themselves); the other models take None for their text mask."""
-    if kind == "hunyuan-video":
-        mask = inputs.get("encoder_attention_mask")
-        if not dense or mask is None or not bool(mask.bool().all()):
-            return
-
-        def no_mask(block, args, kwargs):
-            if len(args) > 3 and isinstance(args[3], torch.Tensor) and bool(args[3].all()):
-                args = (*args[:3], None, *args[4:])
-            if isinstance(kwargs.get("attention_mask"), torch.Tensor) and bool(kwargs["attention_mask"].all()):
-                kwargs = {**kwargs, "attention_mask": None}
-            return args, kwargs
-
-        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-            block.register_forward_pre_hook(no_mask, with_kwargs=True)
-        return
-    for key in ("encoder_attention_mask", "audio_encoder_attention_mask"):
-        mask = inputs.get(key)
-        if isinstance(mask, torch.Tensor) and bool(mask.bool().all()):
-            inputs[key] = None
 
 
 def settle_arguments(args) -> bool:
