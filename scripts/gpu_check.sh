@@ -68,7 +68,7 @@ fi
 today=$(date +%F)
 cp bench/results/*-"$today".json bench/results/*-"$today".png "$OUT_DIR"/ 2>/dev/null || true
 echo "== summary"
-ls bench/results/*-"$today".json >/dev/null 2>&1 && { $PY -m sparsp.bench.report bench/results/*-"$today".json || status=1; }
+ls bench/results/*-"$today".json >/dev/null 2>&1 && { $PY -m sparsp.cli bench report bench/results/*-"$today".json || status=1; }
 [[ -f "$OUT_DIR/gpu_tests.log" ]] && { echo "gpu tests: $(tail -n 1 "$OUT_DIR/gpu_tests.log")"; }
 [[ -f "$OUT_DIR/gpu_soak.log" ]] && { echo "gpu soak: $(tail -n 1 "$OUT_DIR/gpu_soak.log")"; }
 exit $status

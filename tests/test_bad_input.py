@@ -538,14 +538,6 @@ def _cli(capsys, argv):
     return run_cli(capsys, argv)
 
 
-def _report(capsys, argv):
-    from sparsp.bench.report import main
-
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 # option → (flavour of file it takes, how to run it with the file)
 FILE_OPTIONS = {
     "analyze --trace": ("torch", lambda c, f, t: _cli(c, ["analyze", "--no-plots", "--trace", f, "--ranks", 2,
@@ -558,7 +550,7 @@ FILE_OPTIONS = {
                                                               "--fit-profile", f, "--out", t / "s"])),
     "simulate --validate": ("json", lambda c, f, t: _cli(c, ["simulate", "--no-plots", "--ranks", 2,
                                                            "--validate", f, "--out", t / "s"])),
-    "bench.report FILES": ("json", lambda c, f, t: _report(c, [f])),
+    "bench report FILES": ("json", lambda c, f, t: _cli(c, ["bench", "report", f])),
     # a real model's per-head densities and the heads fitted to them (``sparsp.density``,
     # ``sparsp.calibration``), read before any process group starts
     "analyze --density-profile": ("json", lambda c, f, t: _cli(c, ["analyze", "--no-plots", "--model", "wan2.1-1.3b",

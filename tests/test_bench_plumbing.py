@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sparsp.bench import args as bench_args
-from sparsp.bench import attention, common, measure
+from sparsp.bench import attention, attention_rows, common, measure
 from sparsp.plan import Shapes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -264,7 +264,7 @@ def test_plot_writes_a_png_of_the_rows_with_a_bound(tmp_path, monkeypatch):
     path.write_text(json.dumps({"kind": "attention", "machine": "cpu", "rows": rows}))
     saved = _capture_figures(monkeypatch)
 
-    out = attention.plot(path)
+    out = attention_rows.plot(path)
     assert out == tmp_path / "attention-tiny-cpu-2025-01-01.png"
     assert out.read_bytes()[:8] == PNG_MAGIC
     (fig,) = saved
@@ -279,7 +279,7 @@ def test_plot_without_rows_with_a_bound_writes_nothing(tmp_path):
     path = tmp_path / "attention-old.json"
     path.write_text(json.dumps({"machine": "cpu", "rows": [
         {"model": "tiny", "fabric": "nvlink", "strategy": "ring", "transport": "nccl", "median_ms": 1.0}]}))
-    out = attention.plot(path)
+    out = attention_rows.plot(path)
     assert out == tmp_path / "attention-old.png" and not out.exists()
 
 
@@ -385,3 +385,95 @@ def test_sync_count_records_the_second_of_two_calls(tmp_path):
     events = json.load(gzip.open(tmp_path / "row.json.gz"))["traceEvents"]
     names = {e.get("name") for e in events}
     assert "call2" in names and "call1" not in names and (tmp_path / "row.txt").is_file()
+
+
+# --------------------------------------------------------------------------- renamed flags
+
+
+def test_torch_profile_is_the_profilers_flag_and_the_old_spelling_is_refused(capsys):
+    """``--torch-profile DIR``: the torch profiler's tables and traces; ``--profile`` (its former
+    name; "profile" means a machine or density profile elsewhere) is refused in one line naming
+    the new spelling, exit status 2, with or without a value."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser()
+    bench_args.add_attention(p)
+    args = p.parse_args(["--torch-profile", "traces"])
+    assert args.torch_profile == Path("traces") and not hasattr(args, "profile")
+    assert p.parse_args([]).torch_profile is None
+    for argv in (["--profile", "traces"], ["--profile=traces"], ["--profile"]):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == "sparsp bench attention: error: --profile is now --torch-profile DIR\n"
+    assert "--profile " not in p.format_help() and "--torch-profile DIR" in p.format_help()
+
+
+# --------------------------------------------------------------------------- where results go
+
+
+def test_a_cpu_run_writes_under_results_never_into_the_tracked_results(tmp_path, monkeypatch):
+    """``sparsp bench kernel --device cpu`` (an example of its own ``--help``) without ``--out``:
+    the file goes to ``results/bench``; ``bench/results``, which ``sparsp simulate`` reads as a
+    GPU's measurements, is not made."""
+    from sparsp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "kernel", "--device", "cpu", "--shape", "96x160x2x16", "--block-size", "32",
+                 "--density", "0.5", "--cdf", "--warmup", "0", "--iters", "10", "--layout", "local"]) == 0
+    (path,) = tmp_path.rglob("*.json")
+    assert path.parent == tmp_path / "results" / "bench" and path.name.startswith("kernel-all-cpu-")
+    assert not (tmp_path / "bench").exists()
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_default_out_by_device(cuda):
+    from pathlib import Path
+
+    assert bench_args.default_out(cuda) == Path("bench/results" if cuda else "results/bench")
+
+
+# --------------------------------------------------------------------------- the row
+
+
+# The fields of a strategy's row in bench attention's result file, in their order (what
+# ``sparsp simulate --validate`` and ``sparsp bench report`` read); a one-GPU row has all but
+# the call's settings; a profile layer's row ends with the layer's fields.
+STRATEGY_ROW = ["model", "tokens", "heads", "head_dim", "ranks", "fabric", "cdf", "strategy", "transport",
+                "placement", "kernel", "median_ms", "min_ms", "iters", "timing", "bytes_moved", "bytes_max_rank",
+                "density", "mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms", "pack_side_ms",
+                "transfer_ms", "host_syncs", "collectives", "link_gbps", "dense_tflops", "dense_kernel",
+                "compute_bound_ms", "transfer_bound_ms", "bound_ms", "efficiency", "ablation", "cuda_graphs",
+                "local_first_config", "local_first", "drain_chunks", "auto_choice", "config", "head_order",
+                "input_sets"]
+CALL_SETTINGS = ["cuda_graphs", "local_first_config", "local_first", "drain_chunks", "auto_choice", "config",
+                 "head_order", "input_sets"]
+LAYER_FIELDS = ["workload", "layer", "layer_pick", "profile_density", "heads_within"]
+
+
+def test_an_attention_row_is_a_frozen_dataclass_written_with_the_files_fields():
+    import dataclasses
+
+    from sparsp.bench.attention_rows import AttentionRow
+    from sparsp.bench.profile_layers import LayerWorkload
+
+    row = AttentionRow(model="ltx-video", tokens=18432, heads=32, head_dim=64, ranks=2, fabric="nvlink", cdf=0.9,
+                       strategy="sparsp", transport="ipc", placement="periodic", kernel="auto", timing="interleaved",
+                       density=0.25, link_gbps=380.0, dense_tflops=600.0, dense_kernel="fa4", compute_bound_ms=1.0,
+                       transfer_bound_ms=2.0, bound_ms=2.0, head_order="density", input_sets=1)
+    assert list(row.as_json()) == STRATEGY_ROW
+    assert row.as_json()["median_ms"] is None and row.as_json()["input_sets"] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.median_ms = 1.0
+    timed = row.timed([4.0, 2.0, 3.0])  # a new row: median, minimum, count and the bound's efficiency
+    assert (timed.median_ms, timed.min_ms, timed.iters, timed.efficiency) == (3.0, 2.0, 3, 2.0 / 3.0)
+    assert row.median_ms is None
+    one = dataclasses.replace(row, strategy="1gpu-dense", ranks=1)
+    assert list(one.as_json()) == [k for k in STRATEGY_ROW if k not in CALL_SETTINGS]
+    layer = LayerWorkload(layer=7, pick="densest", density=0.51234, within=0.875, heads=None, seed=0, mix=None)
+    fields = dataclasses.replace(row, workload=layer).as_json()
+    assert list(fields) == STRATEGY_ROW + LAYER_FIELDS
+    assert {k: fields[k] for k in LAYER_FIELDS} == {"workload": "density-profile", "layer": 7, "layer_pick": "densest",
+                                                     "profile_density": 0.5123, "heads_within": 0.875}
+    assert "layer 7   sparsp" in dataclasses.replace(timed, workload=layer).line()

@@ -15,7 +15,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from sparsp.bench import attention, common
+from sparsp.bench import attention, common, profile_layers
 from sparsp.workloads.density import DensityProfile, write_json
 from sparsp.geometry import preset
 
@@ -101,17 +101,17 @@ def test_layer_names_pick_by_the_layers_mean_density(tmp_path):
     profile, _ = _toy(tmp_path)
     names = ["densest", "median", "sparsest"]
     # over the mean of the steps: layer means 0.0825, 0.115, 0.5125
-    assert attention.resolve_layers(profile, names) == [(2, "densest"), (1, "median"), (0, "sparsest")]
+    assert profile_layers.resolve_layers(profile, names) == [(2, "densest"), (1, "median"), (0, "sparsest")]
     # at step 2 layers 0 and 1 swap
-    assert attention.resolve_layers(profile, names, 2) == [(2, "densest"), (0, "median"), (1, "sparsest")]
+    assert profile_layers.resolve_layers(profile, names, 2) == [(2, "densest"), (0, "median"), (1, "sparsest")]
     # each layer once, in the order asked, the first way it was asked for
-    assert attention.resolve_layers(profile, [1, "sparsest", 0, "densest", 2], 1) == [
+    assert profile_layers.resolve_layers(profile, [1, "sparsest", 0, "densest", 2], 1) == [
         (1, None), (0, "sparsest"), (2, "densest")]
     # ties to the lower index; the lower median of an even number of layers
     flat = DensityProfile(source="flat", steps=1, layers=4, heads=1, densities=[[[0.3], [0.1], [0.3], [0.2]]])
-    assert attention.resolve_layers(flat, names) == [(0, "densest"), (3, "median"), (1, "sparsest")]
+    assert profile_layers.resolve_layers(flat, names) == [(0, "densest"), (3, "median"), (1, "sparsest")]
     with pytest.raises(ValueError, match="--layer 3: toy has layers 0 to 2"):
-        attention.resolve_layers(profile, [3])
+        profile_layers.resolve_layers(profile, [3])
 
 
 # --- a layer's inputs from its calibrated heads -----------------------------------------------
@@ -132,7 +132,7 @@ def test_a_layers_inputs_come_from_its_calibrated_heads(tmp_path, capsys):
     profile, path = _toy(tmp_path)
     args = Namespace(density_profile=path, step=None, layer=["densest", "sparsest"], calibration=None, seed=None,
                      out=tmp_path / "out")
-    workloads, extra = attention.profile_workloads(args, SMALL, rows=48)
+    workloads, extra = profile_layers.profile_workloads(args, SMALL, rows=48)
     printed = capsys.readouterr().out
     assert "calibrating layer 2 (densest)" in printed and "calibrating layer 0 (sparsest)" in printed
     assert "calibrating layer 1" not in printed  # only the asked layers are fitted
@@ -145,7 +145,7 @@ def test_a_layers_inputs_come_from_its_calibrated_heads(tmp_path, capsys):
 
     # the fit written is the fit read: a later run passes it and fits nothing
     again = Namespace(**{**vars(args), "calibration": written, "layer": [0, 2]})
-    reread, _ = attention.profile_workloads(again, SMALL)
+    reread, _ = profile_layers.profile_workloads(again, SMALL)
     assert "calibrating" not in capsys.readouterr().out
     assert {w.layer: w.heads for w in reread} == {w.layer: w.heads for w in workloads}
     # a fit of chosen layers is not a fit of the first layers: analyze and e2e refuse it

@@ -78,12 +78,29 @@ def test_exchange_queues_every_message_before_waiting(monkeypatch, inflight):
     assert start.elapsed_time(end) > 0
 
 
-def test_pipeline_must_fit_the_window():
+def test_pipeline_must_fit_the_window(capsys):
+    from sparsp.bench.args import add_transport
+
     parser = __import__("argparse").ArgumentParser()
-    bt.add_transport(parser)
+    add_transport(parser)
     args = parser.parse_args(["--pipeline", "4", "--window", "3"])
-    with pytest.raises(SystemExit, match="--pipeline must be between 0 and the window"):
-        bt.run(args)
+    with pytest.raises(SystemExit) as e:
+        bt.main(args)
+    assert e.value.code == 2 and "--pipeline must be between 0 and the window (3)" in capsys.readouterr().err
+
+
+def test_on_a_cpu_one_line_before_anything_starts(capsys, monkeypatch, tmp_path):
+    """Without CUDA the verb says so in one line (it printed a 26-line ``AttributeError`` from
+    the process group's start), and starts nothing: no process group, no output folder."""
+    import torch.distributed as dist
+
+    from cli_utils import run_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli(capsys, ["bench", "transport", "--out", tmp_path / "out"])
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("sparsp bench transport: error: needs CUDA GPUs"), err
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("order", [bt.EXCHANGE_FIRST, bt.ATTENTION_FIRST])
@@ -96,8 +113,7 @@ def test_under_load_orders_the_attention_and_the_first_exchange(monkeypatch, ord
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(bt, "_time_attention", lambda attn, stream, iters, device: [50.0])
-    monkeypatch.setattr(bt, "_slowest", lambda times, device: times)
+    monkeypatch.setattr(bt, "_time_attention", lambda attn, stream, iters, device, error=None: [50.0])
     t = _Recorder()
     src = torch.arange(64, dtype=torch.uint8)
     ex = bt._Exchange(t, 1, src, torch.zeros(64, dtype=torch.uint8), lambda: None)

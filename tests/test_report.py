@@ -1,4 +1,4 @@
-"""``sparsp.bench.report``: the short table, the summary figure and the scaling figure of
+"""``sparsp bench report``: the short table, the summary figure and the scaling figure of
 attention result files (synthetic rows: what matters is which row lands where)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from sparsp.bench.report import main, scaling_plot, scaling_points, summary_plot
+from cli_utils import run_cli
+from sparsp.bench.report import scaling_plot, scaling_points, summary_plot
 
 
 def _row(strategy, ranks, fabric, ms, transport="nccl", **extra):
@@ -57,16 +58,36 @@ def test_scaling_and_summary_figures_are_written(files, tmp_path):
         scaling_plot(list(files), tmp_path / "none.png", cdf=0.5)
 
 
-def test_report_cli(files, tmp_path, capsys):
-    assert main([*files, "--scaling", str(tmp_path / "s.png")]) == 0
-    printed = capsys.readouterr().out
-    assert "attention-ltx-video-2xH200-2026-11-30.json" in printed and "wrote" in printed
-    assert (tmp_path / "s.png").exists()
-    assert main([*files, "--scaling"]) == 2
-    assert "--scaling needs an output path" in capsys.readouterr().err
-    assert main([]) == 2
-    assert main(["--help"]) == 0 and "--scaling OUT.png" in capsys.readouterr().out
+def test_report_verb(files, tmp_path, capsys):
+    """``sparsp bench report FILES [--plot OUT.png] [--scaling OUT.png]``: the table and the
+    figures; what cannot be drawn or written is refused in one line (exit 2) before anything
+    is printed."""
+    code, out, err = run_cli(capsys, ["bench", "report", *files, "--scaling", tmp_path / "s.png",
+                                      "--plot", tmp_path / "p.png"])
+    assert code == 0, err
+    assert "attention-ltx-video-2xH200-2026-11-30.json" in out and out.count("wrote") == 2
+    assert (tmp_path / "s.png").exists() and (tmp_path / "p.png").exists()
     transport = tmp_path / "transport-all-x-2026-11-30.json"
     transport.write_text(json.dumps({"kind": "transport", "machine": "x", "date": "d", "rows": []}))
     with pytest.raises(ValueError, match="not a bench attention result"):
         scaling_points([str(transport)])
+    for argv, message in (([*files, "--scaling"], "argument --scaling: expected one argument"),
+                          ([], "the following arguments are required: RESULT.json"),
+                          ([transport, "--scaling", tmp_path / "t.png"], "--scaling: " + str(transport)
+                           + ": not a bench attention result"),
+                          ([*files, "--plot", tmp_path], f"--plot {tmp_path} is a directory; give a file name"),
+                          ([*files, "--plot", transport / "x.png"], f"{transport} is a file, not a directory")):
+        code, out, err = run_cli(capsys, ["bench", "report", *argv])
+        assert code == 2 and out == "" and message in err.strip().splitlines()[-1], (argv, err)
+    code, out, _ = run_cli(capsys, ["bench", "report", "--help"])
+    assert code == 0 and "--scaling OUT.png" in out and "--plot OUT.png" in out
+
+
+def test_the_old_module_main_is_gone():
+    """The report and the timeline are ``sparsp bench`` sub-verbs: no ``python -m`` main of their own."""
+    from pathlib import Path
+
+    import sparsp.bench
+
+    for name in ("report", "timeline", "transport"):
+        assert "__main__" not in (Path(sparsp.bench.__file__).parent / f"{name}.py").read_text(), name

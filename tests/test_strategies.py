@@ -226,7 +226,7 @@ def _markers_worker(rank, world):
 
 
 def test_profiler_ranges_only_while_a_profiler_records():
-    """``groups.marker``: the call's named ranges (what ``bench attention --profile`` reads)
+    """``groups.marker``: the call's named ranges (what ``bench attention --torch-profile`` reads)
     are there under a profiler and cost nothing without one (≈ 12 µs of host time each on an
     H200 host otherwise)."""
     assert all(run_distributed(_markers_worker, 2))

@@ -1,4 +1,4 @@
-"""``sparsp.bench.timeline``: a profiled call's trace as host ranges and per-stream GPU work."""
+"""``sparsp bench timeline``: a profiled call's trace as host ranges and per-stream GPU work."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
-import pytest
-
-from sparsp.bench import timeline as tt
+from cli_utils import run_cli
 
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:
@@ -34,22 +32,30 @@ def test_timeline_orders_each_streams_work_from_the_call_start(tmp_path, capsys)
         _ev("Memcpy HtoD", "gpu_memcpy", 4200.0, 500.0, stream=37),
         _ev("aten::add", "cpu_op", 3100.0, 3.0),  # not a range: left out
     ])
-    assert tt.main([str(path)]) == 0
-    out = capsys.readouterr().out
+    code, out, err = run_cli(capsys, ["bench", "timeline", path])
+    assert code == 0, err
     assert "2.000 +   5.000  sparsp.run" in out
     assert "stream 7: 2 ops, busy 1.205 ms, span 3.000..6.700 ms" in out
     assert "5.500 +   1.200  flash_fwd" in out and "tiny" not in out
     assert "stream 37: 1 ops" in out and "aten::add" not in out
     # the tiny op is listed once the threshold allows it
-    assert tt.main([str(path), "--min-us", "1"]) == 0
-    assert "tiny" in capsys.readouterr().out
+    code, out, _ = run_cli(capsys, ["bench", "timeline", path, "--min-us", "1"])
+    assert code == 0 and "tiny" in out
 
 
 def test_timeline_rejects_what_is_not_a_call_trace(tmp_path, capsys):
-    empty = _trace(tmp_path, [_ev("aten::add", "cpu_op", 0.0, 1.0)])
-    assert tt.main([str(empty)]) == 1
-    assert "not a profiled call's trace" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        tt.main([str(tmp_path / "missing.json.gz")])
-    with pytest.raises(SystemExit):
-        tt.main([str(empty), "--min-us", "-1"])
+    """One line naming the file and why, exit status 2, before any trace is printed."""
+    good = _trace(tmp_path, [_ev("bench.call", "user_annotation", 0.0, 10.0)])
+    empty = tmp_path / "empty-r0.json.gz"
+    with gzip.open(empty, "wt") as f:
+        json.dump({"traceEvents": [_ev("aten::add", "cpu_op", 0.0, 1.0)]}, f)
+    text = tmp_path / "notes.json"
+    text.write_text("not json")
+    for argv, message in (([good, empty], f"{empty}: no bench.call range and no GPU events: not a profiled "
+                                          "call's trace"),
+                          ([good, text], f"{text}: not a readable Chrome trace (Expecting value"),
+                          ([good, tmp_path / "missing.json.gz"], f"{tmp_path / 'missing.json.gz'}: no such file"),
+                          ([good, "--min-us", "-1"], "--min-us must be >= 0, got -1")):
+        code, out, err = run_cli(capsys, ["bench", "timeline", *argv])
+        assert code == 2 and out == "" and err.count("\n") == 1, (argv, out, err)
+        assert err.startswith("sparsp bench timeline: error: ") and message in err, err

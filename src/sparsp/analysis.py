@@ -606,19 +606,26 @@ def _plot_layers(doc: dict, out: Path) -> Path:
     top = max((r["bytes_total"] for r in rows), default=1)
     unit, scale = next(((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if top >= 2**e), ("B", 1))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    # one colour per strategy in both panels (its marker changes past the ten colours), one line
+    # style per placement, the kept blocks in black: no two series look alike
     styles = ["-", "--", ":", "-."]
+    color = {s: f"C{j % 10}" for j, s in enumerate(strategies)}
+    marker = {s: ".x+^v<>"[j // 10 % 7] for j, s in enumerate(strategies)}
     for i, pname in enumerate(placements):
+        style = styles[i % 4]
         for strategy in strategies:
             pts = [(r["layer"], r["bytes_total"] / scale) for r in rows
                    if r["placement"] == pname and r["strategy"] == strategy]
-            ax1.plot(*zip(*pts), marker=".", linestyle=styles[i % 4], label=f"{strategy} ({pname})")
+            ax1.plot(*zip(*pts), marker=marker[strategy], linestyle=style, color=color[strategy],
+                     label=f"{strategy} ({pname})")
         first = [r for r in rows if r["placement"] == pname and r["strategy"] == strategies[0]]
-        ax2.plot([r["layer"] for r in first], [r["kept_max_over_mean"] for r in first], marker=".",
-                 linestyle=styles[i % 4], label=f"kept blocks ({pname})")
+        ax2.plot([r["layer"] for r in first], [r["kept_max_over_mean"] for r in first], marker="s", ms=3,
+                 linestyle=style, color="k", label=f"kept blocks ({pname})")
         for strategy in strategies:
             pts = [(r["layer"], r["recv_max_over_mean"]) for r in rows
                    if r["placement"] == pname and r["strategy"] == strategy]
-            ax2.plot(*zip(*pts), marker="x", linestyle=styles[i % 4], label=f"received bytes, {strategy} ({pname})")
+            ax2.plot(*zip(*pts), marker=marker[strategy], linestyle=style, color=color[strategy],
+                     label=f"received bytes, {strategy} ({pname})")
     ax1.set(ylabel=f"{unit} of K/V received per call, all ranks",
             title="\n".join(textwrap.wrap(f"Bytes and per-rank imbalance per layer, cdf {cdf}", 60)
                              + textwrap.wrap(about, 60)))

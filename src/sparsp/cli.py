@@ -1,5 +1,5 @@
 """The ``sparsp`` command line: ``analyze`` and ``simulate`` (CPU), ``trace`` (a Diffusers model),
-``bench attention|e2e|kernel|transport`` (GPUs).
+``bench attention|e2e|kernel|transport`` (GPUs) and ``bench report|timeline`` (their results).
 
 Each verb's parser gets its arguments only when that verb is chosen (``_LazyParser``), and its
 choices come from plain-data modules (``sparsp.geometry``, ``sparsp.names``); strategy names
@@ -208,8 +208,8 @@ def _usage_error(error, verb: str = "analyze") -> int:
 
 
 def _add_bench(sub) -> None:
-    sub.add_parser("bench", help="GPU benchmarks (run under torchrun)",
-                   description="GPU benchmarks; results go to bench/results/ as JSON + PNG.",
+    sub.add_parser("bench", help="GPU benchmarks (run under torchrun) and their reports",
+                   description="GPU benchmarks and their reports; results go to bench/results/ as JSON + PNG.",
                    populate=_bench_arguments)
 
 
@@ -217,32 +217,17 @@ def _bench_arguments(p) -> None:
     from .bench.args import VERBS  # light: each verb's module (torch) loads when the verb runs
 
     bsub = p.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(VERBS) + "}")
-    for verb, (help_line, formatter, add) in VERBS.items():
-        bsub.add_parser(verb, help=help_line,
-                        populate=lambda q, v=verb, f=formatter, a=add: _bench_verb(q, v, f, a))
+    for verb, (help_line, add) in VERBS.items():
+        bsub.add_parser(verb, help=help_line, populate=lambda q, v=verb, a=add: _bench_verb(q, v, a))
 
 
-def _bench_verb(p, verb: str, formatter, add) -> None:
-    from .bench.args import description
+def _bench_verb(p, verb: str, add) -> None:
+    from .bench.args import HELP_FORMATTER, description, run
 
     p.description = description(verb)
-    p.formatter_class = formatter
+    p.formatter_class = HELP_FORMATTER
     add(p)
-    p.set_defaults(func=lambda args: _run_bench(verb, args))
-
-
-def _run_bench(verb: str, args) -> int:
-    import importlib
-
-    mod = importlib.import_module(f".bench.{verb}", __package__)
-    if verb == "transport":
-        return _run_result(mod.run, args)
-    return mod.main(args)
-
-
-def _run_result(fn, args) -> int:
-    fn(args)
-    return 0
+    p.set_defaults(func=lambda args: run(verb, args))
 
 
 def _add_simulate(sub) -> None:

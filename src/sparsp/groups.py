@@ -28,7 +28,7 @@ _NO_MARKER = contextlib.nullcontext()  # what ``marker`` returns when no profile
 
 
 def marker(name: str):
-    """A named range of the call for profilers (``bench attention --profile``, ``nsys`` with
+    """A named range of the call for profilers (``bench attention --torch-profile``, ``nsys`` with
     ``emit_nvtx``): ``torch.profiler.record_function(name)`` while a profiler records, else a
     no-op. Entering and leaving a ``record_function`` costs the host ≈ 12 µs on an H200 host
     even with no profiler running, and a call has six (docs/performance.md)."""

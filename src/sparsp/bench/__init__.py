@@ -1,1 +1,2 @@
-"""Benchmarks: transport, attention (JSON + PNG under bench/results/)."""
+"""Benchmarks (attention, end to end, kernels, transports) and their reports: JSON + PNG under
+bench/results/ from GPUs, under results/bench/ from a CPU."""

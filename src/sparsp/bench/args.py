@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,9 @@ PROFILE_DIR = "density-profile"
 """The folder under ``bench attention --out`` that its ``--density-profile`` results and fits
 go to: whatever looks up a preset's results in ``--out`` (``sparsp simulate --validate``, the
 report's file globs) never meets rows of another workload."""
+ONE_GPU_ROWS = ("1gpu-dense", "1gpu-sparse")
+"""The one-GPU rows of ``bench attention`` and ``bench e2e`` (rank 0, the whole sequence): the
+fastest dense kernel (what a user without sparsp runs), and the primary strategy on one GPU."""
 E2E_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--block-size", "transport": "--transport",
                 "kernel": "--kernel"}
 """``SparspConfig`` fields ``bench e2e`` sets from its own flags (``--config`` may not)."""
@@ -44,10 +48,17 @@ E2E_BLOCK_SIZE = 128
 E2E_TINY_BLOCK_SIZE = 8
 """``bench e2e --block-size`` with ``--tiny``: the tiny latent (3x8x8) patchifies to 48 tokens on
 Wan and HunyuanVideo (192 on LTX), one block of 128 that no two ranks can split; 8 gives 6."""
-E2E_OUT = Path("bench/results")
-E2E_TINY_OUT = Path("results/bench")
-"""``bench e2e --out`` with ``--tiny``: a smoke run's figures are not results, so they stay out
-of the tracked ``bench/results``."""
+RESULTS = Path("bench/results")
+"""``--out`` of a GPU run: the tracked results, which ``sparsp simulate`` reads."""
+CPU_RESULTS = Path("results/bench")
+"""``--out`` of a CPU run (and of ``bench e2e --tiny``): a CPU's figures are no results to
+track, and in ``bench/results`` a fit of a GPU's profile would take them for one."""
+OUT_HELP = f"output directory (default: {RESULTS} on GPUs, {CPU_RESULTS} on a CPU)"
+
+
+def default_out(on_gpu: bool) -> Path:
+    """Where a run's results go unless ``--out`` is given (``RESULTS``, ``CPU_RESULTS``)."""
+    return RESULTS if on_gpu else CPU_RESULTS
 KERNEL_SHAPES = ("hunyuan-video", "wan2.1-14b", "ltx-video", "ltx-2")
 """``bench kernel``'s preset shapes."""
 LOAD_ORDERS = ("exchange-first", "attention-first", "both")
@@ -62,10 +73,59 @@ def description(verb: str) -> str | None:
     return None
 
 
+class BenchFailed(RuntimeError):
+    """A benchmark's failure that every rank agreed on (``common.agree``): the same one-line
+    message, raised on every rank at the same point, so none waits in a collective for a peer
+    that has stopped."""
+
+
+def run(verb: str, args) -> int:
+    """Run ``sparsp bench VERB`` (its module loads now); a failure the ranks agreed on ends it
+    with one line on stderr and exit status 1, the same on every rank."""
+    import importlib
+
+    module = importlib.import_module(f"sparsp.bench.{verb}")
+    try:
+        return module.main(args)
+    except BenchFailed as e:
+        print(f"sparsp bench {verb}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
 def refuse(verb: str, message: str):
     """Report a bad argument as argparse does (one line on stderr, exit status 2)."""
     print(f"sparsp bench {verb}: error: {' '.join(str(message).split())}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def check_out(verb: str, flag: str, path, *, file: bool = False) -> None:
+    """Refuse (``refuse``) an output that cannot be written, before any work starts and without
+    making anything: a directory (``file``: a file path) that is an existing file, or whose
+    nearest existing parent is a file or not writable."""
+    path = Path(path)
+    if path.exists() and path.is_dir() == file:
+        refuse(verb, f"{flag} {path} is a {'directory' if file else 'file'}; give a "
+                     f"{'file name' if file else 'directory'}")
+    folder = path.parent if file else path
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        refuse(verb, f"{flag} {path}: {folder} is a file, not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        refuse(verb, f"{flag} {path}: cannot write into {folder}")
+
+
+class Renamed(argparse.Action):
+    """A flag's former spelling, hidden from ``--help``: given, it is refused in one line that
+    names the new spelling (``refuse``), with or without a value."""
+
+    def __init__(self, option_strings, dest, *, verb: str, new: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)
+        self.verb, self.new = verb, new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        refuse(self.verb, f"{option_string} is now {self.new}")
 
 
 def check_names(verb: str, flag: str, given, known) -> None:
@@ -200,16 +260,19 @@ def add_attention(p) -> None:
                         "seed+N−1): the mask and its demand change from call to call as a "
                         "denoising loop's do, which is what strategy=auto's caches meet (1: the same inputs every "
                         "call; the split and bytes come from the first set)")
-    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+    p.add_argument("--torch-profile", type=Path, default=None, metavar="DIR",
                    help="write, per row and rank, torch.profiler tables of one call (ops by device "
-                        "and by host time) and a gzipped Chrome trace into DIR")
+                        "and by host time) and a gzipped Chrome trace into DIR (sparsp bench timeline "
+                        "prints one)")
+    p.add_argument("--profile", action=Renamed, verb="attention", new="--torch-profile DIR")
     add_density_profile_arguments(
         p, use=f"rows per --layer, each on q/k of synthetic heads calibrated to that layer; results go to "
                f"OUT/{PROFILE_DIR}/", fitted=f"the asked layers' fit to OUT/{PROFILE_DIR}/")
     p.add_argument("--layer", nargs="+", type=layer_arg, default=None, metavar="L",
                    help="with --density-profile (and needed by it): the layers to run, each a 0-based index or "
                         f"{', '.join(LAYER_PICKS)} (by the layers' mean density at --step, or over steps)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help=OUT_HELP + "; the bound's link bandwidth is read from its transport files")
 
 
 def check_attention(args) -> None:
@@ -266,12 +329,11 @@ def add_e2e(p) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu (gloo smoke run)")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny config and latent (CPU smoke test of the plumbing): --block-size "
-                        f"{E2E_TINY_BLOCK_SIZE} and --out {E2E_TINY_OUT} unless given")
+                        f"{E2E_TINY_BLOCK_SIZE} and --out {CPU_RESULTS} unless given")
     p.add_argument("--latent", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
                    help="latent frames, height, width before patchify (default: the preset's video)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output directory (default: {E2E_OUT}; {E2E_TINY_OUT} with --tiny)")
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP + f"; {CPU_RESULTS} with --tiny")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
@@ -292,7 +354,7 @@ def add_kernel(p) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
 
 
 def add_transport(p) -> None:
@@ -323,16 +385,36 @@ def add_transport(p) -> None:
     p.add_argument("--chunk-bytes", type=parse_size, default=16 << 20, help="host transport chunk")
     p.add_argument("--window", type=int, default=3, help="slots per peer (ipc, host)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a wait fails")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--no-plot", action="store_true")
 
 
+def add_report(p) -> None:
+    p.add_argument("files", nargs="+", type=Path, metavar="RESULT.json",
+                   help="result files of any sparsp bench verb (each checked before anything is printed)")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
+                   help="also draw the attention files' speedup summary into OUT.png")
+    p.add_argument("--scaling", type=Path, default=None, metavar="OUT.png",
+                   help="also draw latency and speedup versus the number of GPUs from attention files "
+                        "of several machines into OUT.png")
+
+
+def add_timeline(p) -> None:
+    p.add_argument("traces", nargs="+", type=Path, metavar="TRACE",
+                   help="Chrome traces (.json or .json.gz) of bench attention --torch-profile DIR")
+    p.add_argument("--min-us", type=float, default=20.0,
+                   help="list GPU ops at least this long (µs; shorter ones are only counted)")
+
+
 VERBS = {
-    "attention": ("one attention layer per strategy", argparse.ArgumentDefaultsHelpFormatter, add_attention),
-    "e2e": ("denoising steps of a Diffusers transformer per strategy", HelpFormatter, add_e2e),
-    "kernel": ("block-sparse kernels vs dense kernels on one GPU", argparse.RawDescriptionHelpFormatter,
-               add_kernel),
-    "transport": ("bandwidth per transport, alone and under attention load",
-                  argparse.ArgumentDefaultsHelpFormatter, add_transport),
+    "attention": ("one attention layer per strategy", add_attention),
+    "e2e": ("denoising steps of a Diffusers transformer per strategy", add_e2e),
+    "kernel": ("block-sparse kernels vs dense kernels on one GPU", add_kernel),
+    "transport": ("bandwidth per transport, alone and under attention load", add_transport),
+    "report": ("a short table of result files, and the summary and scaling plots (CPU)", add_report),
+    "timeline": ("a profiled call's trace as host ranges and per-stream GPU work (CPU)", add_timeline),
 }
-"""``sparsp bench`` sub-verb (its module in ``sparsp.bench``) → (help line, formatter, arguments)."""
+"""``sparsp bench`` sub-verb (its module in ``sparsp.bench``) → (help line, arguments). Every
+verb's ``--help`` shows its module's docstring as written (``HELP_FORMATTER``: paragraphs and
+example commands keep their lines) and each default but ``None``."""
+HELP_FORMATTER = HelpFormatter

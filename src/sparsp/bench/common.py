@@ -1,7 +1,15 @@
-"""Shared benchmark plumbing: process group setup, CUDA-event timing, result files, plots."""
+"""Shared benchmark plumbing: process group setup, failures every rank agrees on, CUDA-event
+timing, result files, plots.
+
+Every collective a benchmark driver makes goes through this module, and each one follows a
+point where the ranks agreed that none of them failed (``stage``, ``time_ms``): an exception
+on one rank is raised on every rank as the same ``BenchFailed`` at the same point, so no rank
+is left waiting in a collective its peer never reaches.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -15,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..timing import call_ms
-
+from .args import BenchFailed
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -34,22 +42,112 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def shutdown() -> None:
+    """Release sparsp's transports (IPC handles, shared memory) and leave the process group."""
+    from ..strategies import close_transports
+
+    close_transports()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def time_ms(fn, *, warmup: int, iters: int, device: torch.device) -> list[float]:
-    """Per-iteration wall time in ms, the slowest rank's (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
+def failure_text(error: BaseException) -> str:
+    """An exception as one line: its type and message (a ``BenchFailed``: its message)."""
+    text = str(error) if isinstance(error, BenchFailed) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+def _every_rank(error: str | None) -> list[str | None]:
+    """Every rank's ``error``, in rank order (this rank's alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [error]
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
+
+
+def first_error(error: str | None) -> str | None:
+    """The lowest rank's ``error`` of every rank's (None where none failed), on every rank."""
+    return next((e for e in _every_rank(error) if e is not None), None)
+
+
+def agree(error: str | None, what: str) -> None:
+    """Every rank, at the end of ``what``: raise the same ``BenchFailed`` on every rank if any
+    rank's ``error`` is not None (the lowest failing rank's, naming ``what`` and that rank)."""
+    failed = [(r, e) for r, e in enumerate(_every_rank(error)) if e is not None]
+    if failed:
+        rank, text = failed[0]
+        raise BenchFailed(f"{what} failed on rank {rank}: {text}")
+
+
+@contextlib.contextmanager
+def stage(what: str):
+    """Run the block, then agree (``agree``) on whether it failed on any rank, before the next
+    collective. A ``BenchFailed`` from inside (raised on every rank already) passes through."""
+    error = None
+    try:
+        yield
+    except BenchFailed:
+        raise
+    except Exception as e:  # every rank raises it below, the same
+        error = failure_text(e)
+    agree(error, what)
+
+
+def over_ranks(values, device, op: str = "max", *, error: str | None = None, what: str = "") -> list[float]:
+    """``values`` reduced over the ranks (``max`` or ``sum``, in float64), with this rank's
+    failure flag riding along: where any rank passes an ``error`` (its ``values`` then stand
+    for nothing), every rank raises the same ``BenchFailed`` (``agree``, naming ``what``).
+    Called where the ranks have agreed that none failed since their last collective."""
+    flags = [float(error is not None)]
+    t = torch.tensor([float(v) for v in values] + flags, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if op == "sum":  # the flag's sum is as good as its maximum
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[-1].item() > 0:
+        agree(error, what)
+    return t[:-1].tolist()
+
+
+def barrier() -> None:
+    """Every rank waits for the others; called where the ranks have agreed that none failed."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def share(value, src: int = 0):
+    """Rank ``src``'s ``value`` on every rank (a picklable object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def time_ms(fn, *, warmup: int, iters: int, device: torch.device, what: str = "the timed calls") -> list[float]:
+    """Per-iteration wall time in ms, the slowest rank's (CUDA events on GPU). The ranks agree
+    after the warm-up and with every timed call (its failure flag rides on the time's
+    all-reduce): a call that fails on one rank raises the same ``BenchFailed`` on every rank.
+    Called where the ranks have just agreed that none failed."""
+    if warmup:
+        with stage(f"{what} (warm-up)"):
+            for _ in range(warmup):
+                fn()
     times = []
     for _ in range(iters):
-        dist.barrier()
-        t = torch.tensor([call_ms(fn, device)], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
+        barrier()
+        ms, error = 0.0, None
+        try:
+            ms = call_ms(fn, device)
+        except Exception as e:  # every rank learns of it from the flag of the maximum below
+            error = failure_text(e)
+        times += over_ranks([ms], device, error=error, what=what)
     return times
 
 
@@ -59,9 +157,10 @@ def time_interleaved(fns, *, warmup: int, iters: int, device: torch.device) -> l
     one function later than the one before, so every function follows every other equally
     often (in a fixed order the row after a long one — a 300 ms dense row at HunyuanVideo size —
     would always start on a hot, possibly throttled GPU). Times per function."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
+    with stage("the warm-up calls"):
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
     times: list[list[float]] = [[] for _ in fns]
     n = len(fns)
     for r in range(iters):
@@ -122,6 +221,15 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
+
+
+def wide_console(width: int = 100, **kwargs):
+    """A rich console at least ``width`` columns wide (``kwargs``: ``rich.console.Console``'s):
+    in a pipe rich assumes 80, where a result table cuts its names to ``diffusers-…``."""
+    from rich.console import Console
+
+    console = Console(**kwargs)
+    return console if console.width >= width else Console(width=width, **kwargs)
 
 
 def config_overrides(items: list[tuple[str, object]], *, reserved: dict[str, str]) -> dict:

@@ -21,7 +21,8 @@ of ``--iters`` (>= 10). TFLOP/s are counted on kept blocks with real token count
 k rows · D per kept (query block, key block) pair per head, no causal discount; dense rows
 count every pair. ``vs_cudnn`` and ``vs_best_dense`` divide by cuDNN's and by the fastest
 dense kernel's TFLOP/s at the same shape. Result: ``bench/results/kernel-all-<machine>-<date>.json``
-(kind ``kernel``; a later run the same day adds its rows) and a PNG next to it.
+(kind ``kernel``; a later run the same day adds its rows) and a PNG next to it; a CPU run's go
+to ``results/bench`` unless ``--out`` is given, never to the tracked ``bench/results``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..timing import times_ms
-from .args import KERNEL_SHAPES
+from .args import KERNEL_SHAPES, check_out, default_out, refuse
 
 PRESET_SHAPES = KERNEL_SHAPES
 
@@ -227,26 +228,35 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def main(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from .common import write_result
-
-    console = Console()
+def check(args) -> tuple[torch.device, list[Shape]]:
+    """Refuse (one line, exit status 2) what cannot run, before any kernel: the device and
+    shapes to run, ``--out`` settled (``results/bench`` on a CPU) and checked."""
     if args.iters < 10:
-        raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+        refuse("kernel", "--iters must be >= 10 (medians of at least ten timed iterations)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.out is None:
+        args.out = default_out(device.type == "cuda")
+    check_out("kernel", "--out", args.out)
     try:
         shapes = [parse_shape(s, args.ranks, args.block_size) for s in args.shape]
     except ValueError as e:
-        raise SystemExit(f"sparsp bench kernel: error: {e}") from None
+        refuse("kernel", str(e))
     if device.type == "cpu" and any(s.name in PRESET_SHAPES for s in shapes):
-        raise SystemExit("sparsp bench kernel: error: on CPU give a small custom --shape SQxSKxHxD")
+        refuse("kernel", "on CPU give a small custom --shape SQxSKxHxD")
+    return device, shapes
+
+
+def main(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .common import wide_console, write_result
+
+    device, shapes = check(args)
+    console = wide_console()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     rows, errors = [], []
     kernel_names = _sparse_kernels(args.kernel, device)
     n_dense = 1 if device.type != "cuda" else 3

@@ -1,7 +1,7 @@
 """What ``bench attention`` measures besides a call's median: the inputs of the bound (the
 link bandwidth of the fabric, a rank's kept-block FLOPs, the fastest dense kernel's rate) and
 the profiler's counts of one call (host synchronisations, collectives; op tables and a trace
-with ``--profile``)."""
+with ``--torch-profile``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,26 @@
-"""Print a short table of benchmark result files: ``python -m sparsp.bench.report FILE...``;
-``--plot OUT.png`` also draws the attention files' summary (``summary_plot``), ``--scaling
-OUT.png`` latency and speedup versus the number of GPUs from attention files of several
-machines (``scaling_plot``, the paper's Figures 17–18 from measured rows).
+"""A short table of benchmark result files, and the attention files' figures.
+
+    sparsp bench report bench/results/attention-*-2xH200-*.json
+    sparsp bench report --plot summary.png bench/results/attention-*-2xH200-*.json
+    sparsp bench report --scaling scaling.png bench/results/attention-*-[248]xH200-*.json
+
+``--plot OUT.png`` also draws the attention files' summary (``summary_plot``: each strategy's
+speedup over one GPU per preset), ``--scaling OUT.png`` latency and speedup versus the number
+of GPUs from attention files of several machines (``scaling_plot``, the paper's Figures 17–18
+from measured rows). Every file is checked before anything is printed: one line naming a file
+that is no result, exit status 2.
 
 The strategies, their order and colours come from the strategy registry (``register_strategy``:
 ``color``, and ``primary`` for the bound the summary marks); the one-GPU rows of ``bench
-attention`` (``ONE_GPU``) come first."""
+attention`` (``ONE_GPU_ROWS``) come first.
+"""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+from .args import ONE_GPU_ROWS, check_out, refuse
 from .common import save_figure
 
 
@@ -41,8 +49,6 @@ def summarize(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-ONE_GPU = ("1gpu-dense", "1gpu-sparse")
-"""``bench attention``'s one-GPU rows: the dense kernel, and the primary strategy on one GPU."""
 ONE_GPU_COLORS = ("C0", "C1")
 
 
@@ -50,7 +56,7 @@ def summary_names() -> tuple[str, ...]:
     """The rows the summary shows: the one-GPU rows, then every registered strategy."""
     from ..strategies.registry import strategy_names
 
-    return ONE_GPU + strategy_names()
+    return ONE_GPU_ROWS + strategy_names()
 
 
 def colors(names: tuple[str, ...]) -> dict[str, str]:
@@ -58,7 +64,7 @@ def colors(names: tuple[str, ...]) -> dict[str, str]:
     rest the matplotlib cycle's colours no one claimed, in order."""
     from ..strategies.registry import strategy_names, strategy_spec
 
-    fixed = dict(zip(ONE_GPU, ONE_GPU_COLORS))
+    fixed = dict(zip(ONE_GPU_ROWS, ONE_GPU_COLORS))
     fixed.update({s: strategy_spec(s).color for s in strategy_names() if strategy_spec(s).color})
     free = (f"C{i}" for i in range(100) if f"C{i}" not in fixed.values())
     return {n: fixed.get(n) or next(free) for n in names}
@@ -100,7 +106,7 @@ def summary_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
         names = []
         for i, d in enumerate(docs):
             best = best_rows(d["rows"], cdf)
-            dense = best.get((fab, ONE_GPU[0]))
+            dense = best.get((fab, ONE_GPU_ROWS[0]))
             if dense is None:
                 continue
             names.append(d["rows"][0]["model"])
@@ -134,10 +140,18 @@ def scaling_points(paths: list[str], cdf: float = 0.9) -> dict[tuple[str, str], 
         if doc.get("kind") != "attention":
             raise ValueError(f"{path}: not a bench attention result (kind {doc.get('kind')!r})")
         for (fabric, strategy), r in best_rows(doc["rows"], cdf).items():
-            G = 1 if strategy in ONE_GPU else int(r["ranks"])
+            G = 1 if strategy in ONE_GPU_ROWS else int(r["ranks"])
             series = points.setdefault((r["model"], fabric), {}).setdefault(strategy, {})
             series[G] = min(series.get(G, float("inf")), float(r["median_ms"]))
     return points
+
+
+def _models(points: dict, cdf: float = 0.9) -> list[str]:
+    """The models of ``scaling_points``' points; ``ValueError`` when there are none."""
+    models = sorted({m for m, _ in points})
+    if not models:
+        raise ValueError(f"no attention rows at cdf {cdf} in the files given")
+    return models
 
 
 def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
@@ -152,9 +166,7 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
 
     points = scaling_points(paths, cdf)
     color = colors(strategy_names())
-    models = sorted({m for m, _ in points})
-    if not models:
-        raise ValueError(f"no attention rows at cdf {cdf} in the files given")
+    models = _models(points, cdf)
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
     for col, model in enumerate(models):
         lat, spd = axes[0][col], axes[1][col]
@@ -162,7 +174,7 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
             series = points.get((model, fabric))
             if not series:
                 continue
-            dense = series.get(ONE_GPU[0], {}).get(1)
+            dense = series.get(ONE_GPU_ROWS[0], {}).get(1)
             for strategy in strategy_names():
                 pts = sorted(series.get(strategy, {}).items())
                 if not pts:
@@ -172,10 +184,10 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
                 if dense:
                     spd.plot([g for g, _ in pts], [dense / ms for _, ms in pts], style, color=color[strategy], ms=4,
                              label=label)
-            one = series.get(ONE_GPU[1], {}).get(1)
+            one = series.get(ONE_GPU_ROWS[1], {}).get(1)
             if one:
                 lat.scatter([1], [one], marker="*", color="k", s=50, zorder=3,
-                            label=f"{ONE_GPU[1]} ({fabric})" if fabric == "nvlink" else None)
+                            label=f"{ONE_GPU_ROWS[1]} ({fabric})" if fabric == "nvlink" else None)
                 if dense:
                     spd.scatter([1], [dense / one], marker="*", color="k", s=50, zorder=3)
         ranks = sorted({g for (m, _), s in points.items() if m == model for v in s.values() for g in v})
@@ -189,18 +201,6 @@ def scaling_plot(paths: list[str], out: Path, cdf: float = 0.9) -> Path:
     axes[0][0].legend(fontsize=6, ncol=2)
     fig.suptitle(f"one attention layer versus GPUs, cdf {cdf} (NVLink solid, host fabric dashed)")
     return save_figure(fig, out, dpi=110)
-
-
-def _option(args: list[str], flag: str) -> tuple[str | None, str | None]:
-    """Pop ``flag VALUE`` from ``args``: (value, error)."""
-    if flag not in args:
-        return None, None
-    i = args.index(flag)
-    if i + 1 >= len(args):
-        return None, f"{flag} needs an output path"
-    value = args[i + 1]
-    del args[i: i + 2]
-    return value, None
 
 
 def _check_result(path: str) -> str | None:
@@ -217,33 +217,24 @@ def _check_result(path: str) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(argv if argv is not None else sys.argv[1:])
-    if "-h" in args or "--help" in args:
-        print(f"usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...\n\n"
-              f"{__doc__}")
-        return 0
-    plot_to, error = _option(args, "--plot")
-    scaling_to, error2 = _option(args, "--scaling")
-    if error or error2:
-        print(error or error2, file=sys.stderr)
-        return 2
-    if not args:
-        print("usage: python -m sparsp.bench.report [--plot OUT.png] [--scaling OUT.png] RESULT.json ...",
-              file=sys.stderr)
-        return 2
-    for path in args:  # every file checked first: one line naming it, exit status 2
+def main(args) -> int:
+    """``sparsp bench report``: every file and output checked first (``refuse``: one line, exit
+    status 2), then the table and the figures asked for."""
+    for path in args.files:
         error = _check_result(path)
         if error:
-            print(f"python -m sparsp.bench.report: error: {error}", file=sys.stderr)
-            return 2
-    print(summarize(args))
-    if plot_to:
-        print(f"wrote {summary_plot(args, Path(plot_to))}")
-    if scaling_to:
-        print(f"wrote {scaling_plot(args, Path(scaling_to))}")
+            refuse("report", error)
+    for flag, out in (("--plot", args.plot), ("--scaling", args.scaling)):
+        if out is not None:
+            check_out("report", flag, out, file=True)
+    if args.scaling:  # rows to draw, in attention files only
+        try:
+            _models(scaling_points(args.files))
+        except ValueError as e:
+            refuse("report", f"--scaling: {e}")
+    print(summarize(args.files))
+    if args.plot:
+        print(f"wrote {summary_plot(args.files, args.plot)}")
+    if args.scaling:
+        print(f"wrote {scaling_plot(args.files, args.scaling)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

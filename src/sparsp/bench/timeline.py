@@ -1,6 +1,8 @@
 """One profiled call as a timeline: the host's ranges, then each GPU stream's work in order.
 
-`sparsp bench attention --profile DIR` leaves a gzipped Chrome trace of one call per row and
+    sparsp bench timeline DIR/*-r1.json.gz
+
+`sparsp bench attention --torch-profile DIR` leaves a gzipped Chrome trace of one call per row and
 rank. The op tables beside it sum time per op; what they cannot show is *when* each thing ran
 on which stream: whether the local kernel started while the payload was in flight, when each
 chunk landed, when its kernel ran. This prints, in ms from the start of `bench.call`:
@@ -9,7 +11,8 @@ chunk landed, when its kernel ran. This prints, in ms from the start of `bench.c
 - per GPU stream: how many ops, their busy time and span, and every op at least `--min-us`
   long (kernels, copies, memsets; the `sparsp.*` ranges as the GPU saw them last).
 
-    python -m sparsp.bench.timeline DIR/*-r1.json.gz
+Every trace is read before anything is printed: one line naming a file that is not a profiled
+call's trace, exit status 2.
 
 Read host durations with care: the first Triton launch after a profiler starts costs
 milliseconds of host time (`bench attention` therefore traces a second call after a discarded
@@ -20,21 +23,28 @@ the metadata all-gather is partly the profiler's. The benchmark's unprofiled spl
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
+
+from .args import refuse
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
 def load(path: Path) -> list[dict]:
+    """The complete events (``"ph": "X"``) of a Chrome trace (``.json``, or gzipped ``.json.gz``);
+    ``ValueError`` saying why when the file is none."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:  # gzip's errors are OSErrors
+        raise ValueError(f"not a readable Chrome trace ({' '.join(str(e).split())})") from None
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents", []), list):
+        raise ValueError("not a Chrome trace: expected a JSON object with traceEvents")
+    return [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
 
 
 def timeline(events: list[dict], min_us: float) -> list[str]:
@@ -62,27 +72,20 @@ def timeline(events: list[dict], min_us: float) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Traces: sparsp bench attention --profile DIR (one per row and rank).")
-    p.add_argument("traces", nargs="+", type=Path, help="Chrome traces (.json or .json.gz)")
-    p.add_argument("--min-us", type=float, default=20.0,
-                   help="list GPU ops at least this long (µs; shorter ones are only counted; default 20)")
-    args = p.parse_args(argv)
+def main(args) -> int:
+    """``sparsp bench timeline``: every trace read and checked first (``refuse``: one line, exit
+    status 2), then each one's timeline."""
     if args.min_us < 0:
-        p.error("--min-us must be >= 0")
+        refuse("timeline", f"--min-us must be >= 0, got {args.min_us:g}")
+    lines = {}
     for path in args.traces:
         if not path.is_file():
-            p.error(f"{path}: no such file")
-        print(f"== {path}")
+            refuse("timeline", f"{path}: no such file")
         try:
-            print("\n".join(timeline(load(path), args.min_us)))
-        except (ValueError, json.JSONDecodeError, OSError) as e:
-            print(f"{path}: {e}", file=sys.stderr)
-            return 1
+            lines[path] = timeline(load(path), args.min_us)
+        except ValueError as e:
+            refuse("timeline", f"{path}: {e}")
+    for path, text in lines.items():
+        print(f"== {path}")
+        print("\n".join(text))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

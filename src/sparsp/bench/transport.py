@@ -46,14 +46,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .args import add_transport
-from .common import init_distributed, median, result_path, save_figure, write_result
+from .args import check_out, default_out, refuse
+from .common import (failure_text, first_error, init_distributed, median, over_ranks, result_path, save_figure,
+                     shutdown, stage, wide_console, write_result)
 
 EXCHANGE_FIRST, ATTENTION_FIRST = "exchange first", "attention first"
 LOAD_ORDERS = {"exchange-first": (EXCHANGE_FIRST,), "attention-first": (ATTENTION_FIRST,),
@@ -148,13 +150,6 @@ def _gate(ms: float, device):
     return lambda: torch.cuda._sleep(n)
 
 
-def _slowest(times: list[float], device) -> list[float]:
-    """Per-iteration maximum over ranks."""
-    x = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.tolist()
-
-
 def _attention(args, device):
     g = torch.Generator(device=device).manual_seed(1)
     shape = (1, args.attn_heads, args.attn_tokens, args.attn_dim)
@@ -163,110 +158,172 @@ def _attention(args, device):
     return lambda: F.scaled_dot_product_attention(q, k, v)
 
 
-def _time_attention(attn, stream, iters: int, device) -> list[float]:
+def _time_attention(attn, stream, iters: int, device, error: str | None = None) -> list[float]:
+    """``iters`` times of the attention on ``stream``, each the slowest rank's; ``error``: this
+    rank's failure since the last collective, agreed on with the times (``over_ranks``)."""
     times = []
-    for _ in range(iters):
-        a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            a0.record(stream)
-            attn()
-            a1.record(stream)
-        a1.synchronize()
-        times.append(a0.elapsed_time(a1))
-    return _slowest(times, device)
+    try:
+        for _ in range(iters if error is None else 0):
+            a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                a0.record(stream)
+                attn()
+                a1.record(stream)
+            a1.synchronize()
+            times.append(a0.elapsed_time(a1))
+    except Exception as e:  # every rank raises it, from the flag of the maximum below
+        error = failure_text(e)
+    return over_ranks(times + [0.0] * (iters - len(times)), device, error=error, what="timing the attention")
 
 
-def run(args) -> dict:
-    from rich.console import Console
-
-    from ..transport import make_transport
-
+def check(args) -> int:
+    """Refuse (one line, exit status 2) what cannot run, before anything starts: the options,
+    ``--out``, a machine without CUDA, a group of other than 2 processes. The pipeline depth."""
     if args.iters < 10:
-        raise SystemExit("--iters must be >= 10 (medians of at least ten timed iterations)")
+        refuse("transport", "--iters must be >= 10 (medians of at least ten timed iterations)")
     if args.repeats < 1 or args.gate_ms < 0:
-        raise SystemExit("--repeats must be >= 1 and --gate-ms >= 0")
+        refuse("transport", "--repeats must be >= 1 and --gate-ms >= 0")
     pipeline = args.window if args.pipeline is None else args.pipeline
     if pipeline < 0 or pipeline > args.window:
-        raise SystemExit(f"--pipeline must be between 0 and the window ({args.window}): each "
-                         "exchange in flight holds a slot until the peer releases it")
+        refuse("transport", f"--pipeline must be between 0 and the window ({args.window}): each exchange in "
+                            "flight holds a slot until the peer releases it")
+    if args.out is None:
+        args.out = default_out(torch.cuda.is_available())
+    check_out("transport", "--out", args.out)
+    if not torch.cuda.is_available():
+        refuse("transport", "needs CUDA GPUs: it measures transfers between two GPUs (torchrun --nproc-per-node 2 "
+                            "on a GPU machine); this machine has none")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, read before the group starts
+    if world != 2:
+        refuse("transport", f"run with 2 ranks (torchrun --nproc-per-node 2), not {world}")
+    return pipeline
+
+
+@dataclass
+class _Setup:
+    """What every transport's runs share: the peer, the message sizes, this rank's bytes to
+    send, the peer's bytes it must receive, the receive buffer, the gate before each timed
+    exchange, and the attention load (None with ``--no-load``) with its time alone."""
+
+    peer: int
+    sizes: list[int]
+    src: torch.Tensor
+    expect: torch.Tensor
+    dst: torch.Tensor
+    gate: object
+    attn: object = None
+    attn_stream: object = None
+    attn_alone: float | None = None
+
+
+def main(args) -> int:
+    pipeline = check(args)
     if args.fabric == "host" and os.environ.get("NCCL_P2P_DISABLE") != "1":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before NCCL creates its communicators
-    rank, world, device = init_distributed("nccl")
-    if world != 2:
-        raise SystemExit(f"run with 2 ranks (torchrun --nproc-per-node 2), not {world}")
-    console = Console() if rank == 0 else None
-    peer = 1 - rank
-    peer_access = torch.cuda.can_device_access_peer(device.index, (device.index + 1) % 2) \
-        if torch.cuda.device_count() > 1 else False
-    sizes = _sizes(args.min_bytes, args.max_bytes, args.factor)
-    top = sizes[-1]
-    gen = torch.Generator(device=device)
-    src = torch.randint(0, 256, (top,), dtype=torch.uint8, device=device,
-                        generator=gen.manual_seed(100 + rank))
-    expect = torch.randint(0, 256, (top,), dtype=torch.uint8, device=device,
-                           generator=gen.manual_seed(100 + peer))
-    dst = torch.empty(top, dtype=torch.uint8, device=device)
-    attn, attn_stream, attn_alone = None, None, None
-    if not args.no_load:
-        attn, attn_stream = _attention(args, device), torch.cuda.Stream(device)
-        _time_attention(attn, attn_stream, max(args.warmup, 25), device)  # ~0.5 s: clocks settle
-        attn_alone = median(_time_attention(attn, attn_stream, args.iters, device))
-        if console:
-            console.print(f"attention alone: {attn_alone:.2f} ms")
-    gate = _gate(args.gate_ms, device)
-    if not args.no_align:
-        gate = _aligned(gate, device)
-    rows = []
-    for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
-        options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
-        try:
-            t = make_transport(name, None, device=device, timeout_s=args.timeout, **options)
-        except Exception as e:  # noqa: BLE001 - e.g. ipc without peer access: skip, say why
+    rank, _, device = init_distributed("nccl")
+    console = wide_console() if rank == 0 else None
+    try:
+        with stage("allocating the buffers"):
+            setup = _setup(args, rank, device)
+        if not args.no_load:
+            with stage("the attention load"):
+                setup.attn, setup.attn_stream = _attention(args, device), torch.cuda.Stream(device)
+            _time_attention(setup.attn, setup.attn_stream, max(args.warmup, 25), device)  # ~0.5 s: clocks settle
+            setup.attn_alone = median(_time_attention(setup.attn, setup.attn_stream, args.iters, device))
             if console:
-                console.print(f"[yellow]skipping {name}: {e}[/yellow]")
-            continue
-        t.reserve(top)
+                console.print(f"attention alone: {setup.attn_alone:.2f} ms")
+        with stage("calibrating the gate"):
+            gate = _gate(args.gate_ms, device)
+        setup.gate = gate if args.no_align else _aligned(gate, device)
+        rows = []
+        for name in args.transports or DEFAULT_TRANSPORTS[args.fabric]:
+            rows += _transport_rows(name, args, setup, pipeline, device, console)
+        with stage("writing the results"):
+            if rank == 0:
+                _write(rows, args, console)
+    finally:
+        shutdown()
+    return 0
+
+
+def _setup(args, rank: int, device) -> _Setup:
+    sizes = _sizes(args.min_bytes, args.max_bytes, args.factor)
+    top, peer = sizes[-1], 1 - rank
+    gen = torch.Generator(device=device)
+    src = torch.randint(0, 256, (top,), dtype=torch.uint8, device=device, generator=gen.manual_seed(100 + rank))
+    expect = torch.randint(0, 256, (top,), dtype=torch.uint8, device=device, generator=gen.manual_seed(100 + peer))
+    return _Setup(peer, sizes, src, expect, torch.empty(top, dtype=torch.uint8, device=device), None)
+
+
+def _transport_rows(name: str, args, setup: _Setup, pipeline: int, device, console) -> list[dict]:
+    """Every row of transport ``name``: each size alone, pipelined and under load. A transport
+    that cannot be made here (ipc without peer access) is skipped on every rank, saying why."""
+    from ..transport import make_transport
+
+    options = {} if name == "nccl" else {"window": args.window, "chunk_bytes": args.chunk_bytes}
+    t, error = None, None
+    try:
+        t = make_transport(name, None, device=device, timeout_s=args.timeout, **options)
+    except Exception as e:  # agreed below: every rank skips it
+        error = failure_text(e)
+    error = first_error(error)
+    if error is not None:
+        if t is not None:
+            t.close()
+        if console:
+            console.print(f"[yellow]skipping {name}: {error}[/yellow]")
+        return []
+    rows = []
+    try:
+        with stage(f"{name}: reserving its buffers"):
+            t.reserve(setup.sizes[-1])
+        peer_access = torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(
+            device.index, (device.index + 1) % 2)
         fabric = _fabric(name, peer_access)
-        exchange = _Exchange(t, peer, src, dst, gate)
-        piped = _Exchange(t, peer, src, dst, gate, inflight=pipeline) if pipeline > 1 else None
-        for n in sizes:
-            row = _timed(exchange, n, expect, args, device, name, fabric, t)
-            piped_row = None if piped is None else _timed(piped, n, expect, args, device, name, fabric, t)
-            loaded = [] if attn is None else [
-                _under_load(exchange, n, row["median_ms"], attn, attn_stream, attn_alone, args, device,
-                            name, fabric, order) for order in LOAD_ORDERS[args.load_order]]
+        exchange = _Exchange(t, setup.peer, setup.src, setup.dst, setup.gate)
+        piped = _Exchange(t, setup.peer, setup.src, setup.dst, setup.gate, inflight=pipeline) if pipeline > 1 else None
+        for n in setup.sizes:
+            row = _timed(exchange, n, setup.expect, args, device, name, fabric, t)
+            piped_row = None if piped is None else _timed(piped, n, setup.expect, args, device, name, fabric, t)
+            loaded = [] if setup.attn is None else [
+                _under_load(exchange, n, row["median_ms"], setup.attn, setup.attn_stream, setup.attn_alone, args,
+                            device, name, fabric, order) for order in LOAD_ORDERS[args.load_order]]
             rows += [r for r in (row, piped_row, *loaded) if r is not None]
             if console:
                 console.print(f"{name:5s} {fabric:6s} {_fmt(n):>9s}: {row['gbps']:7.2f} GB/s"
                               + (f", {pipeline} in flight {piped_row['gbps']:7.2f}" if piped_row else "")
                               + "".join(f", under load ({r['load_order']}) {r['gbps']:7.2f} GB/s, attention "
                                         f"{100 * r['attention_slowdown']:+.1f} %" for r in loaded))
+    finally:
         t.close()
-    doc = {}
-    if rank == 0:
-        doc = _write(rows, args, console)
-    dist.barrier()
-    dist.destroy_process_group()
-    return doc
+    return rows
 
 
 def _timed(exchange: _Exchange, n: int, expect, args, device, name: str, fabric: str, t) -> dict:
     """The row of ``exchange`` at ``n`` bytes: per-message time, the slowest rank's, median of
     ``--iters``, taken ``--repeats`` times (bytes checked on the first warm-up)."""
-    for i in range(args.warmup):
-        _, end = exchange(n)
-        end.synchronize()
-        if i == 0 and not torch.equal(exchange.dst[:n], expect[:n]):
-            raise RuntimeError(f"{name}: rank {dist.get_rank()} received wrong bytes at size {n} "
-                               f"({exchange.inflight} in flight)")
+    what = f"{name} at {_fmt(n)} ({exchange.inflight} in flight)"
+    with stage(f"{what}: warm-up"):
+        wrong = None
+        for i in range(args.warmup):  # every warm-up exchange on every rank: each pairs with the peer's
+            _, end = exchange(n)
+            end.synchronize()
+            if i == 0 and not torch.equal(exchange.dst[:n], expect[:n]):
+                wrong = f"received wrong bytes at size {n}"
+        if wrong:
+            raise RuntimeError(wrong)
     repeats = []
     for _ in range(args.repeats):
-        times = []
-        for _ in range(args.iters):
-            start, end = exchange(n)
-            end.synchronize()
-            times.append(start.elapsed_time(end) / exchange.inflight)
-        repeats.append(median(_slowest(times, device)))
+        times, error = [], None
+        try:
+            for _ in range(args.iters):
+                start, end = exchange(n)
+                end.synchronize()
+                times.append(start.elapsed_time(end) / exchange.inflight)
+        except Exception as e:  # every rank raises it, from the flag of the maximum below
+            error = failure_text(e)
+        times += [0.0] * (args.iters - len(times))
+        repeats.append(median(over_ranks(times, device, error=error, what=what)))
     ms = median(repeats)
     return {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
             "under_load": False, "attention_slowdown": None, "median_ms": ms,
@@ -290,25 +347,34 @@ def _under_load(exchange, n, alone_ms, attn, attn_stream, attn_alone, args, devi
     reps = max(1, min(100, math.ceil(attn_alone / max(alone_ms, 1e-3))))
     # no gate here: gaps between the exchanges would leave the attention alone part of the time
     exchange = _Exchange(exchange.t, exchange.peer, exchange.src, exchange.dst, lambda: None)
-    alone, loaded, xfer_times = [], [], []
+    alone, loaded, xfer_times, error = [], [], [], None
     for it in range(args.warmup + args.iters):
-        alone_it = _time_attention(attn, attn_stream, 1, device)[0]
-        a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        first = exchange.start(n) if order == EXCHANGE_FIRST else None
-        with torch.cuda.stream(attn_stream):
-            a0.record(attn_stream)
-            attn()
-            a1.record(attn_stream)
-        if first is None:  # the attention holds the GPU already: every exchange comes behind it
-            first = exchange.start(n)
-        events = [exchange.finish(first)] + [exchange(n) for _ in range(reps - 1)]
-        torch.cuda.synchronize(device)
+        # agreed with each attention time alone: a failure of the iteration before (the peer's
+        # exchanges then fail on the transport's timeout) ends every rank here
+        alone_it = _time_attention(attn, attn_stream, 1, device, error)[0]
+        try:
+            a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first = exchange.start(n) if order == EXCHANGE_FIRST else None
+            with torch.cuda.stream(attn_stream):
+                a0.record(attn_stream)
+                attn()
+                a1.record(attn_stream)
+            if first is None:  # the attention holds the GPU already: every exchange comes behind it
+                first = exchange.start(n)
+            events = [exchange.finish(first)] + [exchange(n) for _ in range(reps - 1)]
+            torch.cuda.synchronize(device)
+        except Exception as e:
+            error = failure_text(e)
+            continue
         if it >= args.warmup:
             alone.append(alone_it)
             loaded.append(a0.elapsed_time(a1))
             xfer_times.extend(s.elapsed_time(e) for s, e in events)
-    ms = median(_slowest(xfer_times, device))
-    attn_ms = median(_slowest(loaded, device))
+    what = f"{name} at {_fmt(n)} under load"
+    if error is not None:  # the last iteration failed: as many figures as the peer's, flagged
+        xfer_times = [0.0] * (reps * args.iters)
+    ms = median(over_ranks(xfer_times, device, error=error, what=what))
+    attn_ms = median(over_ranks(loaded, device))
     attn_alone_now = median(alone)  # already the slowest rank's (max-reduced per iteration)
     return {"transport": name, "fabric": fabric, "bytes": n, "gbps": n / ms / 1e6,
             "under_load": True, "load_order": order, "attention_slowdown": attn_ms / attn_alone_now - 1.0,
@@ -396,11 +462,3 @@ def plot(path: Path) -> Path:
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 
-
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m sparsp.bench.transport ...
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_transport(parser)
-    run(parser.parse_args())

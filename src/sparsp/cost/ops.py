@@ -2,7 +2,7 @@
 
 Each table is keyed by the kind of strategy (``dense``, or a sparse strategy's byte rule:
 ``cost.model.kind_of``) and gives (constant, per peer, per peer²) on G ranks. Every figure is
-counted from the code (``python -m sparsp.simulate.opcount`` recounts them all: a
+counted from the code (``sparsp simulate --count-ops`` recounts them all: a
 ``TorchDispatchMode`` over one call after a warm-up call, on every rank of a gloo group), exact
 at G = 2, 3, 4, 6 unless its comment says otherwise. ``Profile.op_ms`` prices one op;
 ``cost.timeline`` places them in the call's program order.

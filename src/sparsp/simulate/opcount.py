@@ -173,7 +173,7 @@ def _marked(counter: _Counter, point: str, fn, after: bool = False):
 
 
 def _kernel(counter: _Counter, get_kernel):
-    """``strategies.base.get_kernel`` whose kernels mark when they were issued and count their
+    """``strategies.call.get_kernel`` whose kernels mark when they were issued and count their
     own ops as ``kernel`` (the CPU's ``torch`` reference; a GPU runs one FA4 launch instead)."""
     def make(*args, **kwargs):
         counted = _labelled(counter, "kernel", get_kernel(*args, **kwargs))

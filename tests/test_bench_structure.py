@@ -1,0 +1,48 @@
+"""The benchmark drivers' shape, read from their source: every function fits in 80 lines, so a
+driver's steps stay named, each deciding one thing; every collective goes through
+``bench.common``, where the ranks agree on failure first."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "src" / "sparsp" / "bench"
+
+
+def _functions():
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path.name, node
+
+
+def test_every_bench_function_fits_in_80_lines():
+    long = [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for name, node in _functions() if node.end_lineno - node.lineno + 1 > 80]
+    assert not long, long
+    assert any(name == "attention.py" and node.name == "main" for name, node in _functions())
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_to_all", "barrier", "broadcast",
+               "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter", "scatter",
+               "scatter_object_list"}
+# The transport benchmark's stream alignment: a 4-byte all-reduce queued inside each timed
+# exchange (on the GPU stream, between the two ranks' exchanges), not a step of the driver.
+STREAM_ALIGNMENT = {("transport.py", "_aligned"), ("transport.py", "run")}  # run: its inner function
+
+
+def test_every_bench_collective_goes_through_common():
+    """A driver's collectives are ``common``'s (``stage``, ``over_ranks``, ``time_ms``, ``share``,
+    ``first_error``), each of which follows a point where the ranks agreed that none failed:
+    a collective made directly could wait for a peer that has stopped."""
+    direct = []
+    for name, node in _functions():
+        if name == "common.py":
+            continue
+        for call in ast.walk(node):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "dist"
+                    and call.func.attr in COLLECTIVES and (name, node.name) not in STREAM_ALIGNMENT):
+                direct.append(f"{name}:{call.lineno} {node.name}: dist.{call.func.attr}")
+    assert not direct, direct
