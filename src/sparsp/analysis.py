@@ -24,6 +24,8 @@ import torch
 
 from . import demand, masks as masks_mod, placement as placement_mod
 from .cost.balance import balanced_heads, head_balance, max_over_mean
+from .cost.mesh import Mesh
+from .cost.schedule import Schedule
 from .geometry import VideoGeometry, preset
 from .preflight import staged
 from .strategies import comm_bytes, strategy_names
@@ -63,10 +65,31 @@ class AnalyzeConfig:
     them to ``out``/calibration.json."""
     calibration_rows: int = 128
     """Sampled query rows per head when fitting."""
+    thresholds: Path | None = None
+    """A per-(layer, head) thresholds table (``sparsp.thresholds``): each layer's masks at its
+    own thresholds, the layers it leaves out at each ``cdf`` (not with a trace)."""
+    steps: int = 50
+    """Denoising steps of the run whose bytes are reported (``run_bytes``)."""
+    dense_steps: int = 0
+    """``SparspConfig.dense_steps`` of the run: its first steps move the dense path's bytes."""
+    replan_every: int = 1
+    """``SparspConfig.replan_every`` of the run (a reuse step moves its kept plan's bytes)."""
+    mesh: str | None = None
+    """``cfg=C,ulysses=U`` (``cost.mesh.Mesh.parse``; sp = ``ranks`` / (C·U)): bytes of one call
+    on one half of that mesh, the sp strategy's on each Ulysses rank's heads and the
+    all-to-alls' apart (``cost.mesh.mesh_comm_bytes``)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
             raise ValueError(f"--ranks must be >= 2, got {self.ranks}")
+        if self.thresholds is not None and self.trace is not None:
+            raise ValueError("--thresholds cannot apply with --trace: the trace's masks were made at its own "
+                             "thresholds; drop one of them")
+        if self.thresholds is not None:
+            read_table(self.thresholds, preset(self.model))  # a bad table: one line, before any work
+        Schedule(steps=self.steps, dense_steps=self.dense_steps, replan_every=self.replan_every)
+        if self.mesh is not None:
+            Mesh.parse(self.mesh, self.ranks)
         if self.density_profile is not None and self.trace is not None:
             raise ValueError("--density-profile cannot apply with --trace: a trace holds real masks already")
         for name, value in (("--step", self.step), ("--calibration", self.calibration)):
@@ -92,6 +115,16 @@ class AnalyzeConfig:
             object.__setattr__(self, "strategies", known)
 
 
+def read_table(path, geom: VideoGeometry):
+    """The thresholds table at ``path`` (``--thresholds``) checked against ``geom``'s layers and
+    heads: a ``sparsp.thresholds.ThresholdTable``, or one ``ValueError`` line naming the file."""
+    from .thresholds import read_thresholds
+
+    table = read_thresholds(path, option="--thresholds")
+    table.check(layers=geom.layers, heads=geom.heads, what=geom.name)
+    return table
+
+
 def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
     """Masks per CDF threshold, bool [layers, heads, nB, nB], where they came from, and with a
     density profile a fourth item: the calibration's summary."""
@@ -107,13 +140,14 @@ def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
         return (trace.geometry, {float(trace.cdf_threshold): trace.masks[: cfg.layers or have]},
                 f"trace:{trace.source}")
     geom = preset(cfg.model)
+    table = None if cfg.thresholds is None else read_table(cfg.thresholds, geom)
     if cfg.density_profile is not None:
-        return _calibrated_masks(cfg, geom, progress)
-    masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=cfg.layers, seed=cfg.seed)
-    return geom, {float(c): m for c, m in masks.items()}, "synthetic"
+        return _calibrated_masks(cfg, geom, table, progress)
+    masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=cfg.layers, seed=cfg.seed, thresholds=table)
+    return geom, {float(c): m for c, m in masks.items()}, "synthetic" + (f", thresholds {table.path}" if table else "")
 
 
-def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
+def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, table, progress):
     """Masks of the generator calibrated to ``cfg.density_profile`` (fitted now, or read from
     ``cfg.calibration``), where they came from, and the calibration's summary."""
     from .workloads import calibration as cal_mod, synthetic as workloads
@@ -142,7 +176,8 @@ def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
             written = cfg.out / "calibration.json"
     task = progress.add_task("calibrated masks", total=n) if progress else None
     masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=n, seed=cal.seed, mix=cal.mix,
-                                      heads=cal.head_params()[:n], on_layer=lambda _: _advance(progress, task))
+                                      heads=cal.head_params()[:n], on_layer=lambda _: _advance(progress, task),
+                                      thresholds=table)
     fits = cal.summary_rows()[:n]
     heads = [h for ly in cal.layers[:n] for h in ly.heads]
     info = {
@@ -154,6 +189,7 @@ def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
         "unreachable": sum(not h.reachable for h in heads), "per_layer": fits,
     }
     where = "mean over steps" if cfg.step is None else f"step {cfg.step}"
+    where += f", thresholds {table.path}" if table else ""
     return geom, {float(c): m for c, m in masks.items()}, f"calibrated:{profile.source} ({where})", info
 
 
@@ -287,6 +323,29 @@ def notes(doc: dict) -> list[str]:
     return lines
 
 
+def print_run(doc: dict, console, fmt) -> None:
+    """With a schedule (some dense steps or plans reused), the bytes of a run under it beside
+    a run whose every step plans, per row (``fmt``: how bytes are written)."""
+    sched = doc["schedule"]
+    if not sched["scheduled"]:
+        return
+    from rich.table import Table
+
+    table = Table(title=f"bytes of a run of {sched['steps']} steps over the {doc['layers']} analysed layer(s): "
+                        f"{sched['summary']}")
+    for col in ("cdf", "placement", "strategy", "plan step", "dense step", "run", "every step plans", "change"):
+        table.add_column(col, justify="left" if col in ("placement", "strategy") else "right")
+    for r in doc["results"]:
+        b = r["run_bytes"]
+        change = b["total"] / b["every_step_plans"] - 1 if b["every_step_plans"] else 0.0
+        table.add_row(f"{r['cdf']:.2f}", r["placement"], r["strategy"], fmt(b["plan_step"]), fmt(b["dense_step"]),
+                      fmt(b["total"]), fmt(b["every_step_plans"]), f"{100 * change:+.1f}%")
+    console.print(table)
+    console.print("a dense step moves the strategy's dense path's bytes (the ring's for a sequence-sharded strategy, "
+                  "its own all-to-all for a head-sharded one); a reuse step moves its kept plan's, the plan step's",
+                  markup=False, highlight=False)
+
+
 def calibration_lines(doc: dict) -> list[str]:
     """Lines printed under ``analyze``'s table for calibrated masks: how well the heads fit, and
     per placement the model's per-rank imbalance."""
@@ -326,62 +385,62 @@ def calibration_lines(doc: dict) -> list[str]:
 
 
 def _bytes_over_layers(m: torch.Tensor, pl, strategy: str, head_dim: int, dtype_bytes: int,
-                       each: list | None = None) -> dict:
-    """Bytes summed over the layers of ``m``; each layer's own figures go to ``each`` if given."""
+                       each: list | None = None, mesh: Mesh | None = None) -> dict:
+    """Bytes summed over the layers of ``m`` (with ``mesh``: its ``sp`` and ``ulysses`` parts
+    too); each layer's own figures go to ``each`` if given."""
     total = None
     for layer in m:
-        b = comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        b = comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes, mesh=mesh)
         if each is not None:
             each.append(b)
-        total = b if total is None else {
-            "total": total["total"] + b["total"],
-            "per_rank": [x + y for x, y in zip(total["per_rank"], b["per_rank"])],
-        }
+        if total is None:
+            total = {k: b[k] for k in ("total", "per_rank", "sp", "ulysses") if k in b}
+            continue
+        for key in [k for k in ("sp", "ulysses") if k in b]:
+            total[key] = _summed(total[key], b[key])
+        total.update(_summed(total, b))
     return total
+
+
+def _summed(a: dict, b: dict) -> dict:
+    return {"total": a["total"] + b["total"], "per_rank": [x + y for x, y in zip(a["per_rank"], b["per_rank"])]}
+
+
+def run_bytes(schedule: Schedule, *, plan: int, dense: int) -> dict:
+    """Bytes of a run under ``schedule`` from one step's (the analysed layers' calls): a dense
+    step moves the dense path's, a plan step and a reuse step the plan's (the kept plan moves
+    the same bytes); and the same run with every step planning."""
+    n = schedule.counts()
+    total = n["dense"] * dense + (n["plan"] + n["reuse"]) * plan
+    return {"total": total, "every_step_plans": schedule.steps * plan, "dense_step": dense, "plan_step": plan}
 
 
 def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
     """Run the analysis and return the ``analysis.json`` document."""
     t0 = time.perf_counter()
     geom, masks_by_cdf, source, *calibrated = load_masks(cfg, progress)
-    dtype_bytes = DTYPE_BYTES[cfg.dtype]
-    hd = geom.head_dim
+    mesh = None if cfg.mesh is None else Mesh.parse(cfg.mesh, cfg.ranks)
+    if mesh is not None:
+        mesh.check(geom.heads, geom.num_blocks)
+    ranks = cfg.ranks if mesh is None else mesh.sp
     try:
-        placements = {k: placement_mod.make_placement(k, geom, cfg.ranks) for k in cfg.placements}
+        placements = {k: placement_mod.make_placement(k, geom, ranks) for k in cfg.placements}
     except ValueError as e:
-        if cfg.trace is None or cfg.ranks <= geom.num_blocks:
+        if cfg.trace is None or ranks <= geom.num_blocks:
             raise
         raise ValueError(f"{e}: the trace {cfg.trace} has {geom.num_tokens} tokens in {geom.block_size}-token "
                          f"blocks; record it with a smaller --block-size (sparsp trace --block-size N) "
                          f"or use fewer --ranks") from None
-    strategies, skipped = runnable(cfg.strategies, geom.heads, cfg.ranks)
-    steps = len(masks_by_cdf) * (len(placements) * len(strategies) + 1)
-    task = progress.add_task("bytes per strategy", total=steps) if progress else None
-    results, stats = [], []
-    by_layer: dict[tuple, list] = {}  # (cdf, placement, strategy) -> bytes of each layer
-    head_sharded = [s for s in strategies if strategy_spec(s).heads_divisible]
+    strategies, skipped = runnable(cfg.strategies, geom.heads // (mesh.ulysses if mesh else 1), ranks)
+    task = progress.add_task("bytes per strategy", total=len(masks_by_cdf) * (len(placements) * len(strategies) + 1)) \
+        if progress else None
+    results, stats, by_layer = [], [], {}  # by_layer: (cdf, placement, strategy) -> bytes of each layer
     for cdf, m in masks_by_cdf.items():
-        orders = head_orders(m, cfg.ranks) if head_sharded else None
-        dens = masks_mod.density(m)
-        stats.append({
-            "cdf": cdf, "density": dens,
-            "head_density": masks_mod.head_density(m).tolist(),
-            "patterns": masks_mod.pattern_shares(m[0], geom),
-        })
+        stats.append({"cdf": cdf, "density": masks_mod.density(m), "head_density": masks_mod.head_density(m).tolist(),
+                      "patterns": masks_mod.pattern_shares(m[0], geom)})
         _advance(progress, task)
-        for pname, pl in placements.items():
-            for strategy in strategies:
-                each = by_layer.setdefault((cdf, pname, strategy), []) if calibrated else None
-                b = _bytes_over_layers(m, pl, strategy, hd, dtype_bytes, each)
-                results.append({
-                    "cdf": cdf, "placement": pname, "strategy": strategy,
-                    "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
-                    "bytes_per_rank": b["per_rank"], "density": dens,
-                    "compute_max_over_mean": compute_balance(m, pl, strategy),
-                })
-                if strategy in head_sharded:  # the same bytes; heads given to ranks by density
-                    results[-1]["balanced_compute_max_over_mean"] = compute_balance(m, pl, strategy, orders)
-                _advance(progress, task)
+        results += _rows(cfg, m, cdf, placements, strategies, geom, mesh, by_layer if calibrated else None,
+                         lambda: _advance(progress, task))
     # ``reduction_vs_ring``: against the dense baseline (registered ``baseline``), if analysed
     baseline = next((s for s in strategies_where(baseline=True) if s in strategies), None)
     for r in results:
@@ -389,18 +448,68 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
                     and x["strategy"] == baseline) if baseline else None
         r["reduction_vs_ring"] = 1.0 - r["bytes_total"] / ring["bytes_total"] if ring else None
     doc = {
-        "model": geom.name, "ranks": cfg.ranks, "dtype": cfg.dtype, "head_dim": hd, "heads": geom.heads,
+        "model": geom.name, "ranks": cfg.ranks, "dtype": cfg.dtype, "head_dim": geom.head_dim, "heads": geom.heads,
         "tokens": geom.num_tokens, "blocks": geom.num_blocks, "block_size": geom.block_size,
         "layers": int(next(iter(masks_by_cdf.values())).shape[0]), "masks": source,
+        "schedule": _schedule(cfg).to_dict(), "mesh": None if mesh is None else _mesh_doc(mesh, geom, cfg),
         "results": results, "mask_stats": stats, "skipped": skipped,
         "placement_choice": placement_choice(results),
     }
     if calibrated:
         doc["calibration"] = calibrated[0]
         doc["per_layer"], doc["imbalance"] = _per_layer(masks_by_cdf, placements, strategies, by_layer)
-    doc["sweep"] = _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress)
+    doc["sweep"] = _sweep(geom, masks_by_cdf, cfg, DTYPE_BYTES[cfg.dtype], progress)
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     return doc
+
+
+def _schedule(cfg: AnalyzeConfig) -> Schedule:
+    return Schedule(steps=cfg.steps, dense_steps=cfg.dense_steps, replan_every=cfg.replan_every)
+
+
+def _mesh_doc(mesh: Mesh, geom: VideoGeometry, cfg: AnalyzeConfig) -> dict:
+    """The mesh analysed, and what its CFG halves exchange per step (each rank its
+    counterpart's prediction, ``cost.mesh_step.prediction_bytes``)."""
+    from .cost.mesh_step import prediction_bytes
+
+    each = prediction_bytes(geom, DTYPE_BYTES[cfg.dtype]) if mesh.cfg > 1 else 0
+    return {**mesh.to_dict(), "label": mesh.label, "cfg_exchange_bytes_per_rank_per_step": each,
+            "cfg_exchange_bytes_per_step": each * mesh.world}
+
+
+def _rows(cfg: AnalyzeConfig, m: torch.Tensor, cdf: float, placements: dict, strategies, geom, mesh, by_layer,
+          advance) -> list[dict]:
+    """The result rows of one cdf's masks ``m`` (bool [layers, heads, nB, nB]): per placement
+    and strategy the bytes of one call summed over the layers (``bytes_*``; with a mesh also
+    its ``sp_*`` and ``ulysses_*`` parts), the compute balance, and the run's bytes under the
+    schedule (``run_bytes``); ``by_layer`` collects each layer's bytes where given."""
+    from .cost.schedule import dense_path
+
+    hd, dtype_bytes, schedule = geom.head_dim, DTYPE_BYTES[cfg.dtype], _schedule(cfg)
+    ranks = next(iter(placements.values())).ranks
+    orders = head_orders(m, ranks) if any(strategy_spec(s).heads_divisible for s in strategies) else None
+    base = strategy_spec(strategies_where(baseline=True)[0])
+    dens, out = masks_mod.density(m), []
+    for pname, pl in placements.items():
+        for strategy in strategies:
+            each = by_layer.setdefault((cdf, pname, strategy), []) if by_layer is not None else None
+            b = _bytes_over_layers(m, pl, strategy, hd, dtype_bytes, each, mesh)
+            dense = _bytes_over_layers(m[:1], pl, dense_path(strategy_spec(strategy), base).name, hd, dtype_bytes,
+                                       mesh=mesh)["total"] * m.shape[0]  # a dense call's bytes: the same each layer
+            row = {"cdf": cdf, "placement": pname, "strategy": strategy,
+                   "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
+                   "bytes_per_rank": b["per_rank"], "density": dens,
+                   "compute_max_over_mean": compute_balance(m, pl, strategy),
+                   "run_bytes": run_bytes(schedule, plan=b["total"], dense=dense)}
+            for part in ("sp", "ulysses"):
+                if part in b:
+                    row[f"{part}_bytes_total"] = b[part]["total"]
+                    row[f"{part}_bytes_max_rank"] = max(b[part]["per_rank"])
+            if strategy_spec(strategy).heads_divisible:  # the same bytes; heads given to ranks by density
+                row["balanced_compute_max_over_mean"] = compute_balance(m, pl, strategy, orders)
+            out.append(row)
+            advance()
+    return out
 
 
 def _per_layer(masks_by_cdf, placements, strategies, by_layer) -> tuple[list, list]:

@@ -20,13 +20,15 @@ from pathlib import Path
 
 import torch
 
-from ..analysis import DTYPE_BYTES
+from ..analysis import DTYPE_BYTES, read_table
 from ..geometry import PRESETS, VideoGeometry, preset
 from ..cost.balance import contiguous_heads
-from ..cost.figures import pair_flops
+from ..cost.figures import Blocks, measure, pair_flops
+from ..cost.mesh import Mesh
 from ..cost.model import LOCAL_FIRST, SCHEDULES, build_work
 from ..cost.profiles import Profile, get_profile
-from ..cost.timeline import bottleneck, timeline
+from ..cost.schedule import Schedule, call_works, run_cost
+from ..cost.timeline import bottleneck, mask_phase_ms, timeline
 from ..placement import make_placement
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
@@ -34,6 +36,11 @@ from .calibrate import calibrate, newest, read_result
 PLACEMENTS = ("auto", "contiguous", "periodic")
 RANKS = (2, 4, 8)
 """The G simulated when none are given: those of them the profile holds (``default_ranks``)."""
+BRANCHES = {"wan2.1-14b": 2, "wan2.1-1.3b": 2, "ltx-video": 2, "ltx-video-161f": 2, "ltx-2": 3, "hunyuan-video": 1}
+"""Guidance branches per denoising step of each preset's Diffusers 0.42.1 pipeline at its
+defaults: Wan's cond and uncond forwards; LTX-Video's batched [uncond, cond] pair (two branches
+in one call, priced here as two calls); LTX-2's cond/uncond pair, STG and modality forwards;
+HunyuanVideo's one (a second only with ``true_cfg_scale`` > 1 and a negative prompt)."""
 
 
 def default_ranks(gpus: int) -> tuple[int, ...]:
@@ -92,6 +99,30 @@ class SimulateConfig:
     ``all``: every built-in one); empty: ``fabric`` alone."""
     out: Path | None = None
     """Where a calibration fitted now is written (``density_profile``)."""
+    steps: int = 50
+    """Denoising steps of the run whose cost is reported (``cost.schedule``)."""
+    dense_steps: int = 0
+    """``SparspConfig.dense_steps`` of the run."""
+    replan_every: int = 1
+    """``SparspConfig.replan_every`` of the run."""
+    branches: int | None = None
+    """Guidance branches per step (the model's calls per step are its layers × these); None:
+    the preset's pipeline default (``BRANCHES``)."""
+    thresholds: Path | None = None
+    """A per-(layer, head) thresholds table (``sparsp.thresholds``): each layer's masks at its
+    own thresholds (the one-call sweep simulates layer 0's call)."""
+    mesh: str | None = None
+    """``auto`` or ``cfg=C,ulysses=U`` (``cost.mesh.Mesh.parse``; sp takes the rest of each G):
+    the step of a device mesh (``simulate.meshes``) instead of the one-call sweep."""
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(steps=self.steps, dense_steps=self.dense_steps, replan_every=self.replan_every)
+
+    @property
+    def calls_per_step(self) -> int:
+        """Attention calls per denoising step: the model's layers × its branches."""
+        return preset(self.model).layers * (BRANCHES[self.model] if self.branches is None else self.branches)
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -113,9 +144,16 @@ class SimulateConfig:
             raise ValueError(f"--prefetch must be an int >= 1, got {self.prefetch!r}")
         if self.local_first is not None and not isinstance(self.local_first, bool):
             raise ValueError(f"local_first must be None (automatic), True or False, got {self.local_first!r}")
+        self.schedule  # noqa: B018  (its checks: ValueError before any work)
+        if self.mesh is not None and self.mesh != "auto":
+            for G in self.ranks:
+                Mesh.parse(self.mesh, G)
+        if self.branches is not None and (not isinstance(self.branches, int) or self.branches < 1):
+            raise ValueError(f"--branches must be an int >= 1, got {self.branches!r}")
         if self.density_profile is None:
             for name, value in (("--step", self.step), ("--calibration", self.calibration),
-                                ("--layers", self.layers), ("several --fabric", self.fabrics or None)):
+                                ("--layers", self.layers),
+                                ("several --fabric", None if self.mesh is not None else self.fabrics or None)):
                 if value is not None:
                     raise ValueError(f"{name} needs --density-profile")
         else:
@@ -127,6 +165,13 @@ class SimulateConfig:
                                  "`sparsp analyze`, on the preset's whole sequence; drop --text")
             if self.fit_profile and len(self.fabric_names()) > 1:
                 raise ValueError("--fit-profile fits one profile: give one --fabric with it")
+            given = [name for name, on in (("--steps", self.steps != 50), ("--dense-steps", self.dense_steps != 0),
+                                           ("--replan-every", self.replan_every != 1),
+                                           ("--branches", self.branches is not None), ("--mesh", self.mesh is not None))
+                     if on]
+            if given:
+                raise ValueError(f"{' and '.join(given)} cannot apply with --density-profile: it predicts one step "
+                                 f"of every layer; drop {'it' if len(given) == 1 else 'them'}")
             if self.layers is not None and self.layers < 1:
                 raise ValueError(f"--layers must be >= 1, got {self.layers}")
 
@@ -145,10 +190,11 @@ def geometry(model: str, text: bool = False) -> VideoGeometry:
 
 
 class MaskCache:
-    """Synthetic masks bool [heads, nB, nB] per (geometry, cdf), made once per run."""
+    """Synthetic masks bool [heads, nB, nB] of layer 0 per (geometry, cdf), made once per run;
+    ``table``: a ``sparsp.thresholds.ThresholdTable`` whose layer-0 values replace the cdf."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    def __init__(self, seed: int = 0, table=None) -> None:
+        self.seed, self.table = seed, table
         self._masks: dict = {}
 
     def get(self, geom: VideoGeometry, cdf: float) -> torch.Tensor:
@@ -156,7 +202,8 @@ class MaskCache:
 
         key = (geom, float(cdf))
         if key not in self._masks:
-            self._masks[key] = synthetic_masks(geom, [float(cdf)], seed=self.seed)[float(cdf)][0]
+            self._masks[key] = synthetic_masks(geom, [float(cdf)], seed=self.seed,
+                                               thresholds=self.table)[float(cdf)][0]
         return self._masks[key]
 
 
@@ -187,7 +234,8 @@ def bottleneck_label(compute_ms: float, exposed_ms: float, fixed_ms: float) -> s
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
                  placement: str = "auto", transport: str | None = None, prefetch: int = 1,
                  dtype_bytes: int = 2, chunking: Profile | None = None,
-                 local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None) -> dict:
+                 local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None,
+                 schedule: Schedule | None = None, calls: int = 1) -> dict:
     """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
 
     ``chunking``: the profile a chunking strategy decides its drain units from, and an automatic
@@ -195,13 +243,35 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     built-in 2×H200 profile of the path); default ``profile``, the machine's own.
     ``local_first``: the calls' ``SparspConfig.local_first`` (the row's ``local_first`` says
     whether ``strategy`` then runs local first). ``head_order``: a head-sharded strategy's heads
-    in rank order (``cost.model.work``; None: by density, as it runs)."""
+    in rank order (``cost.model.work``; None: by density, as it runs). ``schedule``: with it,
+    the row adds each kind of step's call and the run (``step_fields``; ``calls`` per step)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
-    work = build_work(masks, pl, strategy_spec(strategy), head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
-                      profile=chunking or profile, transport=transport, local_first=local_first,
-                      head_order=head_order)
-    return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)
+    spec = strategy_spec(strategy)
+    if schedule is None:
+        work = build_work(masks, pl, spec, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
+                          profile=chunking or profile, transport=transport, local_first=local_first,
+                          head_order=head_order)
+        return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)
+    d = measure(masks, Blocks.of(pl), relay=spec.byte_rule == "relay")
+    works = call_works(spec, d, baseline=strategy_spec(strategies_where(baseline=True)[0]), head_dim=geom.head_dim,
+                       dtype_bytes=dtype_bytes, profile=chunking or profile, transport=transport,
+                       local_first=local_first, head_order=head_order)
+    row = row_of(works["plan"], profile, placement=kind, transport=transport, prefetch=prefetch,
+                 head_dim=geom.head_dim)
+    return {**row, **step_fields(works, row["predicted_ms"], profile, schedule, calls, transport=transport,
+                                 prefetch=prefetch, head_dim=geom.head_dim)}
+
+
+def step_fields(works: dict, plan_ms: float, profile: Profile, schedule: Schedule, calls: int, **kw) -> dict:
+    """A row's steps (``cost.schedule``): the plan call's mask phase, a reuse call and a dense
+    step's call (``dense_strategy``: the path it runs) predicted on ``profile``, and the run
+    (``run``: ``cost.schedule.run_cost``); ``kw``: ``timeline``'s."""
+    reuse = timeline(works["reuse"], profile, **kw).latency_ms
+    dense = timeline(works["dense"], profile, **kw).latency_ms
+    return {"mask_phase_ms": round(max(mask_phase_ms(works["plan"], profile)), 4), "reuse_ms": round(reuse, 4),
+            "dense_ms": round(dense, 4), "dense_strategy": works["dense"].strategy,
+            "run": run_cost(schedule, plan_ms=plan_ms, reuse_ms=reuse, dense_ms=dense, calls=calls)}
 
 
 def row_of(work, profile: Profile, *, placement: str, transport: str | None, prefetch: int, head_dim: int,
@@ -238,19 +308,26 @@ def row_of(work, profile: Profile, *, placement: str, transport: str | None, pre
 
 
 def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile,
-            local_first: bool | None = LOCAL_FIRST) -> dict:
+            local_first: bool | None = LOCAL_FIRST, schedule: Schedule | None = None, calls: int = 1) -> dict:
     """The same call on one GPU: the primary strategy (registered ``primary``) on a group of one
     (what ``bench attention``'s ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload;
     ``local_first``: that kernel launched before the host read — automatic, never: the row runs
-    over ``nccl``), and dense attention (kernel time only)."""
+    over ``nccl``), and dense attention (kernel time only). With ``schedule``, the same call
+    reusing its plan (``reuse_ms``: no mask phase), its mask phase, and the run whose dense
+    steps run the dense kernel (``run``, ``calls`` per step)."""
     pl = make_placement("contiguous", geom, 1)
     kf = profile.kernel(geom.head_dim)
     primary = strategy_spec(strategies_where(primary=True)[0])
-    sparse = timeline(build_work(masks, pl, primary, head_dim=geom.head_dim, profile=profile, transport="nccl",
-                                 local_first=local_first), profile, head_dim=geom.head_dim)
-    dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
-    return {"sparse_ms": round(sparse.latency_ms, 4),
-            "dense_ms": round(dense / (kf.dense_tflops * 1e9) + profile.launch_ms, 4)}
+    work = build_work(masks, pl, primary, head_dim=geom.head_dim, profile=profile, transport="nccl",
+                      local_first=local_first)
+    sparse = timeline(work, profile, head_dim=geom.head_dim).latency_ms
+    dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum()) / (kf.dense_tflops * 1e9) + profile.launch_ms
+    out = {"sparse_ms": round(sparse, 4), "dense_ms": round(dense, 4)}
+    if schedule is not None:
+        reuse = timeline(work.reused(), profile, head_dim=geom.head_dim).latency_ms
+        out.update(mask_phase_ms=round(max(mask_phase_ms(work, profile)), 4), reuse_ms=round(reuse, 4),
+                   run=run_cost(schedule, plan_ms=sparse, reuse_ms=reuse, dense_ms=dense, calls=calls))
+    return out
 
 
 def simulate(cfg: SimulateConfig, progress=None) -> dict:
@@ -258,6 +335,8 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     if cfg.density_profile is not None:
         raise ValueError("a density profile's whole-model step is simulate.layers.simulate_model's")
     t0 = time.perf_counter()
+    geom = geometry(cfg.model, cfg.text)
+    table = read_table(cfg.thresholds, preset(cfg.model)) if cfg.thresholds is not None else None
     profile = get_profile(cfg.fabric)
     calibration = None
     if cfg.fit_profile:
@@ -265,21 +344,42 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     cfg = replace(cfg, ranks=cfg.ranks or default_ranks(profile.gpus))
     if cfg.transport is not None:
         profile.transport(cfg.transport)  # unknown transport: ValueError before any work
-    geom = geometry(cfg.model, cfg.text)
     for G in cfg.ranks:
         if G > profile.gpus:
             raise ValueError(f"--ranks {G} exceeds the {profile.gpus} GPUs of profile {profile.name}")
         if G > geom.num_blocks:
             raise ValueError(f"--ranks {G} exceeds the {geom.num_blocks} blocks of {geom.name}")
+    cache = MaskCache(cfg.seed, table)
+    results, skipped, single = _sweep(cfg, cache, geom, profile, progress)
+    doc = {
+        "kind": "simulate", "model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
+        "head_dim": geom.head_dim, "dtype": cfg.dtype, "masks": f"synthetic (seed {cfg.seed})"
+        + (f", layer 0 of {table.path}" if table else ""), "thresholds": table.path if table else None,
+        "fabric": profile.name, "profile": profile.to_dict(), "ranks": list(cfg.ranks),
+        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "local_first": cfg.local_first, "one_gpu": single,
+        "schedule": cfg.schedule.to_dict(), "calls_per_step": cfg.calls_per_step, "results": results,
+        "skipped": skipped, "calibration": calibration,
+    }
+    if cfg.validate is not None:
+        paths = list(cfg.validate) or discover_attention()
+        cache = MaskCache(cfg.seed) if table else cache  # the rows ran without a table
+        doc["validation"], doc["validation_notes"] = validate(paths, cfg.fit_profile, cache, progress)
+        doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
+        doc["validation_summary"] = validation_summary(doc["validation"])
+    doc["seconds"] = round(time.perf_counter() - t0, 2)
+    return doc
+
+
+def _sweep(cfg: SimulateConfig, cache: MaskCache, geom: VideoGeometry, profile: Profile, progress) -> tuple:
+    """Every (cdf, G, strategy) row of the one-call sweep with its steps and run (``step_fields``),
+    the strategies skipped and why, and the one-GPU call per cdf."""
     strategies = cfg.strategies or strategy_names()
-    cache = MaskCache(cfg.seed)
-    dtype_bytes = DTYPE_BYTES[cfg.dtype]
-    steps = len(cfg.cdf) * len(cfg.ranks) * len(strategies)
-    task = progress.add_task("simulate", total=steps) if progress else None
+    dtype_bytes, schedule, calls = DTYPE_BYTES[cfg.dtype], cfg.schedule, cfg.calls_per_step
+    task = progress.add_task("simulate", total=len(cfg.cdf) * len(cfg.ranks) * len(strategies)) if progress else None
     results, skipped, single = [], [], {}
     for cdf in cfg.cdf:
         masks = cache.get(geom, cdf)
-        single[str(cdf)] = one_gpu(masks, geom, profile, cfg.local_first)
+        single[str(cdf)] = one_gpu(masks, geom, profile, cfg.local_first, schedule, calls)
         for G in cfg.ranks:
             for s in strategies:
                 if strategy_spec(s).heads_divisible and geom.heads % G:
@@ -292,7 +392,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                 else:
                     row = simulate_one(masks, geom, s, G, profile, placement=cfg.placement,
                                        transport=cfg.transport, prefetch=cfg.prefetch, dtype_bytes=dtype_bytes,
-                                       local_first=cfg.local_first)
+                                       local_first=cfg.local_first, schedule=schedule, calls=calls)
                     row["cdf"] = cdf
                     row["density"] = round(float(masks.float().mean()), 4)
                     results.append(row)
@@ -304,21 +404,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                      and x["cdf"] == row["cdf"]), None)
         row["speedup_vs_ring"] = round(ring["predicted_ms"] / row["predicted_ms"], 4) if ring else None
         row["speedup_vs_one_gpu"] = round(single[str(row["cdf"])]["sparse_ms"] / row["predicted_ms"], 4)
-    doc = {
-        "kind": "simulate", "model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
-        "head_dim": geom.head_dim, "dtype": cfg.dtype, "masks": f"synthetic (seed {cfg.seed})",
-        "fabric": profile.name, "profile": profile.to_dict(), "ranks": list(cfg.ranks),
-        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "local_first": cfg.local_first, "one_gpu": single,
-        "results": results,
-        "skipped": skipped, "calibration": calibration,
-    }
-    if cfg.validate is not None:
-        paths = list(cfg.validate) or discover_attention()
-        doc["validation"], doc["validation_notes"] = validate(paths, cfg.fit_profile, cache, progress)
-        doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
-        doc["validation_summary"] = validation_summary(doc["validation"])
-    doc["seconds"] = round(time.perf_counter() - t0, 2)
-    return doc
+    return results, skipped, single
 
 
 # --- validation --------------------------------------------------------------------------------
