@@ -164,7 +164,8 @@ def _run_analyze(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .analysis import analyze, calibration_lines, notes, print_run, write_outputs
+    from .analysis import analyze, calibration_lines, notes, print_run
+    from .analysis_plots import write_outputs
 
     console = Console()
     need = 120 if args.mesh else 100  # eight columns (ten with a mesh): do not truncate them in a pipe

@@ -185,7 +185,7 @@ def check_combinations(args) -> None:
 def _config(args):
     """The ``SimulateConfig`` of the arguments, every input checked (``ValueError``), and the
     lines naming the files a profile is fitted to."""
-    from .job import SimulateConfig
+    from .options import SimulateConfig
 
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory")
@@ -225,7 +225,8 @@ def main(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .job import simulate, write_outputs
+    from .job import simulate
+    from .plots import write_outputs
 
     if args.count_ops:
         return count_ops(args)

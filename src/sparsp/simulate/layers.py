@@ -39,7 +39,8 @@ from ..placement import make_placement
 from ..strategies.auto import AUTO, PLANNED, candidates, decide
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate
-from .job import default_ranks, modelled, placement_for, row_of
+from .job import row_of
+from .options import default_ranks, modelled, placement_for
 
 SUMMED = ("predicted_ms", "compute_ms", "fixed_ms", "transfer_ms", "exposed_ms", "bytes_total")
 """Row fields the model's row sums over the layers."""

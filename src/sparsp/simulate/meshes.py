@@ -5,7 +5,7 @@ with ``--mesh auto``, the best one (``cost.mesh_step.best_mesh``: every valid me
 fastest run kept), its step beside the flat group (one sp group of G ranks, the same
 strategy) and beside the peers' composition with sparsity added at the same mesh (Ulysses ×
 ``ring-sparse``: the registered sparse strategy that ships full shards). A step is the
-model's layers × its guidance branches (``job.BRANCHES``; ``--branches``) attention calls,
+model's layers × its guidance branches (``options.BRANCHES``; ``--branches``) attention calls,
 ``ceil(branches / cfg)`` per layer on each CFG half, plus the halves' one exchange; its time
 is the run's total over its steps under the schedule (``--steps``, ``--dense-steps``,
 ``--replan-every``). Masks: layer 0's synthetic masks (``--thresholds``: at layer 0's), the
@@ -22,7 +22,7 @@ from ..cost.mesh_step import best_mesh, mesh_step
 from ..cost.profiles import get_profile
 from ..geometry import preset
 from ..strategies.registry import strategies_where, strategy_spec
-from .job import BRANCHES, MaskCache, geometry, modelled
+from .options import BRANCHES, MaskCache, geometry, modelled
 
 __all__ = ["peers", "print_meshes", "simulate_meshes"]
 
@@ -50,7 +50,8 @@ def simulate_meshes(cfg, progress=None) -> dict:
     cache = MaskCache(cfg.seed, table)
     base, peer = strategy_spec(strategies_where(baseline=True)[0]), strategy_spec(peers())
     kw = dict(baseline=base, branches=branches, schedule=cfg.schedule, transport=cfg.transport,
-              dtype_bytes=DTYPE_BYTES[cfg.dtype], local_first=cfg.local_first, prefetch=cfg.prefetch)
+              dtype_bytes=DTYPE_BYTES[cfg.dtype], local_first=cfg.local_first, prefetch=cfg.prefetch,
+              placement=None if cfg.placement == "auto" else cfg.placement)
     rows, skipped = [], []
     task = progress.add_task("meshes", total=len(cfg.cdf) * len(profiles) * len(ranks) * len(strategies)) \
         if progress else None
