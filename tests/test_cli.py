@@ -192,8 +192,8 @@ def test_analyze_says_why_ulysses_fewest_bytes_is_not_the_answer(capsys, tmp_pat
 
 
 def _plot_labels(monkeypatch):
-    """The titles and legend labels of every figure ``analysis.plot`` saves."""
-    from sparsp import analysis
+    """The titles and legend labels of every figure ``analysis_plots.plot`` saves."""
+    from sparsp import analysis_plots as analysis
 
     seen = {}
     save = analysis._save

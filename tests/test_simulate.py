@@ -14,7 +14,8 @@ from sparsp.geometry import VideoGeometry
 from sparsp.placement import make_placement
 from sparsp.cost import (PROFILES, KernelFigure, Profile, TransportFigure, Work, build_work, get_profile, pair_flops,
                          timeline)
-from sparsp.cost.timeline import bottleneck, capacities, exchange_gbps, fair_rates, route
+from sparsp.cost.flows import capacities, exchange_gbps, fair_rates, route
+from sparsp.cost.timeline import bottleneck
 from sparsp.simulate.calibrate import calibrate, fit_transport
 from sparsp.simulate.job import geometry, MaskCache, simulate_one, validate
 from sparsp.strategies.registry import strategy_names, strategy_spec

@@ -2,20 +2,21 @@
 
 For each CDF threshold and placement, the exact bytes every strategy moves per attention call
 (summed over the analysed layers), the reduction against the dense ring, the mask density, how
-evenly each strategy spreads the kept attention work over the ranks, and three plots: bytes
-versus G, the sharing curve (how many local query blocks read each remote K block) and the
-relay ring's bytes over direct routing. Masks come from the synthetic generator
-(``sparsp.workloads.synthetic``), from the generator calibrated to a per-head density profile
-(``--density-profile``, ``sparsp.workloads.calibration``: then also bytes and per-rank imbalance for
-every layer, and a plot of both across layers) or from a recorded trace (``--trace``). A
-head-sharded strategy (``ulysses``) is skipped, with a note, where the heads do not divide by
-G, as it cannot run there; where it runs, its balance is also given with its heads assigned to
-ranks by density (``cost.balance``), as it runs.
+evenly each strategy spreads the kept attention work over the ranks, a run's bytes under a
+schedule, and three plots (``analysis_plots``): bytes versus G, the sharing curve (how many
+local query blocks read each remote K block) and the relay ring's bytes over direct routing.
+Masks come from the synthetic generator (``sparsp.workloads.synthetic``; ``--thresholds``:
+each layer at its own), from the generator calibrated to a per-head density profile
+(``--density-profile``, ``sparsp.workloads.calibration``: then also bytes and per-rank
+imbalance for every layer, and a plot of both across layers) or from a recorded trace
+(``--trace``). A head-sharded strategy (``ulysses``) is skipped, with a note, where the heads
+do not divide by G, as it cannot run there; where it runs, its balance is also given with its
+heads assigned to ranks by density (``cost.balance``), as it runs. With ``--mesh``, the bytes
+of one call on one half of a cfg × ulysses × sp mesh (``cost.mesh``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 
 from . import demand, masks as masks_mod, placement as placement_mod
 from .cost.balance import balanced_heads, head_balance, max_over_mean
+from .cost.mesh import Mesh
+from .cost.schedule import Schedule
 from .geometry import VideoGeometry, preset
 from .preflight import staged
 from .strategies import comm_bytes, strategy_names
@@ -63,10 +66,31 @@ class AnalyzeConfig:
     them to ``out``/calibration.json."""
     calibration_rows: int = 128
     """Sampled query rows per head when fitting."""
+    thresholds: Path | None = None
+    """A per-(layer, head) thresholds table (``sparsp.thresholds``): each layer's masks at its
+    own thresholds, the layers it leaves out at each ``cdf`` (not with a trace)."""
+    steps: int = 50
+    """Denoising steps of the run whose bytes are reported (``run_bytes``)."""
+    dense_steps: int = 0
+    """``SparspConfig.dense_steps`` of the run: its first steps move the dense path's bytes."""
+    replan_every: int = 1
+    """``SparspConfig.replan_every`` of the run (a reuse step moves its kept plan's bytes)."""
+    mesh: str | None = None
+    """``cfg=C,ulysses=U`` (``cost.mesh.Mesh.parse``; sp = ``ranks`` / (C·U)): bytes of one call
+    on one half of that mesh, the sp strategy's on each Ulysses rank's heads and the
+    all-to-alls' apart (``cost.mesh.mesh_comm_bytes``)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
             raise ValueError(f"--ranks must be >= 2, got {self.ranks}")
+        if self.thresholds is not None and self.trace is not None:
+            raise ValueError("--thresholds cannot apply with --trace: the trace's masks were made at its own "
+                             "thresholds; drop one of them")
+        if self.thresholds is not None:
+            read_table(self.thresholds, preset(self.model))  # a bad table: one line, before any work
+        Schedule(steps=self.steps, dense_steps=self.dense_steps, replan_every=self.replan_every)
+        if self.mesh is not None:
+            Mesh.parse(self.mesh, self.ranks)
         if self.density_profile is not None and self.trace is not None:
             raise ValueError("--density-profile cannot apply with --trace: a trace holds real masks already")
         for name, value in (("--step", self.step), ("--calibration", self.calibration)):
@@ -92,6 +116,16 @@ class AnalyzeConfig:
             object.__setattr__(self, "strategies", known)
 
 
+def read_table(path, geom: VideoGeometry):
+    """The thresholds table at ``path`` (``--thresholds``) checked against ``geom``'s layers and
+    heads: a ``sparsp.thresholds.ThresholdTable``, or one ``ValueError`` line naming the file."""
+    from .thresholds import read_thresholds
+
+    table = read_thresholds(path, option="--thresholds")
+    table.check(layers=geom.layers, heads=geom.heads, what=geom.name)
+    return table
+
+
 def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
     """Masks per CDF threshold, bool [layers, heads, nB, nB], where they came from, and with a
     density profile a fourth item: the calibration's summary."""
@@ -107,13 +141,14 @@ def load_masks(cfg: AnalyzeConfig, progress=None) -> tuple:
         return (trace.geometry, {float(trace.cdf_threshold): trace.masks[: cfg.layers or have]},
                 f"trace:{trace.source}")
     geom = preset(cfg.model)
+    table = None if cfg.thresholds is None else read_table(cfg.thresholds, geom)
     if cfg.density_profile is not None:
-        return _calibrated_masks(cfg, geom, progress)
-    masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=cfg.layers, seed=cfg.seed)
-    return geom, {float(c): m for c, m in masks.items()}, "synthetic"
+        return _calibrated_masks(cfg, geom, table, progress)
+    masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=cfg.layers, seed=cfg.seed, thresholds=table)
+    return geom, {float(c): m for c, m in masks.items()}, "synthetic" + (f", thresholds {table.path}" if table else "")
 
 
-def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
+def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, table, progress):
     """Masks of the generator calibrated to ``cfg.density_profile`` (fitted now, or read from
     ``cfg.calibration``), where they came from, and the calibration's summary."""
     from .workloads import calibration as cal_mod, synthetic as workloads
@@ -142,7 +177,8 @@ def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
             written = cfg.out / "calibration.json"
     task = progress.add_task("calibrated masks", total=n) if progress else None
     masks = workloads.synthetic_masks(geom, list(cfg.cdf), layers=n, seed=cal.seed, mix=cal.mix,
-                                      heads=cal.head_params()[:n], on_layer=lambda _: _advance(progress, task))
+                                      heads=cal.head_params()[:n], on_layer=lambda _: _advance(progress, task),
+                                      thresholds=table)
     fits = cal.summary_rows()[:n]
     heads = [h for ly in cal.layers[:n] for h in ly.heads]
     info = {
@@ -154,6 +190,7 @@ def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, progress):
         "unreachable": sum(not h.reachable for h in heads), "per_layer": fits,
     }
     where = "mean over steps" if cfg.step is None else f"step {cfg.step}"
+    where += f", thresholds {table.path}" if table else ""
     return geom, {float(c): m for c, m in masks.items()}, f"calibrated:{profile.source} ({where})", info
 
 
@@ -287,6 +324,29 @@ def notes(doc: dict) -> list[str]:
     return lines
 
 
+def print_run(doc: dict, console, fmt) -> None:
+    """With a schedule (some dense steps or plans reused), the bytes of a run under it beside
+    a run whose every step plans, per row (``fmt``: how bytes are written)."""
+    sched = doc["schedule"]
+    if not sched["scheduled"]:
+        return
+    from rich.table import Table
+
+    table = Table(title=f"bytes of a run of {sched['steps']} steps over the {doc['layers']} analysed layer(s): "
+                        f"{sched['summary']}")
+    for col in ("cdf", "placement", "strategy", "plan step", "dense step", "run", "every step plans", "change"):
+        table.add_column(col, justify="left" if col in ("placement", "strategy") else "right")
+    for r in doc["results"]:
+        b = r["run_bytes"]
+        change = b["total"] / b["every_step_plans"] - 1 if b["every_step_plans"] else 0.0
+        table.add_row(f"{r['cdf']:.2f}", r["placement"], r["strategy"], fmt(b["plan_step"]), fmt(b["dense_step"]),
+                      fmt(b["total"]), fmt(b["every_step_plans"]), f"{100 * change:+.1f}%")
+    console.print(table)
+    console.print("a dense step moves the strategy's dense path's bytes (the ring's for a sequence-sharded strategy, "
+                  "its own all-to-all for a head-sharded one); a reuse step moves its kept plan's, the plan step's",
+                  markup=False, highlight=False)
+
+
 def calibration_lines(doc: dict) -> list[str]:
     """Lines printed under ``analyze``'s table for calibrated masks: how well the heads fit, and
     per placement the model's per-rank imbalance."""
@@ -326,62 +386,62 @@ def calibration_lines(doc: dict) -> list[str]:
 
 
 def _bytes_over_layers(m: torch.Tensor, pl, strategy: str, head_dim: int, dtype_bytes: int,
-                       each: list | None = None) -> dict:
-    """Bytes summed over the layers of ``m``; each layer's own figures go to ``each`` if given."""
+                       each: list | None = None, mesh: Mesh | None = None) -> dict:
+    """Bytes summed over the layers of ``m`` (with ``mesh``: its ``sp`` and ``ulysses`` parts
+    too); each layer's own figures go to ``each`` if given."""
     total = None
     for layer in m:
-        b = comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        b = comm_bytes(layer, pl, strategy, head_dim=head_dim, dtype_bytes=dtype_bytes, mesh=mesh)
         if each is not None:
             each.append(b)
-        total = b if total is None else {
-            "total": total["total"] + b["total"],
-            "per_rank": [x + y for x, y in zip(total["per_rank"], b["per_rank"])],
-        }
+        if total is None:
+            total = {k: b[k] for k in ("total", "per_rank", "sp", "ulysses") if k in b}
+            continue
+        for key in [k for k in ("sp", "ulysses") if k in b]:
+            total[key] = _summed(total[key], b[key])
+        total.update(_summed(total, b))
     return total
+
+
+def _summed(a: dict, b: dict) -> dict:
+    return {"total": a["total"] + b["total"], "per_rank": [x + y for x, y in zip(a["per_rank"], b["per_rank"])]}
+
+
+def run_bytes(schedule: Schedule, *, plan: int, dense: int) -> dict:
+    """Bytes of a run under ``schedule`` from one step's (the analysed layers' calls): a dense
+    step moves the dense path's, a plan step and a reuse step the plan's (the kept plan moves
+    the same bytes); and the same run with every step planning."""
+    n = schedule.counts()
+    total = n["dense"] * dense + (n["plan"] + n["reuse"]) * plan
+    return {"total": total, "every_step_plans": schedule.steps * plan, "dense_step": dense, "plan_step": plan}
 
 
 def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
     """Run the analysis and return the ``analysis.json`` document."""
     t0 = time.perf_counter()
     geom, masks_by_cdf, source, *calibrated = load_masks(cfg, progress)
-    dtype_bytes = DTYPE_BYTES[cfg.dtype]
-    hd = geom.head_dim
+    mesh = None if cfg.mesh is None else Mesh.parse(cfg.mesh, cfg.ranks)
+    if mesh is not None:
+        mesh.check(geom.heads, geom.num_blocks)
+    ranks = cfg.ranks if mesh is None else mesh.sp
     try:
-        placements = {k: placement_mod.make_placement(k, geom, cfg.ranks) for k in cfg.placements}
+        placements = {k: placement_mod.make_placement(k, geom, ranks) for k in cfg.placements}
     except ValueError as e:
-        if cfg.trace is None or cfg.ranks <= geom.num_blocks:
+        if cfg.trace is None or ranks <= geom.num_blocks:
             raise
         raise ValueError(f"{e}: the trace {cfg.trace} has {geom.num_tokens} tokens in {geom.block_size}-token "
                          f"blocks; record it with a smaller --block-size (sparsp trace --block-size N) "
                          f"or use fewer --ranks") from None
-    strategies, skipped = runnable(cfg.strategies, geom.heads, cfg.ranks)
-    steps = len(masks_by_cdf) * (len(placements) * len(strategies) + 1)
-    task = progress.add_task("bytes per strategy", total=steps) if progress else None
-    results, stats = [], []
-    by_layer: dict[tuple, list] = {}  # (cdf, placement, strategy) -> bytes of each layer
-    head_sharded = [s for s in strategies if strategy_spec(s).heads_divisible]
+    strategies, skipped = runnable(cfg.strategies, geom.heads // (mesh.ulysses if mesh else 1), ranks)
+    task = progress.add_task("bytes per strategy", total=len(masks_by_cdf) * (len(placements) * len(strategies) + 1)) \
+        if progress else None
+    results, stats, by_layer = [], [], {}  # by_layer: (cdf, placement, strategy) -> bytes of each layer
     for cdf, m in masks_by_cdf.items():
-        orders = head_orders(m, cfg.ranks) if head_sharded else None
-        dens = masks_mod.density(m)
-        stats.append({
-            "cdf": cdf, "density": dens,
-            "head_density": masks_mod.head_density(m).tolist(),
-            "patterns": masks_mod.pattern_shares(m[0], geom),
-        })
+        stats.append({"cdf": cdf, "density": masks_mod.density(m), "head_density": masks_mod.head_density(m).tolist(),
+                      "patterns": masks_mod.pattern_shares(m[0], geom)})
         _advance(progress, task)
-        for pname, pl in placements.items():
-            for strategy in strategies:
-                each = by_layer.setdefault((cdf, pname, strategy), []) if calibrated else None
-                b = _bytes_over_layers(m, pl, strategy, hd, dtype_bytes, each)
-                results.append({
-                    "cdf": cdf, "placement": pname, "strategy": strategy,
-                    "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
-                    "bytes_per_rank": b["per_rank"], "density": dens,
-                    "compute_max_over_mean": compute_balance(m, pl, strategy),
-                })
-                if strategy in head_sharded:  # the same bytes; heads given to ranks by density
-                    results[-1]["balanced_compute_max_over_mean"] = compute_balance(m, pl, strategy, orders)
-                _advance(progress, task)
+        results += _rows(cfg, m, cdf, placements, strategies, geom, mesh, by_layer if calibrated else None,
+                         lambda: _advance(progress, task))
     # ``reduction_vs_ring``: against the dense baseline (registered ``baseline``), if analysed
     baseline = next((s for s in strategies_where(baseline=True) if s in strategies), None)
     for r in results:
@@ -389,18 +449,68 @@ def analyze(cfg: AnalyzeConfig, progress=None) -> dict:
                     and x["strategy"] == baseline) if baseline else None
         r["reduction_vs_ring"] = 1.0 - r["bytes_total"] / ring["bytes_total"] if ring else None
     doc = {
-        "model": geom.name, "ranks": cfg.ranks, "dtype": cfg.dtype, "head_dim": hd, "heads": geom.heads,
+        "model": geom.name, "ranks": cfg.ranks, "dtype": cfg.dtype, "head_dim": geom.head_dim, "heads": geom.heads,
         "tokens": geom.num_tokens, "blocks": geom.num_blocks, "block_size": geom.block_size,
         "layers": int(next(iter(masks_by_cdf.values())).shape[0]), "masks": source,
+        "schedule": _schedule(cfg).to_dict(), "mesh": None if mesh is None else _mesh_doc(mesh, geom, cfg),
         "results": results, "mask_stats": stats, "skipped": skipped,
         "placement_choice": placement_choice(results),
     }
     if calibrated:
         doc["calibration"] = calibrated[0]
         doc["per_layer"], doc["imbalance"] = _per_layer(masks_by_cdf, placements, strategies, by_layer)
-    doc["sweep"] = _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress)
+    doc["sweep"] = _sweep(geom, masks_by_cdf, cfg, DTYPE_BYTES[cfg.dtype], progress)
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     return doc
+
+
+def _schedule(cfg: AnalyzeConfig) -> Schedule:
+    return Schedule(steps=cfg.steps, dense_steps=cfg.dense_steps, replan_every=cfg.replan_every)
+
+
+def _mesh_doc(mesh: Mesh, geom: VideoGeometry, cfg: AnalyzeConfig) -> dict:
+    """The mesh analysed, and what its CFG halves exchange per step (each rank its
+    counterpart's prediction, ``cost.mesh_step.prediction_bytes``)."""
+    from .cost.mesh_step import prediction_bytes
+
+    each = prediction_bytes(geom, DTYPE_BYTES[cfg.dtype]) if mesh.cfg > 1 else 0
+    return {**mesh.to_dict(), "label": mesh.label, "cfg_exchange_bytes_per_rank_per_step": each,
+            "cfg_exchange_bytes_per_step": each * mesh.world}
+
+
+def _rows(cfg: AnalyzeConfig, m: torch.Tensor, cdf: float, placements: dict, strategies, geom, mesh, by_layer,
+          advance) -> list[dict]:
+    """The result rows of one cdf's masks ``m`` (bool [layers, heads, nB, nB]): per placement
+    and strategy the bytes of one call summed over the layers (``bytes_*``; with a mesh also
+    its ``sp_*`` and ``ulysses_*`` parts), the compute balance, and the run's bytes under the
+    schedule (``run_bytes``); ``by_layer`` collects each layer's bytes where given."""
+    from .cost.schedule import dense_path
+
+    hd, dtype_bytes, schedule = geom.head_dim, DTYPE_BYTES[cfg.dtype], _schedule(cfg)
+    ranks = next(iter(placements.values())).ranks
+    orders = head_orders(m, ranks) if any(strategy_spec(s).heads_divisible for s in strategies) else None
+    base = strategy_spec(strategies_where(baseline=True)[0])
+    dens, out = masks_mod.density(m), []
+    for pname, pl in placements.items():
+        for strategy in strategies:
+            each = by_layer.setdefault((cdf, pname, strategy), []) if by_layer is not None else None
+            b = _bytes_over_layers(m, pl, strategy, hd, dtype_bytes, each, mesh)
+            dense = _bytes_over_layers(m[:1], pl, dense_path(strategy_spec(strategy), base).name, hd, dtype_bytes,
+                                       mesh=mesh)["total"] * m.shape[0]  # a dense call's bytes: the same each layer
+            row = {"cdf": cdf, "placement": pname, "strategy": strategy,
+                   "bytes_total": b["total"], "bytes_max_rank": max(b["per_rank"]),
+                   "bytes_per_rank": b["per_rank"], "density": dens,
+                   "compute_max_over_mean": compute_balance(m, pl, strategy),
+                   "run_bytes": run_bytes(schedule, plan=b["total"], dense=dense)}
+            for part in ("sp", "ulysses"):
+                if part in b:
+                    row[f"{part}_bytes_total"] = b[part]["total"]
+                    row[f"{part}_bytes_max_rank"] = max(b[part]["per_rank"])
+            if strategy_spec(strategy).heads_divisible:  # the same bytes; heads given to ranks by density
+                row["balanced_compute_max_over_mean"] = compute_balance(m, pl, strategy, orders)
+            out.append(row)
+            advance()
+    return out
 
 
 def _per_layer(masks_by_cdf, placements, strategies, by_layer) -> tuple[list, list]:
@@ -492,155 +602,3 @@ def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
 def _advance(progress, task) -> None:
     if progress is not None and task is not None:
         progress.advance(task)
-
-
-def write_outputs(doc: dict, out: Path, plots: bool = True) -> list[Path]:
-    """``analysis.json`` and (``plots``) the PNGs in ``out``, all of them or none (``staged``:
-    an interrupted or failed write leaves no partial file). Returns their paths."""
-    with staged(out) as temp:
-        (temp / "analysis.json").write_text(json.dumps(doc, indent=1))
-        names = ["analysis.json"] + ([p.name for p in plot(doc, temp)] if plots else [])
-    return [out / name for name in names]
-
-
-def _source(doc: dict) -> str:
-    """The masks' origin for a plot title: ``synthetic`` or the trace's source, shortened."""
-    masks = doc["masks"]
-    if masks.startswith("trace:"):
-        src = masks[len("trace:"):]
-        return "trace: " + (src if len(src) <= 40 else src[:39] + "…")
-    return masks
-
-
-def plot(doc: dict, out: Path) -> list[Path]:
-    """The PNGs; a plot that has nothing to show is not written, and ``doc["plots_skipped"]``
-    says why."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sweep, paths = doc["sweep"], []
-    doc["plots_skipped"] = []
-    placed = list(sweep["sharing"])
-    about = (f"{doc['model']}, {_source(doc)} masks, cdf {sweep['cdf']}, {doc['dtype']}, first layer"
-             + (f", {placed[0]} placement" if len(placed) == 1 else ""))
-
-    def title(what: str) -> str:
-        return "\n".join(textwrap.wrap(what, 60) + textwrap.wrap(about, 60))
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    top = max((v["bytes_total"] for v in sweep["volume"]), default=1)
-    unit, scale = next(((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if top >= 2**e), ("B", 1))
-    drawn: dict[tuple, list[str]] = {}
-    placements = list(dict.fromkeys(v["placement"] for v in sweep["volume"]))
-    for pname in placements:
-        for strategy in dict.fromkeys(v["strategy"] for v in sweep["volume"]):
-            pts = tuple((v["ranks"], v["bytes_total"] / scale) for v in sweep["volume"]
-                        if v["placement"] == pname and v["strategy"] == strategy)
-            if pts:
-                drawn.setdefault(pts, []).append(f"{strategy} ({pname})" if len(placements) > 1 else strategy)
-    for i, (pts, labels) in enumerate(drawn.items()):
-        # curves with the same bytes (the same byte rule, or bytes that do not depend on the
-        # placement) are one line whose label names them all, so none is lost from the legend
-        label = "\n".join(textwrap.wrap(" = ".join(labels), 48))
-        ax.plot(*zip(*pts), marker="o", label=label, linestyle="-" if i % 2 == 0 else "--")
-    ax.set(xlabel="ranks G", ylabel=f"{unit} of K/V received per attention call, all ranks",
-           title=title("K/V bytes each strategy moves versus the number of ranks"), xscale="log")
-    ax.set_xticks(sorted({v["ranks"] for v in sweep["volume"]}), labels=None)
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, out / "volume_vs_ranks.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    curves: dict[tuple, list[str]] = {}
-    for pname, c in sweep["sharing"].items():  # identical curves: one line naming both placements
-        curves.setdefault((tuple(c["x"]), tuple(c["y"])), []).append(pname)
-    for (xs, ys), names in curves.items():
-        ax.plot([100 * x for x in xs], [100 * y for y in ys], marker=".", label=f"{' = '.join(names)} placement")
-    ax.set(xlabel="x: % of the receiving rank's Q blocks that read the K block",
-           ylabel="% of received remote K blocks read by at least x",
-           title=title(f"How widely each received K block is read at G={doc['ranks']} "
-                       "(higher: less of each transfer wasted)"))
-    ax.legend()
-    paths.append(_save(fig, out / "sharing_curve.png"))
-
-    if doc.get("per_layer"):
-        paths.append(_plot_layers(doc, out))
-
-    relay, direct = sweep.get("relay"), sweep.get("direct")
-    if not any(sweep["amplification"].values()):
-        doc["plots_skipped"].append(
-            "relay_amplification.png: it compares a relay-routed strategy (ring-relay) with a direct-routed "
-            "one (sparsp); give both to --strategy to draw it")
-        return paths
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for pname, rows in sweep["amplification"].items():
-        ax.plot([r["ranks"] for r in rows], [r["relay_over_direct"] for r in rows], marker="o",
-                label=f"{pname} placement")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="ranks G", ylabel=f"{relay} bytes / {direct} bytes",
-           title=title(f"Bytes a relay ring ({relay}) moves over direct routing ({direct}): "
-                       "what forwarding through ranks adds"))
-    ax.legend()
-    paths.append(_save(fig, out / "relay_amplification.png"))
-    return paths
-
-
-def _plot_layers(doc: dict, out: Path) -> Path:
-    """Bytes per layer of every strategy, and the per-rank imbalance of kept blocks and of
-    received bytes, across layers, at the sweep's cdf."""
-    import textwrap
-
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    cdf = doc["sweep"]["cdf"]
-    about = f"{doc['model']}, {_source(doc)} masks, {doc['dtype']}, G={doc['ranks']}"
-    rows = [r for r in doc["per_layer"] if r["cdf"] == cdf]
-    placements = list(dict.fromkeys(r["placement"] for r in rows))
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    top = max((r["bytes_total"] for r in rows), default=1)
-    unit, scale = next(((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if top >= 2**e), ("B", 1))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
-    # one colour per strategy in both panels (its marker changes past the ten colours), one line
-    # style per placement, the kept blocks in black: no two series look alike
-    styles = ["-", "--", ":", "-."]
-    color = {s: f"C{j % 10}" for j, s in enumerate(strategies)}
-    marker = {s: ".x+^v<>"[j // 10 % 7] for j, s in enumerate(strategies)}
-    for i, pname in enumerate(placements):
-        style = styles[i % 4]
-        for strategy in strategies:
-            pts = [(r["layer"], r["bytes_total"] / scale) for r in rows
-                   if r["placement"] == pname and r["strategy"] == strategy]
-            ax1.plot(*zip(*pts), marker=marker[strategy], linestyle=style, color=color[strategy],
-                     label=f"{strategy} ({pname})")
-        first = [r for r in rows if r["placement"] == pname and r["strategy"] == strategies[0]]
-        ax2.plot([r["layer"] for r in first], [r["kept_max_over_mean"] for r in first], marker="s", ms=3,
-                 linestyle=style, color="k", label=f"kept blocks ({pname})")
-        for strategy in strategies:
-            pts = [(r["layer"], r["recv_max_over_mean"]) for r in rows
-                   if r["placement"] == pname and r["strategy"] == strategy]
-            ax2.plot(*zip(*pts), marker=marker[strategy], linestyle=style, color=color[strategy],
-                     label=f"received bytes, {strategy} ({pname})")
-    ax1.set(ylabel=f"{unit} of K/V received per call, all ranks",
-            title="\n".join(textwrap.wrap(f"Bytes and per-rank imbalance per layer, cdf {cdf}", 60)
-                             + textwrap.wrap(about, 60)))
-    ax1.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: the lines stay visible
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    ax2.set(xlabel="layer", ylabel="busiest rank / mean rank")
-    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    return _save(fig, out / "layers.png")
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path

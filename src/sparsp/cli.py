@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .geometry import PRESETS
-from .inputs import HelpFormatter, add_density_profile_arguments
+from .inputs import HelpFormatter, add_density_profile_arguments, add_schedule_arguments, add_thresholds_argument
 from .names import PLACEMENTS
 
 
@@ -84,7 +84,10 @@ def _add_analyze(sub) -> None:
             "--trace, the masks, model and threshold come from the trace: --model, --cdf and --seed "
             "are refused, and --layers may only pick the trace's first N layers. With --density-profile, "
             "the synthetic heads are first calibrated to a real model's per-head densities (docs/workloads.md), "
-            "and bytes and per-rank imbalance are reported for every layer (layers.png)."
+            "and bytes and per-rank imbalance are reported for every layer (layers.png). With --thresholds, each "
+            "layer's masks at its own thresholds. Every row also gives a run's bytes under the schedule of "
+            "--steps, --dense-steps and --replan-every; with --mesh cfg=C,ulysses=U, the bytes of one call on one "
+            "half of that device mesh, the sp strategy's and the all-to-alls' apart."
         ),
         formatter_class=_DefaultsFormatter,
         populate=_analyze_arguments,
@@ -117,6 +120,12 @@ def _analyze_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="K/V element type")
     p.add_argument("--seed", type=int, default=None,
                    help=f"seed of the synthetic workload (default: {d['seed']}; not with --trace)")
+    add_thresholds_argument(p)
+    add_schedule_arguments(p, costs="bytes")
+    p.add_argument("--mesh", default=None, metavar="cfg=C,ulysses=U",
+                   help="a device mesh of --ranks ranks (sp takes the rest): the bytes of one call on one half, the "
+                        "sp strategy's on each Ulysses rank's H/U heads and the Ulysses all-to-alls' apart, and what "
+                        "the CFG halves exchange per step")
     p.add_argument("--out", type=Path, default=Path("results/analyze"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=_run_analyze)
@@ -145,6 +154,8 @@ def _analyze_config(args):
         layers=args.layers if args.layers is not None else (None if args.trace or profile else d["layers"]),
         dtype=args.dtype, seed=d["seed"] if args.seed is None else args.seed, out=args.out,
         density_profile=profile, step=getattr(args, "step", None), calibration=getattr(args, "calibration", None),
+        thresholds=args.thresholds, steps=args.steps, dense_steps=args.dense_steps, replan_every=args.replan_every,
+        mesh=args.mesh,
     )
 
 
@@ -153,11 +164,13 @@ def _run_analyze(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .analysis import analyze, calibration_lines, notes, write_outputs
+    from .analysis import analyze, calibration_lines, notes, print_run
+    from .analysis_plots import write_outputs
 
     console = Console()
-    if console.width < 100:  # eight columns: do not truncate them in a pipe
-        console = Console(width=100)
+    need = 120 if args.mesh else 100  # eight columns (ten with a mesh): do not truncate them in a pipe
+    if console.width < need:
+        console = Console(width=need)
     try:
         cfg = _analyze_config(args)
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -167,17 +180,28 @@ def _run_analyze(args) -> int:
         return _usage_error(e)
     table = Table(title=f"{doc['model']}: {doc['tokens']:,} tokens, {doc['heads']}x{doc['head_dim']} heads, "
                         f"G={doc['ranks']}, {doc['dtype']}, {doc['layers']} layer(s), {doc['masks']} masks")
-    for col in ("cdf", "density", "placement", "strategy", "max/rank", "total", "vs ring", "compute max/mean"):
+    mesh = doc.get("mesh")
+    if mesh:
+        table.title += f"; one call on one half of mesh {mesh['label']}"
+    parts = ("sp total", "all-to-all total") if mesh else ()
+    for col in ("cdf", "density", "placement", "strategy", "max/rank", "total", *parts, "vs ring", "compute max/mean"):
         table.add_column(col, justify="right" if col not in ("placement", "strategy") else "left")
     for r in doc["results"]:
         red = r["reduction_vs_ring"]
+        apart = (_fmt_bytes(r["sp_bytes_total"]), _fmt_bytes(r["ulysses_bytes_total"])) if mesh else ()
         table.add_row(f"{r['cdf']:.2f}", f"{100 * r['density']:.1f}%", r["placement"], r["strategy"],
-                      _fmt_bytes(r["bytes_max_rank"]), _fmt_bytes(r["bytes_total"]),
+                      _fmt_bytes(r["bytes_max_rank"]), _fmt_bytes(r["bytes_total"]), *apart,
                       "" if red is None else ("0.0%" if red == 0 else f"{-100 * red:+.1f}%"),
                       f"{r.get('balanced_compute_max_over_mean', r['compute_max_over_mean']):.2f}x")
     console.print(table)
+    if mesh:
+        console.print(f"mesh {mesh['label']}: sp total, the strategy's bytes over the {mesh['sp']} sp ranks of each "
+                      f"Ulysses rank's {doc['heads'] // mesh['ulysses']} heads; all-to-all total, the Ulysses "
+                      f"all-to-alls' (in and back); the CFG halves exchange "
+                      f"{_fmt_bytes(mesh['cfg_exchange_bytes_per_step'])} per step", markup=False, highlight=False)
     console.print("compute max/mean: attention work (token pairs computed) of the busiest rank over the "
                   "mean, as each strategy runs; 1.00x is balanced", markup=False, highlight=False)
+    print_run(doc, console, _fmt_bytes)
     for s in doc["mask_stats"]:
         shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["patterns"].items())
         console.print(f"cdf {s['cdf']:.2f}: density {100 * s['density']:.1f}%; patterns: {shares}")

@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["add_renamed", "check_readable", "describe_content", "read_json", "torch_archive"]
+__all__ = ["add_renamed", "add_schedule_arguments", "add_thresholds_argument", "check_readable", "describe_content",
+           "read_json", "torch_archive"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -125,3 +126,26 @@ def add_density_profile_arguments(p: argparse.ArgumentParser, *, use: str, fitte
                    help="with --density-profile: fitted heads to reuse (python -m sparsp.workloads.calibration's JSON, "
                         f"or an earlier run's), about a minute per layer of a full preset to fit; default: "
                         f"fit them now and write {fitted}")
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser, *, costs: str) -> None:
+    """``--steps``, ``--dense-steps`` and ``--replan-every``: a denoising run and its schedule
+    (``SparspConfig.dense_steps`` and ``replan_every``), as ``analyze`` and ``simulate`` spell
+    them; ``costs``: what the verb reports for the run."""
+    p.add_argument("--steps", type=int, default=50,
+                   help=f"denoising steps of the run whose {costs} is reported")
+    p.add_argument("--dense-steps", type=int, default=0, metavar="N",
+                   help="the run's first N steps run exact dense attention through the strategy's dense path "
+                        "(SparspConfig.dense_steps)")
+    p.add_argument("--replan-every", type=int, default=1, metavar="K",
+                   help="from step N on, a step solves its plan where (step - N) %% K == 0 and otherwise reuses the "
+                        "last one: no mask phase, the kept plan's bytes (SparspConfig.replan_every)")
+
+
+def add_thresholds_argument(p: argparse.ArgumentParser) -> None:
+    """``--thresholds FILE``: per-(layer, head) thresholds (``sparsp.thresholds``) for the
+    masks a verb makes."""
+    p.add_argument("--thresholds", type=Path, default=None, metavar="FILE",
+                   help="a per-(layer, head) thresholds table (docs/configuration.md): each layer's masks at "
+                        "its own cdf (and sim) thresholds, the layers it leaves out at --cdf; a table of another "
+                        "model's layers or heads, or with values outside [0, 1], is refused")

@@ -14,6 +14,6 @@ PLACEMENTS = ("contiguous", "periodic")
 TRACE_MODELS = ("hunyuan-video", "wan2.1-14b", "wan2.1-1.3b", "ltx-video", "ltx-video-161f", "ltx-2")
 """``integrations.models.PRESETS``: the Diffusers models ``sparsp trace`` and ``bench e2e`` build."""
 PROFILE_NAMES = ("h200x2-nvlink", "h200x2-host", "pcie4-8gpu-p2p", "pcie4-8gpu-nop2p", "pcie5-8gpu-p2p",
-                 "pcie5-8gpu-nop2p")
+                 "pcie5-8gpu-nop2p", "dgx-h100-8hosts", "dgx-h200-8hosts", "pcie5-8hosts-p2p", "pcie5-8hosts-nop2p")
 """``cost.profiles.PROFILES``: the built-in fabric profiles of ``sparsp simulate``."""
 

@@ -23,8 +23,8 @@ from ..caches import per_geometry
 from ..demand import rank_figures, rank_figures_ok, remote_demand
 from ..placement import Placement
 
-__all__ = ["Blocks", "Demand", "call_blocks", "call_figures", "demand_figures", "demand_of", "head_pairs",
-           "measure", "pair_flops"]
+__all__ = ["Blocks", "Demand", "call_blocks", "call_figures", "demand_figures", "demand_of", "full_demand",
+           "head_pairs", "measure", "pair_flops"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,16 @@ class Demand:
 
         return replace(self, pairs=rows(self.pairs), direct=rows(self.direct),
                        head_pairs=tuple(r(x) for x in self.head_pairs), relay=rows(self.relay))
+
+
+def full_demand(d: Demand) -> Demand:
+    """The demand of a full mask on ``d``'s ranks, tokens and heads: every (query, key) pair
+    kept, every remote token demanded (a dense step's, through the strategy's dense path)."""
+    G, BH, t = d.ranks, d.batch * d.heads, d.tokens
+    pairs = tuple(tuple(BH * t[r] * t[p] for p in range(G)) for r in range(G))
+    direct = tuple(tuple(0 if p == r else BH * t[p] for p in range(G)) for r in range(G))
+    relay = None if d.relay is None else tuple(tuple(BH * t[(r - k) % G] for k in range(1, G)) for r in range(G))
+    return replace(d, pairs=pairs, direct=direct, head_pairs=(d.batch * sum(t) ** 2,) * d.heads, relay=relay)
 
 
 def _pair_tokens(masks: torch.Tensor, blocks: Blocks) -> torch.Tensor:

@@ -28,7 +28,7 @@ constants below are counted from the code of the strategies and ``sparsp.plan``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -41,7 +41,7 @@ from .chunks import pair_cost, profile_fabric, read_fraction, transfer_hides, un
 from .figures import Blocks, Demand, measure
 from .ops import (EARLY_OPS, FINISH_UNIT_OPS, GRAPHED_MASK_CUT_OPS, GRAPHED_MASK_UNIT_OPS, HEAD_ORDER_OPS,
                   MASK_CUT_OPS, MASK_UNIT_OPS, finish_ops, issue_ops, mask_ops, run_ops)
-from .profiles import Profile, TransportFigure
+from .machine import Profile, TransportFigure
 
 
 class StrategyFacts(Protocol):
@@ -187,6 +187,17 @@ class Work:
     """Per rank: ops the run issues before its first fetch (``RUN_OPS``,
     ``LOCAL_FIRST_RUN_OPS``): the first round's transfer (and its pack) waits for them; () =
     none."""
+    mask_phase: bool = True
+    """The call runs its mask phase (the metadata all-gather, the mask and the plan stage, the
+    host read and its finish); False: it reuses a kept plan and runs only what follows
+    (``reused``)."""
+
+    def reused(self) -> "Work":
+        """The same call reusing its kept plan (a schedule's reuse step, ``SparspConfig.
+        replan_every``): no mask phase — no metadata collective, no mask, no host read, none of
+        their ops (the drain units' included: the plan keeps its chunking) — and the same run:
+        the kept plan's bytes, kernels and merges in the same order."""
+        return replace(self, mask_phase=False, mask_bytes=(), gather_bytes=(), host_ops=(), finish_ops=())
 
     def layout(self, step: int) -> str:
         """The kernel's K/V layout in compute step ``step``: the own shard as given (``local``,
@@ -211,9 +222,17 @@ class Work:
 def mask_bytes(d: Demand, *, head_dim: int, dtype_bytes: int, sparse: bool = True) -> tuple[int, ...]:
     """Device bytes of each rank's mask phase (plan.py): ``INPUT_PASSES`` reads of its q, k, v
     and, for a sparse call, the selection of the whole mask (``_MASK_BYTES_PER_SCORE``)."""
-    BH = d.batch * d.heads
-    scores = BH * d.blocks * d.blocks * _MASK_BYTES_PER_SCORE if sparse else 0
-    return tuple(INPUT_PASSES * t * BH * head_dim * dtype_bytes + scores for t in d.tokens)
+    return tuple(phase_bytes(t, batch=d.batch, heads=d.heads, blocks=d.blocks, head_dim=head_dim,
+                             dtype_bytes=dtype_bytes, sparse=sparse) for t in d.tokens)
+
+
+def phase_bytes(tokens: int, *, batch: int, heads: int, blocks: int, head_dim: int, dtype_bytes: int,
+                sparse: bool = True) -> int:
+    """``mask_bytes`` of one rank holding ``tokens`` tokens of ``heads`` heads, whose mask
+    phase selects the whole mask of ``blocks`` × ``blocks`` blocks of every head."""
+    BH = batch * heads
+    scores = BH * blocks * blocks * _MASK_BYTES_PER_SCORE if sparse else 0
+    return INPUT_PASSES * tokens * BH * head_dim * dtype_bytes + scores
 
 
 def gather_bytes(d: Demand, *, head_dim: int, sparse: bool) -> tuple[int, ...]:
@@ -224,10 +243,16 @@ def gather_bytes(d: Demand, *, head_dim: int, sparse: bool) -> tuple[int, ...]:
     sparse call, whose means each rank derives from the gathered sums; a dense call sends its
     q, k and v sums for the check, 3). A dense call in a group whose capacity a
     sparse call grew pads to it; not charged."""
-    B, H = d.batch, d.heads
     n = max(-(-t // d.block_size) for t in d.tokens) if d.block_size else -(-d.blocks // d.ranks)
-    body = summary_size(B, H, head_dim, n, SIMILARITY, CHECK_FINITE) if sparse else 3 * int(CHECK_FINITE)
-    return tuple((d.ranks - 1) * 4 * (HEADER_SLOTS + 1 + body) for _ in d.tokens)
+    row = gather_row_bytes(batch=d.batch, heads=d.heads, blocks=n, head_dim=head_dim, sparse=sparse)
+    return tuple((d.ranks - 1) * row for _ in d.tokens)
+
+
+def gather_row_bytes(*, batch: int, heads: int, blocks: int, head_dim: int, sparse: bool) -> int:
+    """One rank's row of the metadata all-gather (``gather_bytes``): a header and the summaries
+    of ``blocks`` blocks of ``heads`` heads, float32."""
+    body = summary_size(batch, heads, head_dim, blocks, SIMILARITY, CHECK_FINITE) if sparse else 3 * int(CHECK_FINITE)
+    return 4 * (HEADER_SLOTS + 1 + body)
 
 
 def build_work(masks: torch.Tensor, placement: Placement, spec: StrategyFacts, *, head_dim: int,
@@ -280,7 +305,8 @@ def _host_ops(spec: StrategyFacts, d: Demand, schedule: str, profile: Profile | 
               head_dim: int, dtype_bytes: int, graphed: bool) -> dict:
     """``Work``'s host fields per rank: the ops before the host read and in its finish (with a
     ``direct`` strategy's drain units, ``chunk_ops``, where a profile decides them), the run's
-    ops in the call's order (``early``: local first), ``figure``: the transport's."""
+    ops in the call's order (``early``: local first; the ``all-to-all`` schedule's run ops
+    whether or not it reads the mask), ``figure``: the transport's."""
     G = d.ranks
     kind = kind_of(spec)
     ops = (mask_ops(kind, G, graphed),) * G
@@ -289,8 +315,9 @@ def _host_ops(spec: StrategyFacts, d: Demand, schedule: str, profile: Profile | 
         extra = chunk_ops(d, profile, figure, head_dim=head_dim, dtype_bytes=dtype_bytes, graphed=graphed)
         ops = tuple(n + x for n, (x, _) in zip(ops, extra))
         finishing = tuple(n + x for n, (_, x) in zip(finishing, extra))
-    return dict(host_ops=ops, finish_ops=finishing, run_ops=(run_ops(kind, G, early),) * G, local_first=early,
-                early_ops=(EARLY_OPS,) * G if early else (), issue_ops=(issue_ops(kind, G, early),) * G)
+    run = "all-to-all" if schedule == "all-to-all" else kind  # its run is the same code dense or sparse
+    return dict(host_ops=ops, finish_ops=finishing, run_ops=(run_ops(run, G, early),) * G, local_first=early,
+                early_ops=(EARLY_OPS,) * G if early else (), issue_ops=(issue_ops(run, G, early),) * G)
 
 
 def _head_order(d: Demand, head_order: tuple[int, ...] | None) -> tuple[int, ...]:

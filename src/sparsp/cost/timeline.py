@@ -11,12 +11,14 @@ issue it, by the schedule their byte rule implies (``model.SCHEDULES``):
   (one call per (query slice, key slice)), the output back; each all-to-all is G−1 sequential
   rounds; nothing overlaps.
 
-Transfers are fluid flows: every flow in flight shares each resource on its path (links,
-duplex caps, host memory, switch uplinks, the sockets' interconnect) max-min fairly, and rates
-are recomputed whenever a flow or a kernel step starts or ends: while a kernel step runs at
-either end, a transport reaches its share under load (``TransportFigure.loaded_efficiency``).
-A message first pays the transport's latency and the sender's pack (bytes / device memory
-bandwidth), then its bytes flow.
+Transfers are fluid flows (``cost.flows``): every flow in flight shares each resource on its
+path (links, duplex caps, host memory, switch uplinks, the sockets' interconnect, NICs between
+hosts) max-min fairly, and rates are recomputed whenever a flow or a kernel step starts or
+ends: while a kernel step runs at either end, a transport reaches its share under load
+(``TransportFigure.loaded_efficiency``). A message first pays its transport's latency (the
+call's transport inside a host, ``Profile.network_figure`` between hosts) and the sender's pack
+(bytes / device memory bandwidth), then its bytes flow. Several calls may run at once on one
+machine (``timelines``: a mesh's sequence-parallel groups), their transfers sharing it.
 
 Kernel steps run at the measured rate of their shape, layout and density
 (``Profile.kernel_rate``). None starts before the host launched it, and no first-round
@@ -29,111 +31,20 @@ waits for the read (``Work.early_ops``), so the kernel starts when the device's 
 done; the host's finish and the run's ops up to the first remote kernel run beside it, and so
 does the first round's pack and transfer (a side stream, not the compute stream); the remote
 step waits for its transfer, the local step and its launch. A call whose device work is short
-(LTX sizes, the all-to-all's per-slice copies and merges) waits for its host.
+(LTX sizes, the all-to-all's per-slice copies and merges) waits for its host. A call that
+reuses a kept plan (``Work.mask_phase`` false) has no mask phase: no collective, no mask, no
+host read and no finish; its run is the plan call's (``mask_phase_ms``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .flows import capacities, gather_gbps, route, run
+from .machine import Profile, TransportFigure
 from .model import SYNCS_PER_CALL, Work
-from .profiles import Profile, TransportFigure
-
-
-def capacities(profile: Profile, ranks: int) -> dict[str, float]:
-    """Every shared resource of a ``ranks``-GPU job on ``profile`` → capacity in GB/s."""
-    caps: dict[str, float] = {}
-    for g in range(ranks):
-        caps[f"tx{g}"] = caps[f"rx{g}"] = profile.link_gbps
-        if profile.duplex_gbps is not None:
-            caps[f"duplex{g}"] = profile.duplex_gbps
-    sockets = sorted({profile.socket_of(g) for g in range(ranks)})
-    if profile.host_gbps is not None and not profile.peer_access:
-        for s in sockets:
-            caps[f"host{s}"] = profile.host_gbps
-    if profile.inter_socket_gbps is not None:
-        for a in sockets:
-            for b in sockets:
-                if a != b:
-                    caps[f"socket{a}->{b}"] = profile.inter_socket_gbps
-    if profile.switch_uplink_gbps is not None and profile.gpus_per_switch > 1:
-        for sw in sorted({profile.switch_of(g) for g in range(ranks)}):
-            caps[f"up{sw}"] = caps[f"down{sw}"] = profile.switch_uplink_gbps
-    return caps
-
-
-def route(profile: Profile, src: int, dst: int, caps: dict[str, float]) -> tuple[tuple[str, float], ...]:
-    """Resources a src→dst payload uses and the capacity it takes per payload byte.
-
-    Host-staged payloads are written into host memory on the sender's socket and read from it
-    by the receiver's H2D copy (2 bytes of host traffic per payload byte; the read crosses the
-    sockets' link if the receiver sits on the other socket). Peer copies cross a switch uplink
-    only between switches, and the sockets' link only between sockets."""
-    hops: list[tuple[str, float]] = [(f"tx{src}", 1.0), (f"rx{dst}", 1.0), (f"duplex{src}", 1.0),
-                                     (f"duplex{dst}", 1.0)]
-    s_src, s_dst = profile.socket_of(src), profile.socket_of(dst)
-    sw_src, sw_dst = profile.switch_of(src), profile.switch_of(dst)
-    if not profile.peer_access or sw_src != sw_dst:
-        hops += [(f"up{sw_src}", 1.0), (f"down{sw_dst}", 1.0)]
-    if not profile.peer_access:
-        hops.append((f"host{s_src}", 2.0))
-    if s_src != s_dst:
-        hops.append((f"socket{s_src}->{s_dst}", 1.0))
-    return tuple(h for h in hops if h[0] in caps)
-
-
-def fair_rates(flows: dict[int, tuple[tuple[str, float], ...]], caps: dict[str, float]) -> dict[int, float]:
-    """Max-min fair rates (GB/s) by progressive filling: raise every unfrozen flow's rate
-    together until a resource saturates, freeze the flows through it, repeat."""
-    rate = {f: 0.0 for f in flows}
-    used = {res: 0.0 for res in caps}
-    users: dict[str, list[tuple[int, float]]] = {}
-    for f, path in flows.items():
-        for res, w in path:
-            users.setdefault(res, []).append((f, w))
-    active = {f for f, path in flows.items() if path}
-    for f in set(flows) - active:  # nothing on its path limits it: not a real case, but finite
-        rate[f] = math.inf
-    while active:
-        step, tight = math.inf, []
-        for res, us in users.items():
-            load = sum(w for f, w in us if f in active)
-            if load > 0:
-                d = (caps[res] - used[res]) / load
-                if d < step - 1e-12:
-                    step, tight = d, [res]
-                elif abs(d - step) <= 1e-12:
-                    tight.append(res)
-        step = max(step, 0.0)
-        for f in active:
-            rate[f] += step
-        for res, us in users.items():
-            used[res] += step * sum(w for f, w in us if f in active)
-        frozen = {f for res in tight for f, _ in users[res]}
-        active -= frozen
-    return rate
-
-
-@functools.lru_cache(maxsize=64)
-def exchange_gbps(profile: Profile) -> float:
-    """What the model gives two GPUs exchanging at once (the ``bench transport`` setup), GB/s
-    per direction, at efficiency 1. Cached per profile (a frozen, hashable value): every
-    ``timeline`` asks for it, and ``strategy="auto"`` runs one per candidate per new demand."""
-    caps = capacities(profile, 2)
-    rates = fair_rates({0: route(profile, 0, 1, caps), 1: route(profile, 1, 0, caps)}, caps)
-    return min(rates.values())
-
-
-def collective_gbps(profile: Profile) -> float:
-    """Per-rank rate of the metadata all-gather, GB/s: the two-GPU exchange at NCCL's efficiency
-    (the process group's backend; the default transport's where the profile has no ``nccl``)."""
-    names = {t.name for t in profile.transports}
-    return exchange_gbps(profile) * profile.transport("nccl" if "nccl" in names else None).efficiency
-
-
-# --- the timeline ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -156,6 +67,8 @@ class Task:
     loaded: float = 1.0  # ... and while a compute step runs at either end
     not_before: float = 0.0  # ms: the host has issued it (its first kernel launch) ...
     end_not_before: float = 0.0  # ... and its last kernel, which then still runs (ms)
+    call: int = 0  # which of the calls run at once (``timelines``) it belongs to
+    scaled: dict = field(default_factory=dict, repr=False)  # its path at each share (``_scaled``)
 
 
 @dataclass
@@ -196,23 +109,85 @@ def _ms(nbytes: float, gbps: float) -> float:
 
 
 def timeline(work: Work, profile: Profile, *, transport: TransportFigure | str | None = None, head_dim: int = 128,
-             prefetch: int = 1, skip: frozenset = frozenset()) -> Timeline:
+             prefetch: int = 1, skip: frozenset = frozenset(), gpus: Sequence[int] | None = None) -> Timeline:
     """Schedule ``work`` on ``profile``. ``transport``: the call's, its figure in ``profile`` or a
     name (``Profile.transport``: None = the default; a name the profile lacks raises). ``skip`` ⊆
     {"compute", "transfer", "fixed"} makes those costs zero (what-if runs that name the
-    bottleneck)."""
-    G = work.ranks
-    if G > profile.gpus:
-        raise ValueError(f"{G} ranks exceed the {profile.gpus} GPUs of profile {profile.name}")
+    bottleneck). ``gpus``: the GPU of each rank (default: rank r on GPU r)."""
+    return timelines([(work, gpus)], profile, transport=transport, head_dim=head_dim, prefetch=prefetch,
+                     skip=skip)[0]
+
+
+def timelines(calls: Sequence[tuple[Work, Sequence[int] | None]], profile: Profile, *,
+              transport: TransportFigure | str | None = None, head_dim: int = 128, prefetch: int = 1,
+              skip: frozenset = frozenset()) -> list[Timeline]:
+    """Several calls at once on one machine, each ``(work, gpus)`` (``gpus``: the GPU of each of
+    its ranks, None: 0 … G−1; no GPU in two calls): each scheduled as ``timeline`` does, their
+    transfers sharing the machine's resources. One ``Timeline`` per call."""
     if not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
+    placed = [(w, tuple(range(w.ranks)) if g is None else tuple(g)) for w, g in calls]
+    every = [g for _, gpus in placed for g in gpus]
+    for w, gpus in placed:
+        if len(gpus) != w.ranks:
+            raise ValueError(f"{len(gpus)} GPUs given for a call of {w.ranks} ranks")
+    if len(set(every)) != len(every) or max(every) >= profile.gpus or min(every) < 0:
+        raise ValueError(f"{len(every)} ranks on GPUs {sorted(every)} exceed the {profile.gpus} GPUs of profile "
+                         f"{profile.name} or share one")
     tf = profile.transport(transport)
-    caps = capacities(profile, G)
+    caps = capacities(profile, every)
     tasks: list[Task] = []
+    spans = [_build(w, i, gpus, profile, tf, caps, tasks, head_dim=head_dim, prefetch=prefetch, skip=skip)
+             for i, (w, gpus) in enumerate(placed)]
+    run(tasks, caps, _scaled)
+    out = []
+    for (w, _), (a, b) in zip(placed, spans):
+        mine = tasks[a:b]
+        out.append(Timeline(w, mine, [max(t.end for t in mine if t.rank == r) for r in range(w.ranks)]))
+    return out
+
+
+def mask_phase_ms(work: Work, profile: Profile, gpus: Sequence[int] | None = None) -> tuple[float, ...]:
+    """Per rank, what the call's mask phase adds before its run (ms): the longer of the host
+    issuing its counted ops (``Work.host_ops``) and the device's path — the metadata
+    all-gather (``sync_ms`` and its bytes, not in a group of one), the input passes and the
+    mask's selection — then the read's finish (``Work.finish_ops``). A call without a mask
+    phase (``Work.mask_phase`` false: a reuse call) adds none. In order, the call's time is
+    the time of the same call without its mask phase plus this (the slowest rank's, where the
+    ranks' differ); local first, up to one launch and ``EARLY_OPS`` less, which the plan call
+    hides behind a device-bound mask phase."""
+    gpus = tuple(range(work.ranks)) if gpus is None else tuple(gpus)
+    rate = gather_gbps(profile, gpus)
+    return tuple(max(_mask_path(work, profile, r, rate)) + _ops(work.finish_ops, r) * profile.op_ms
+                 for r in range(work.ranks))
+
+
+def _ops(values: tuple, r: int, default=0):
+    """Rank r's entry of a ``Work`` count (``default`` when the work models none)."""
+    return values[r] if values else default
+
+
+def _mask_path(work: Work, profile: Profile, r: int, gather_rate: float) -> tuple[float, float]:
+    """Rank r's mask phase up to its host read (ms): (the device's path, the host's ops)."""
+    if not work.mask_phase:
+        return 0.0, 0.0
+    device = SYNCS_PER_CALL * profile.sync_ms if work.ranks > 1 else 0.0  # a group of one waits for no peer
+    device += _ms(work.mask_bytes[r], profile.hbm_gbps) if work.mask_bytes else 0.0
+    device += _ms(work.gather_bytes[r], gather_rate) if work.gather_bytes else 0.0
+    return device, _ops(work.host_ops, r) * profile.op_ms
+
+
+def _build(work: Work, call: int, gpus: tuple[int, ...], profile: Profile, tf: TransportFigure,
+           caps: dict[str, float], tasks: list[Task], *, head_dim: int, prefetch: int,
+           skip: frozenset) -> tuple[int, int]:
+    """Append the tasks of one call (its ranks on ``gpus``) to ``tasks``; their index range."""
+    first = len(tasks)
 
     def add(task: Task) -> int:
+        task.call = call
+        task.after = [first + a for a in task.after]
         tasks.append(task)
-        return len(tasks) - 1
+        return len(tasks) - 1 - first
 
     def compute_ms(r: int, i: int) -> float:
         if "compute" in skip:
@@ -226,41 +201,33 @@ def timeline(work: Work, profile: Profile, *, transport: TransportFigure | str |
         s = work.sender(r, k)
         if nbytes == 0 or "transfer" in skip:  # nothing to send: no message at all
             return add(Task("transfer", r, k, after, sender=s, phase=phase, not_before=not_before))
-        pre = tf.latency_ms + _ms(nbytes, profile.hbm_gbps)  # handshake + the sender's pack
-        return add(Task("transfer", r, k, after, pre, float(nbytes), route(profile, s, r, caps), s, phase,
-                        efficiency=tf.efficiency, loaded=tf.under_load, not_before=not_before))
+        fig = tf if profile.host_of(gpus[s]) == profile.host_of(gpus[r]) else profile.network_figure
+        pre = fig.latency_ms + _ms(nbytes, profile.hbm_gbps)  # handshake + the sender's pack
+        return add(Task("transfer", r, k, after, pre, float(nbytes), route(profile, gpus[s], gpus[r], caps), s,
+                        phase, efficiency=fig.efficiency, loaded=fig.under_load, not_before=not_before))
 
-    gather_rate = collective_gbps(profile)
-    fixed = []
-    for r in range(G):
-        # the mask phase ends in the start of the host read: the host issues its ops while the
-        # device reads the inputs, waits for the metadata all-gather and selects the mask; the
-        # read lands when both are done
-        device = SYNCS_PER_CALL * profile.sync_ms if G > 1 else 0.0  # a group of one waits for no peer
-        device += _ms(work.mask_bytes[r], profile.hbm_gbps) if work.mask_bytes else 0.0
-        device += _ms(work.gather_bytes[r], gather_rate) if work.gather_bytes else 0.0
-        host = work.host_ops[r] * profile.op_ms if work.host_ops else 0.0
-        # the read lands when both are done; ``call_after_ms`` comes after its start (_HostIssue)
-        cost = profile.call_ms - profile.call_after + max(device, host)
-        fixed.append(add(Task("fixed", r, 0, [], 0.0 if "fixed" in skip else cost)))
-    issue = _HostIssue(work, profile, [0.0 if "fixed" in skip else tasks[f].duration for f in fixed],
-                       free="fixed" in skip)
+    rate = gather_gbps(profile, gpus)
+    # the mask phase ends in the start of the host read: the host issues its ops while the
+    # device reads the inputs, waits for the metadata all-gather and selects the mask; the
+    # read lands when both are done (``call_after_ms`` comes after its start: _HostIssue)
+    fixed = [add(Task("fixed", r, 0, [], 0.0 if "fixed" in skip else
+                      profile.call_ms - profile.call_after + max(_mask_path(work, profile, r, rate))))
+             for r in range(work.ranks)]
+    issue = _HostIssue(work, profile, [tasks[first + f].duration for f in fixed], free="fixed" in skip)
 
     def compute(r: int, i: int, after: list[int]) -> int:
-        first, last = issue.launched(r, i)
+        start, last = issue.launched(r, i)
         dur = compute_ms(r, i)
-        return add(Task("compute", r, i, after, dur, not_before=first,
+        return add(Task("compute", r, i, after, dur, not_before=start,
                         end_not_before=last + dur / max(1, work.launches[r][i])))
 
     if work.schedule == "all-to-all":
         _all_to_all(work, fixed, add, transfer, compute, issue)
     else:
         _overlapped(work, fixed, add, transfer, compute, prefetch, issue)
-    for r in range(G):  # the host's last op (the output) ends the call at the earliest
+    for r in range(work.ranks):  # the host's last op (the output) ends the call at the earliest
         add(Task("fixed", r, 1, [fixed[r]], not_before=issue.done(r)))
-    _run(tasks, caps)
-    finish = [max(t.end for t in tasks if t.rank == r) for r in range(G)]
-    return Timeline(work, tasks, finish)
+    return first, len(tasks)
 
 
 class _HostIssue:
@@ -280,16 +247,11 @@ class _HostIssue:
     def __init__(self, work: Work, profile: Profile, mask: list[float], *, free: bool) -> None:
         self.work, self.profile, self.mask, self.free = work, profile, mask, free
 
-    @staticmethod
-    def _ops(values: tuple, r: int, default):
-        """Rank r's entry of a ``Work`` count (``default`` when the work models none)."""
-        return values[r] if values else default
-
     def local_launch(self, r: int) -> float:
         """(ms) local first: when the host has launched the local kernel."""
         w, p = self.work, self.profile
-        before, _ = self._ops(w.early_ops, r, (0, 0))
-        mask = self._ops(w.host_ops, r, 0)
+        before, _ = _ops(w.early_ops, r, (0, 0))
+        mask = _ops(w.host_ops, r, 0)
         return p.call_ms - p.call_after + (mask + before) * p.op_ms + p.launch_ms
 
     def run_start(self, r: int) -> float:
@@ -297,10 +259,10 @@ class _HostIssue:
         w, p = self.work, self.profile
         read = self.mask[r]
         if w.local_first:
-            _, after = self._ops(w.early_ops, r, (0, 0))
+            _, after = _ops(w.early_ops, r, (0, 0))
             read = max(read, self.local_launch(r) + after * p.op_ms)
         # the fence and the read's finish (``Profile.call_after_ms``), then the finish's ops
-        return read + (0.0 if self.free else p.call_after) + self._ops(w.finish_ops, r, 0) * p.op_ms
+        return read + (0.0 if self.free else p.call_after) + _ops(w.finish_ops, r, 0) * p.op_ms
 
     def _slots(self, r: int) -> int:
         # the run's kernel launches: one per step (relay ring, direct: a step without kept
@@ -313,7 +275,7 @@ class _HostIssue:
 
     def _at(self, r: int, j: int) -> float:
         """(ms) when the host has launched the run's j-th kernel call (from 0)."""
-        first, last, _ = self._ops(self.work.run_ops, r, (0, 0, 0))
+        first, last, _ = _ops(self.work.run_ops, r, (0, 0, 0))
         n = self._slots(r)
         ops = first + (last - first) * j / (n - 1) if n > 1 else first
         return self.run_start(r) + ops * self.profile.op_ms + (j + 1) * self.profile.launch_ms
@@ -334,13 +296,13 @@ class _HostIssue:
         publish before it; in either order no kernel launch comes first)."""
         if self.free:
             return 0.0
-        return self.run_start(r) + self._ops(self.work.issue_ops, r, 0) * self.profile.op_ms
+        return self.run_start(r) + _ops(self.work.issue_ops, r, 0) * self.profile.op_ms
 
     def done(self, r: int) -> float:
         """(ms) when the host has issued the call's every op."""
         if self.free:
             return 0.0
-        _, last, tail = self._ops(self.work.run_ops, r, (0, 0, 0))
+        _, last, tail = _ops(self.work.run_ops, r, (0, 0, 0))
         return self.run_start(r) + (last + tail) * self.profile.op_ms + self._slots(r) * self.profile.launch_ms
 
 
@@ -395,65 +357,15 @@ def _all_to_all(work: Work, fixed, add, transfer, compute, issue: _HostIssue) ->
         prev = {r: [cur[r]] for r in range(G)}
 
 
-def _scaled(task: Task, busy: set[int]) -> tuple[tuple[str, float], ...]:
-    """A transfer's path at its transport's share now: 1/efficiency of capacity per byte."""
-    eff = task.loaded if task.rank in busy or task.sender in busy else task.efficiency
-    return tuple((res, w / eff) for res, w in task.path)
-
-
-def _run(tasks: list[Task], caps: dict[str, float]) -> None:
-    """Event-driven fluid simulation; fills every task's start and end (ms)."""
-    n = len(tasks)
-    done = [False] * n
-    started = [False] * n
-    left = [t.nbytes for t in tasks]  # bytes still to flow
-    ready_at = [math.nan] * n  # when a transfer's latency/pack ends and its bytes may flow
-    now, finished = 0.0, 0
-    eps = 1e-9
-    while finished < n:
-        progress, issued = True, []
-        while progress:  # start what is ready; finish zero-length tasks at once
-            progress, issued = False, []
-            for i, t in enumerate(tasks):
-                if started[i] or not all(done[a] for a in t.after):
-                    continue
-                if t.not_before > now + eps:  # the host has not issued it yet
-                    issued.append(t.not_before)
-                    continue
-                started[i], t.start = True, now
-                ready_at[i] = max(now + t.duration, t.end_not_before)
-                if ready_at[i] <= now + eps and (t.kind != "transfer" or left[i] <= 0):
-                    t.end, done[i] = now, True
-                    finished += 1
-                    progress = True
-        if finished == n:
-            break
-        # a transfer flows at its transport's loaded share while a kernel step runs at either
-        # end (``TransportFigure.loaded_efficiency``); compute steps start and end at events
-        busy = {t.rank for i, t in enumerate(tasks) if t.kind == "compute" and started[i] and not done[i]
-                and ready_at[i] > now + eps}
-        flowing = {i: _scaled(tasks[i], busy) for i in range(n)
-                   if started[i] and not done[i] and tasks[i].kind == "transfer" and ready_at[i] <= now + eps
-                   and left[i] > 0}
-        rates = fair_rates(flowing, caps)
-        events = [ready_at[i] for i in range(n) if started[i] and not done[i] and ready_at[i] > now + eps]
-        events += issued
-        events += [now + left[i] / (rates[i] * 1e6) for i in flowing if rates[i] > 0]
-        if not events:
-            raise AssertionError("simulation stalled: a dependency cycle in the schedule")
-        nxt = min(events)
-        for i in flowing:
-            left[i] = max(0.0, left[i] - rates[i] * 1e6 * (nxt - now))
-        now = nxt
-        for i, t in enumerate(tasks):
-            if not started[i] or done[i] or ready_at[i] > now + eps:
-                continue
-            # done: no bytes left, or fewer than the clock can resolve at this rate (a fast link
-            # late in a long call would otherwise never advance ``now``)
-            if t.kind != "transfer" or left[i] <= max(1e-6, 1e-12 * t.nbytes) or (
-                    i in flowing and rates[i] > 0 and left[i] / (rates[i] * 1e6) <= eps + 1e-15 * now):
-                t.end, done[i] = now, True
-                finished += 1
+def _scaled(task: Task, busy: set[tuple[int, int]]) -> tuple[tuple[str, float], ...]:
+    """A transfer's path at its transport's share now: 1/efficiency of capacity per byte
+    (``busy``: the (call, rank) pairs computing now)."""
+    loaded = (task.call, task.rank) in busy or (task.call, task.sender) in busy
+    got = task.scaled.get(loaded)
+    if got is None:
+        eff = task.loaded if loaded else task.efficiency
+        got = task.scaled[loaded] = tuple((res, w / eff) for res, w in task.path)
+    return got
 
 
 BOTTLENECKS = ("compute", "transfer", "fixed")

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..cost.profiles import KernelFigure, KernelPoint, Profile, TransportFigure
-from ..cost.timeline import exchange_gbps
+from ..cost.flows import exchange_gbps
 
 SPARSE_KERNELS = ("fa4", "flex")
 """The block-sparse kernels ``kernel="auto"`` runs, in its order of preference (``fa4`` on sm90

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..inputs import add_density_profile_arguments, add_renamed
+from ..inputs import add_density_profile_arguments, add_renamed, add_schedule_arguments, add_thresholds_argument
 
 DESCRIPTION = (
     "Predict, on the CPU, the per-rank and per-round timing of every sequence-parallel strategy "
@@ -20,6 +20,11 @@ DESCRIPTION = (
     "to a real model's per-head densities as in `sparsp analyze --density-profile`, summed over the "
     "layers per strategy, for `auto` (its per-layer picks) and for ulysses with heads given to ranks "
     "by density; on every built-in profile unless --fabric names some. "
+    "Every row also prices a reuse call (its plan kept: no mask phase) and a dense step's call, and a whole "
+    "run of --steps steps under --dense-steps and --replan-every (a table when a schedule is given). "
+    "With --mesh cfg=C,ulysses=U or --mesh auto, the model's denoising step on a device mesh instead: per G "
+    "and fabric (several, or all: the multi-host profiles hold 64 GPUs) the mesh and its step beside the flat "
+    "group and beside ulysses x ring-sparse at that mesh. "
     "With --count-ops, no simulation: the host's eager ops one call issues, counted on the code on "
     "CPU gloo ranks, and the cost model's op constants fitted to them. "
     "Method and sources: docs/simulate.md."
@@ -77,6 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                "--validate or --text)", fitted="DIR/calibration.json")
     p.add_argument("--layers", type=int, default=None,
                    help="with --density-profile: the model's first N layers (default: all of them)")
+    add_thresholds_argument(p)
+    add_schedule_arguments(p, costs="time")
+    p.add_argument("--branches", type=int, default=None,
+                   help="guidance branches per denoising step (a step is the model's layers x these calls; "
+                        "default: the preset pipeline's: wan 2, ltx-video 2, ltx-2 3, hunyuan-video 1)")
+    p.add_argument("--mesh", default=None, metavar="cfg=C,ulysses=U|auto",
+                   help="the model's step on a device mesh of each --ranks G (sp takes the rest; cfg 2 splits a "
+                        "step's branches over two halves): that mesh, or with auto the best of every valid one, "
+                        "beside the flat group and ulysses x ring-sparse at the same mesh; --fabric takes several "
+                        "profiles or all (the default), those of fewer GPUs than G skipped; --ranks defaults to 8")
     p.add_argument("--out", type=Path, default=Path("results/simulate"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--count-ops", action="store_true",
@@ -108,6 +123,11 @@ def check_files(args) -> None:
         read_result(path, ("attention",), "--validate")
     if getattr(args, "calibration", None) is not None:
         read_json(args.calibration, "--calibration", what="sparsp calibration (JSON)")
+    if getattr(args, "thresholds", None) is not None:
+        from ..analysis import read_table
+        from ..geometry import preset
+
+        read_table(args.thresholds, preset(args.model))
 
 
 def fit_inputs(args, fabrics: tuple[str, ...]) -> list[str]:
@@ -165,27 +185,37 @@ def check_combinations(args) -> None:
 def _config(args):
     """The ``SimulateConfig`` of the arguments, every input checked (``ValueError``), and the
     lines naming the files a profile is fitted to."""
-    from .job import SimulateConfig
+    from .options import SimulateConfig
 
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory")
     check_files(args)
-    fabrics = tuple(args.fabric or (("all",) if args.density_profile is not None else ()))
-    if args.density_profile is None and (len(fabrics) > 1 or "all" in fabrics):
-        raise ValueError(f"--fabric {' '.join(fabrics)}: several profiles need --density-profile "
+    several = args.density_profile is not None or args.mesh is not None
+    fabrics = tuple(args.fabric or (("all",) if several else ()))
+    if not several and (len(fabrics) > 1 or "all" in fabrics):
+        raise ValueError(f"--fabric {' '.join(fabrics)}: several profiles need --density-profile or --mesh "
                          f"(the one-call sweep takes one profile)")
+    if args.mesh is not None:
+        given = [name for name, on in (("--density-profile", args.density_profile is not None),
+                                       ("--validate", args.validate is not None),
+                                       ("--fit-profile", args.fit_profile is not None)) if on]
+        if given:
+            raise ValueError(f"{' and '.join(given)} cannot apply with --mesh: it prices a step on synthetic masks "
+                             f"with the built-in profiles; drop {'it' if len(given) == 1 else 'them'}")
     fitting = fit_inputs(args, fabrics) if args.fit_profile is not None else []
     check_combinations(args)
     cfg = SimulateConfig(
         model=args.model, ranks=tuple(args.ranks or ()), cdf=tuple(args.cdf),
         fabric=fabrics[0] if len(fabrics) == 1 and fabrics[0] != "all" else DEFAULT_FABRIC,
-        fabrics=fabrics if args.density_profile is not None else (),
+        fabrics=fabrics if several else (),
         density_profile=args.density_profile, step=args.step, calibration=args.calibration,
         layers=args.layers, out=args.out,
         strategies=tuple(args.strategy or ()), placement=args.placement, transport=args.transport,
         text=args.text, dtype=args.dtype, prefetch=1 if args.prefetch is None else args.prefetch,
         seed=args.seed, fit_profile=tuple(args.fit_profile or ()),
         validate=None if args.validate is None else tuple(args.validate),
+        steps=args.steps, dense_steps=args.dense_steps, replan_every=args.replan_every, branches=args.branches,
+        thresholds=args.thresholds, mesh=args.mesh,
         **({"local_first": False} if args.no_local_first else {}),  # else the config's default
     )
     return cfg, fitting
@@ -195,7 +225,8 @@ def main(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .job import simulate, write_outputs
+    from .job import simulate
+    from .plots import write_outputs
 
     if args.count_ops:
         return count_ops(args)
@@ -211,6 +242,10 @@ def main(args) -> int:
             from .layers import simulate_model, write_model
 
             run, write = simulate_model, write_model
+        elif cfg.mesh is not None:  # the model's step on a device mesh
+            from .meshes import simulate_meshes
+
+            run, write = simulate_meshes, write_outputs
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
             doc = run(cfg, progress)
@@ -224,6 +259,10 @@ def main(args) -> int:
         from .layers import print_model
 
         print_model(doc, console)
+    elif doc.get("mode") == "mesh":
+        from .meshes import print_meshes
+
+        print_meshes(doc, console)
     else:
         print_tables(doc, console)
     try:
@@ -285,6 +324,7 @@ def print_tables(doc: dict, console) -> None:
     for cdf, one in doc["one_gpu"].items():
         console.print(f"one GPU, cdf {cdf}: sparse ({strategies_where(primary=True)[0]} on a group of one) "
                       f"{one['sparse_ms']:.1f} ms, dense kernel {one['dense_ms']:.1f} ms")
+    print_run(doc, console)
     for s in doc["skipped"]:
         console.print(f"skipped {s['strategy']} at G={s['ranks']}: {s['reason']}")
     if doc.get("validation") is not None:
@@ -308,3 +348,35 @@ def print_tables(doc: dict, console) -> None:
             console.print(f"source {src} (commit {commit or 'uncommitted'})")
         for note in doc.get("validation_notes", [])[:10]:
             console.print(f"[dim]{note}[/dim]")
+
+
+def print_run(doc: dict, console) -> None:
+    """With a schedule (some dense steps or plans reused), each row's run under it beside a run
+    whose every step plans, the one-GPU call first (G = 1)."""
+    sched = doc["schedule"]
+    if not sched["scheduled"]:
+        return
+    from rich.table import Table
+
+    from ..strategies.registry import strategies_where
+
+    table = Table(title=f"a run of {sched['steps']} steps, {doc['calls_per_step']} attention calls each: "
+                        f"{sched['summary']}")
+    for col in ("cdf", "G", "strategy", "plan ms", "reuse ms", "dense ms", "run s", "step ms",
+                "every step plans: run s", "step ms", "saved"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    primary = strategies_where(primary=True)[0]
+    rows = [{"cdf": float(c), "ranks": 1, "strategy": f"{primary} (1 GPU)", "predicted_ms": one["sparse_ms"], **one}
+            for c, one in doc["one_gpu"].items()] + doc["results"]
+    for r in rows:
+        run = r["run"]
+        table.add_row(f"{r['cdf']:.2f}", str(r["ranks"]), r["strategy"], f"{r['predicted_ms']:.1f}",
+                      f"{r['reuse_ms']:.1f}", f"{r['dense_ms']:.1f}", f"{run['total_ms'] / 1e3:,.1f}",
+                      f"{run['per_step_ms']:,.1f}", f"{run['every_step_plans_total_ms'] / 1e3:,.1f}",
+                      f"{run['every_step_plans_per_step_ms']:,.1f}", f"{100 * run['saved']:+.1f}%")
+    console.print(table)
+    console.print("plan ms: a call that solves its plan (the table above); reuse ms: the same call reusing its kept "
+                  "plan (no mask phase); dense ms: a dense step's call, through the strategy's dense path (the dense "
+                  "ring for a sequence-sharded strategy, its own all-to-all with the dense kernel for ulysses, the "
+                  "dense kernel on one GPU); run s, step ms: the run and its mean step under the schedule, then with "
+                  "every step planning", markup=False, highlight=False)

@@ -1,4 +1,4 @@
-"""The ``sparsp simulate`` job: sweep G per strategy on a profile, fit it, validate, write.
+"""The ``sparsp simulate`` job: sweep G per strategy on a profile, fit it, validate.
 
 Masks are ``sparsp analyze``'s (``workloads.synthetic_masks``, same seed) on the geometry the
 attention benchmark runs (video tokens only unless ``text``), and every strategy runs with the
@@ -6,170 +6,33 @@ placement it registered for the benchmarks (``placement="auto"``). ``--fit-profi
 machine profile to ``bench transport`` and ``bench kernel`` results only; ``--validate`` predicts every
 strategy row of ``bench attention`` results with the 2×H200 profiles (widened to the row's G,
 ``Profile.widened``), each in its own order (its ``local_first``; rows written before the flag
-existed ran in order), and never fits on them.
+existed ran in order), and never fits on them. Every row adds each kind of step's call and a
+run under the schedule asked for (``step_fields``; ``cost.schedule``). What the run is asked
+(``SimulateConfig``) is in ``options``, its outputs in ``plots``.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..analysis import DTYPE_BYTES
-from ..geometry import PRESETS, VideoGeometry, preset
+from ..analysis import DTYPE_BYTES, read_table
 from ..cost.balance import contiguous_heads
-from ..cost.figures import pair_flops
+from ..cost.figures import Blocks, measure, pair_flops
 from ..cost.model import LOCAL_FIRST, SCHEDULES, build_work
 from ..cost.profiles import Profile, get_profile
-from ..cost.timeline import bottleneck, timeline
+from ..cost.schedule import Schedule, call_works, run_cost
+from ..cost.timeline import bottleneck, mask_phase_ms, timeline
+from ..geometry import PRESETS, VideoGeometry, preset
 from ..placement import make_placement
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate, newest, read_result
-
-PLACEMENTS = ("auto", "contiguous", "periodic")
-RANKS = (2, 4, 8)
-"""The G simulated when none are given: those of them the profile holds (``default_ranks``)."""
-
-
-def default_ranks(gpus: int) -> tuple[int, ...]:
-    """``RANKS`` up to ``gpus`` (the profile's, or the largest of several): ``sparsp simulate
-    --fabric h200x2-nvlink`` simulates G = 2 without being told."""
-    held = tuple(G for G in RANKS if G <= gpus)
-    if not held:
-        raise ValueError(f"a profile of {gpus} GPU(s) holds no G of {', '.join(map(str, RANKS))}; give --ranks")
-    return held
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SimulateConfig:
-    model: str = "hunyuan-video"
-    """Preset name (``sparsp.geometry.PRESETS``)."""
-    ranks: tuple[int, ...] = ()
-    """Sequence-parallel degrees G to simulate; empty: ``default_ranks`` of the profile(s)."""
-    fabric: str = "pcie4-8gpu-nop2p"
-    """A built-in profile name or a profile JSON file."""
-    cdf: tuple[float, ...] = (0.9,)
-    strategies: tuple[str, ...] = ()
-    """Empty: every registered strategy."""
-    placement: str = "auto"
-    """``auto``: each strategy's registered placement (as ``bench attention`` runs it)."""
-    transport: str | None = None
-    """A transport of the profile; None = its default (the copy-engine one)."""
-    text: bool = False
-    """Include the model's text tokens (``bench attention`` leaves them out by default)."""
-    dtype: str = "bf16"
-    prefetch: int = 1
-    local_first: bool | None = LOCAL_FIRST
-    """``SparspConfig.local_first`` of the simulated calls: strategies registered
-    ``local_first`` launch the local kernel before the host read — None (the config's default,
-    automatic): where ``model.local_first_pays`` says so on the simulated profile and transport,
-    as ``Call.local_first_pays`` decides; True: always —; False: every strategy in order
-    (``--no-local-first``)."""
-    seed: int = 0
-    fit_profile: tuple[Path, ...] = ()
-    """``bench transport`` / ``bench kernel`` result files to fit the profile to (of its GPU:
-    ``calibrate.check_machine``)."""
-    validate: tuple[Path, ...] | None = None
-    """``bench attention`` result files to predict; () = discover ``bench/results/attention-*.json``;
-    None = no validation."""
-    density_profile: Path | None = None
-    """A per-(step, layer, head) density profile (``sparsp.workloads.density``) matching the preset: the
-    whole model's step is predicted, each layer on its own calibrated masks (``simulate.layers``)."""
-    step: int | None = None
-    """With ``density_profile``: the profile's step (1-based); None: the mean over steps."""
-    calibration: Path | None = None
-    """With ``density_profile``: fitted parameters to reuse (``sparsp.workloads.calibration`` JSON);
-    None: fit them now (and write ``out``/calibration.json)."""
-    layers: int | None = None
-    """With ``density_profile``: the model's first N layers; None: all of them."""
-    fabrics: tuple[str, ...] = ()
-    """With ``density_profile``: the profiles to predict on (names, profile JSON files, or
-    ``all``: every built-in one); empty: ``fabric`` alone."""
-    out: Path | None = None
-    """Where a calibration fitted now is written (``density_profile``)."""
-
-    def __post_init__(self) -> None:
-        if self.model not in PRESETS:
-            raise ValueError(f"unknown --model {self.model!r}; choose one of {', '.join(PRESETS)}")
-        for G in self.ranks:
-            if not isinstance(G, int) or isinstance(G, bool) or G < 2:
-                raise ValueError(f"--ranks must be ints >= 2, got {G!r}")
-        for c in self.cdf:
-            if not 0.0 <= c <= 1.0:
-                raise ValueError(f"--cdf values must lie in [0, 1], got {c}")
-        for s in self.strategies:
-            if s not in strategy_names():
-                raise ValueError(f"unknown --strategy {s!r}; choose from {', '.join(strategy_names())}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ValueError(f"--prefetch must be an int >= 1, got {self.prefetch!r}")
-        if self.local_first is not None and not isinstance(self.local_first, bool):
-            raise ValueError(f"local_first must be None (automatic), True or False, got {self.local_first!r}")
-        if self.density_profile is None:
-            for name, value in (("--step", self.step), ("--calibration", self.calibration),
-                                ("--layers", self.layers), ("several --fabric", self.fabrics or None)):
-                if value is not None:
-                    raise ValueError(f"{name} needs --density-profile")
-        else:
-            if self.validate is not None:
-                raise ValueError("--validate cannot apply with --density-profile: it predicts bench attention "
-                                 "rows, measured on synthetic masks; drop one of them")
-            if self.text:
-                raise ValueError("--text cannot apply with --density-profile: the calibrated masks are those of "
-                                 "`sparsp analyze`, on the preset's whole sequence; drop --text")
-            if self.fit_profile and len(self.fabric_names()) > 1:
-                raise ValueError("--fit-profile fits one profile: give one --fabric with it")
-            if self.layers is not None and self.layers < 1:
-                raise ValueError(f"--layers must be >= 1, got {self.layers}")
-
-    def fabric_names(self) -> tuple[str, ...]:
-        """The profiles asked for: ``fabrics`` (``all``: every built-in one), else ``fabric``."""
-        from ..names import PROFILE_NAMES
-
-        names = self.fabrics or (self.fabric,)
-        out = tuple(dict.fromkeys(n for f in names for n in (PROFILE_NAMES if f == "all" else (f,))))
-        return out
-
-
-def geometry(model: str, text: bool = False) -> VideoGeometry:
-    g = preset(model)
-    return g if text else replace(g, text_tokens=0)
-
-
-class MaskCache:
-    """Synthetic masks bool [heads, nB, nB] per (geometry, cdf), made once per run."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
-        self._masks: dict = {}
-
-    def get(self, geom: VideoGeometry, cdf: float) -> torch.Tensor:
-        from ..workloads.synthetic import synthetic_masks
-
-        key = (geom, float(cdf))
-        if key not in self._masks:
-            self._masks[key] = synthetic_masks(geom, [float(cdf)], seed=self.seed)[float(cdf)][0]
-        return self._masks[key]
-
-
-def modelled(strategy: str) -> bool:
-    """Whether the cost model schedules ``strategy``: its byte rule is one of ``SCHEDULES`` (a
-    strategy registered with a byte-rule function is accounted by ``sparsp analyze`` only)."""
-    rule = strategy_spec(strategy).byte_rule
-    return isinstance(rule, str) and rule in SCHEDULES
-
-
-def placement_for(strategy: str, kind: str) -> str:
-    return strategy_spec(strategy).placement if kind == "auto" else kind
-
+from .options import MaskCache, SimulateConfig, default_ranks, geometry, modelled, placement_for
 
 BOTTLENECK_LEGEND = ("bottleneck: the largest part of the slowest rank's time: compute (its kernels), "
                      "transfer (transfer time not hidden behind compute: exposed), fixed (per-call fixed "
@@ -187,7 +50,8 @@ def bottleneck_label(compute_ms: float, exposed_ms: float, fixed_ms: float) -> s
 def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int, profile: Profile, *,
                  placement: str = "auto", transport: str | None = None, prefetch: int = 1,
                  dtype_bytes: int = 2, chunking: Profile | None = None,
-                 local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None) -> dict:
+                 local_first: bool | None = LOCAL_FIRST, head_order: tuple[int, ...] | None = None,
+                 schedule: Schedule | None = None, calls: int = 1) -> dict:
     """One configuration → its JSON row (prediction, breakdown of the slowest rank, bottleneck).
 
     ``chunking``: the profile a chunking strategy decides its drain units from, and an automatic
@@ -195,13 +59,35 @@ def simulate_one(masks: torch.Tensor, geom: VideoGeometry, strategy: str, G: int
     built-in 2×H200 profile of the path); default ``profile``, the machine's own.
     ``local_first``: the calls' ``SparspConfig.local_first`` (the row's ``local_first`` says
     whether ``strategy`` then runs local first). ``head_order``: a head-sharded strategy's heads
-    in rank order (``cost.model.work``; None: by density, as it runs)."""
+    in rank order (``cost.model.work``; None: by density, as it runs). ``schedule``: with it,
+    the row adds each kind of step's call and the run (``step_fields``; ``calls`` per step)."""
     kind = placement_for(strategy, placement)
     pl = make_placement(kind, geom, G)
-    work = build_work(masks, pl, strategy_spec(strategy), head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
-                      profile=chunking or profile, transport=transport, local_first=local_first,
-                      head_order=head_order)
-    return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)
+    spec = strategy_spec(strategy)
+    if schedule is None:
+        work = build_work(masks, pl, spec, head_dim=geom.head_dim, dtype_bytes=dtype_bytes,
+                          profile=chunking or profile, transport=transport, local_first=local_first,
+                          head_order=head_order)
+        return row_of(work, profile, placement=kind, transport=transport, prefetch=prefetch, head_dim=geom.head_dim)
+    d = measure(masks, Blocks.of(pl), relay=spec.byte_rule == "relay")
+    works = call_works(spec, d, baseline=strategy_spec(strategies_where(baseline=True)[0]), head_dim=geom.head_dim,
+                       dtype_bytes=dtype_bytes, profile=chunking or profile, transport=transport,
+                       local_first=local_first, head_order=head_order)
+    row = row_of(works["plan"], profile, placement=kind, transport=transport, prefetch=prefetch,
+                 head_dim=geom.head_dim)
+    return {**row, **step_fields(works, row["predicted_ms"], profile, schedule, calls, transport=transport,
+                                 prefetch=prefetch, head_dim=geom.head_dim)}
+
+
+def step_fields(works: dict, plan_ms: float, profile: Profile, schedule: Schedule, calls: int, **kw) -> dict:
+    """A row's steps (``cost.schedule``): the plan call's mask phase, a reuse call and a dense
+    step's call (``dense_strategy``: the path it runs) predicted on ``profile``, and the run
+    (``run``: ``cost.schedule.run_cost``); ``kw``: ``timeline``'s."""
+    reuse = timeline(works["reuse"], profile, **kw).latency_ms
+    dense = timeline(works["dense"], profile, **kw).latency_ms
+    return {"mask_phase_ms": round(max(mask_phase_ms(works["plan"], profile)), 4), "reuse_ms": round(reuse, 4),
+            "dense_ms": round(dense, 4), "dense_strategy": works["dense"].strategy,
+            "run": run_cost(schedule, plan_ms=plan_ms, reuse_ms=reuse, dense_ms=dense, calls=calls)}
 
 
 def row_of(work, profile: Profile, *, placement: str, transport: str | None, prefetch: int, head_dim: int,
@@ -238,19 +124,26 @@ def row_of(work, profile: Profile, *, placement: str, transport: str | None, pre
 
 
 def one_gpu(masks: torch.Tensor, geom: VideoGeometry, profile: Profile,
-            local_first: bool | None = LOCAL_FIRST) -> dict:
+            local_first: bool | None = LOCAL_FIRST, schedule: Schedule | None = None, calls: int = 1) -> dict:
     """The same call on one GPU: the primary strategy (registered ``primary``) on a group of one
     (what ``bench attention``'s ``1gpu-sparse`` row runs: the mask phase, then the kernel over the whole mask, no payload;
     ``local_first``: that kernel launched before the host read — automatic, never: the row runs
-    over ``nccl``), and dense attention (kernel time only)."""
+    over ``nccl``), and dense attention (kernel time only). With ``schedule``, the same call
+    reusing its plan (``reuse_ms``: no mask phase), its mask phase, and the run whose dense
+    steps run the dense kernel (``run``, ``calls`` per step)."""
     pl = make_placement("contiguous", geom, 1)
     kf = profile.kernel(geom.head_dim)
     primary = strategy_spec(strategies_where(primary=True)[0])
-    sparse = timeline(build_work(masks, pl, primary, head_dim=geom.head_dim, profile=profile, transport="nccl",
-                                 local_first=local_first), profile, head_dim=geom.head_dim)
-    dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum())
-    return {"sparse_ms": round(sparse.latency_ms, 4),
-            "dense_ms": round(dense / (kf.dense_tflops * 1e9) + profile.launch_ms, 4)}
+    work = build_work(masks, pl, primary, head_dim=geom.head_dim, profile=profile, transport="nccl",
+                      local_first=local_first)
+    sparse = timeline(work, profile, head_dim=geom.head_dim).latency_ms
+    dense = float(pair_flops(masks, pl, geom.head_dim, dense=True).sum()) / (kf.dense_tflops * 1e9) + profile.launch_ms
+    out = {"sparse_ms": round(sparse, 4), "dense_ms": round(dense, 4)}
+    if schedule is not None:
+        reuse = timeline(work.reused(), profile, head_dim=geom.head_dim).latency_ms
+        out.update(mask_phase_ms=round(max(mask_phase_ms(work, profile)), 4), reuse_ms=round(reuse, 4),
+                   run=run_cost(schedule, plan_ms=sparse, reuse_ms=reuse, dense_ms=dense, calls=calls))
+    return out
 
 
 def simulate(cfg: SimulateConfig, progress=None) -> dict:
@@ -258,6 +151,8 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     if cfg.density_profile is not None:
         raise ValueError("a density profile's whole-model step is simulate.layers.simulate_model's")
     t0 = time.perf_counter()
+    geom = geometry(cfg.model, cfg.text)
+    table = read_table(cfg.thresholds, preset(cfg.model)) if cfg.thresholds is not None else None
     profile = get_profile(cfg.fabric)
     calibration = None
     if cfg.fit_profile:
@@ -265,21 +160,42 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
     cfg = replace(cfg, ranks=cfg.ranks or default_ranks(profile.gpus))
     if cfg.transport is not None:
         profile.transport(cfg.transport)  # unknown transport: ValueError before any work
-    geom = geometry(cfg.model, cfg.text)
     for G in cfg.ranks:
         if G > profile.gpus:
             raise ValueError(f"--ranks {G} exceeds the {profile.gpus} GPUs of profile {profile.name}")
         if G > geom.num_blocks:
             raise ValueError(f"--ranks {G} exceeds the {geom.num_blocks} blocks of {geom.name}")
+    cache = MaskCache(cfg.seed, table)
+    results, skipped, single = _sweep(cfg, cache, geom, profile, progress)
+    doc = {
+        "kind": "simulate", "model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
+        "head_dim": geom.head_dim, "dtype": cfg.dtype, "masks": f"synthetic (seed {cfg.seed})"
+        + (f", layer 0 of {table.path}" if table else ""), "thresholds": table.path if table else None,
+        "fabric": profile.name, "profile": profile.to_dict(), "ranks": list(cfg.ranks),
+        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "local_first": cfg.local_first, "one_gpu": single,
+        "schedule": cfg.schedule.to_dict(), "calls_per_step": cfg.calls_per_step, "results": results,
+        "skipped": skipped, "calibration": calibration,
+    }
+    if cfg.validate is not None:
+        paths = list(cfg.validate) or discover_attention()
+        cache = MaskCache(cfg.seed) if table else cache  # the rows ran without a table
+        doc["validation"], doc["validation_notes"] = validate(paths, cfg.fit_profile, cache, progress)
+        doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
+        doc["validation_summary"] = validation_summary(doc["validation"])
+    doc["seconds"] = round(time.perf_counter() - t0, 2)
+    return doc
+
+
+def _sweep(cfg: SimulateConfig, cache: MaskCache, geom: VideoGeometry, profile: Profile, progress) -> tuple:
+    """Every (cdf, G, strategy) row of the one-call sweep with its steps and run (``step_fields``),
+    the strategies skipped and why, and the one-GPU call per cdf."""
     strategies = cfg.strategies or strategy_names()
-    cache = MaskCache(cfg.seed)
-    dtype_bytes = DTYPE_BYTES[cfg.dtype]
-    steps = len(cfg.cdf) * len(cfg.ranks) * len(strategies)
-    task = progress.add_task("simulate", total=steps) if progress else None
+    dtype_bytes, schedule, calls = DTYPE_BYTES[cfg.dtype], cfg.schedule, cfg.calls_per_step
+    task = progress.add_task("simulate", total=len(cfg.cdf) * len(cfg.ranks) * len(strategies)) if progress else None
     results, skipped, single = [], [], {}
     for cdf in cfg.cdf:
         masks = cache.get(geom, cdf)
-        single[str(cdf)] = one_gpu(masks, geom, profile, cfg.local_first)
+        single[str(cdf)] = one_gpu(masks, geom, profile, cfg.local_first, schedule, calls)
         for G in cfg.ranks:
             for s in strategies:
                 if strategy_spec(s).heads_divisible and geom.heads % G:
@@ -292,7 +208,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                 else:
                     row = simulate_one(masks, geom, s, G, profile, placement=cfg.placement,
                                        transport=cfg.transport, prefetch=cfg.prefetch, dtype_bytes=dtype_bytes,
-                                       local_first=cfg.local_first)
+                                       local_first=cfg.local_first, schedule=schedule, calls=calls)
                     row["cdf"] = cdf
                     row["density"] = round(float(masks.float().mean()), 4)
                     results.append(row)
@@ -304,21 +220,7 @@ def simulate(cfg: SimulateConfig, progress=None) -> dict:
                      and x["cdf"] == row["cdf"]), None)
         row["speedup_vs_ring"] = round(ring["predicted_ms"] / row["predicted_ms"], 4) if ring else None
         row["speedup_vs_one_gpu"] = round(single[str(row["cdf"])]["sparse_ms"] / row["predicted_ms"], 4)
-    doc = {
-        "kind": "simulate", "model": geom.name, "tokens": geom.num_tokens, "heads": geom.heads,
-        "head_dim": geom.head_dim, "dtype": cfg.dtype, "masks": f"synthetic (seed {cfg.seed})",
-        "fabric": profile.name, "profile": profile.to_dict(), "ranks": list(cfg.ranks),
-        "cdf": list(cfg.cdf), "prefetch": cfg.prefetch, "local_first": cfg.local_first, "one_gpu": single,
-        "results": results,
-        "skipped": skipped, "calibration": calibration,
-    }
-    if cfg.validate is not None:
-        paths = list(cfg.validate) or discover_attention()
-        doc["validation"], doc["validation_notes"] = validate(paths, cfg.fit_profile, cache, progress)
-        doc["validation_sources"] = {str(p): _commit(Path(p)) for p in paths}
-        doc["validation_summary"] = validation_summary(doc["validation"])
-    doc["seconds"] = round(time.perf_counter() - t0, 2)
-    return doc
+    return results, skipped, single
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -460,67 +362,3 @@ def _predict_row(row: dict, profiles: dict, cache: MaskCache) -> dict:
                         placement=row.get("placement", "auto"), transport=row["transport"],
                         chunking=get_profile(f"h200x2-{row['fabric']}").widened(G),
                         local_first=row_local_first(row), head_order=row_head_order(row, geom.heads))
-
-
-# --- outputs -----------------------------------------------------------------------------------
-
-
-def write_outputs(doc: dict, out: Path, plots: bool = True) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "simulate.json"
-    path.write_text(json.dumps(doc, indent=1))
-    paths = [path]
-    if doc.get("calibration"):
-        prof = out / f"profile-{doc['fabric']}.json"
-        prof.write_text(json.dumps(doc["profile"], indent=1))
-        paths.append(prof)
-    return paths + (plot(doc, out) if plots else [])
-
-
-def plot(doc: dict, out: Path) -> list[Path]:
-    """Latency and speedup versus G per strategy (the paper's Figures 17–18, attention level)."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = doc["results"]
-    fabric = doc["fabric"] if len(str(doc["fabric"])) <= 40 else "…" + str(doc["fabric"])[-39:]
-    about = f"{doc['model']} on {fabric}, {doc['masks']} masks (simulated)"
-    styles = ["-", "--", ":", "-."]
-    paths = []
-    for what, ylabel, name, heading in (
-        ("predicted_ms", "predicted ms per attention call (slowest rank)", "latency_vs_ranks.png",
-         "Predicted attention latency versus the number of ranks"),
-        ("speedup_vs_ring", "speedup over the dense ring at the same G", "speedup_vs_ranks.png",
-         "Predicted speedup over the dense ring versus the number of ranks"),
-    ):
-        title = "\n".join(textwrap.wrap(heading, 66) + textwrap.wrap(about, 66))
-        fig, ax = plt.subplots(figsize=(7.5, 5))
-        for ci, cdf in enumerate(doc["cdf"]):
-            for s in dict.fromkeys(r["strategy"] for r in rows):
-                pts = [(r["ranks"], r[what]) for r in rows if r["strategy"] == s and r["cdf"] == cdf
-                       and r[what] is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", linestyle=styles[ci % len(styles)],
-                            label=s if len(doc["cdf"]) == 1 else f"{s}, cdf {cdf}")
-            if what == "predicted_ms":
-                one = doc["one_gpu"][str(cdf)]["sparse_ms"]
-                ax.axhline(one, color="grey", lw=0.8, linestyle=styles[ci % len(styles)])
-                ax.annotate(f"1 GPU, {strategies_where(primary=True)[0]} (cdf {cdf})", (min(doc["ranks"]), one), fontsize=7,
-                            color="grey", va="bottom")
-        if what == "speedup_vs_ring":
-            ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(xlabel="ranks G", ylabel=ylabel, title=title, xscale="log", xticks=doc["ranks"])
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        if what == "predicted_ms":
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        paths.append(out / name)
-    return paths

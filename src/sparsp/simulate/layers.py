@@ -2,7 +2,8 @@
 
 Each layer has its own masks, from the generator calibrated to the profile's densities of that
 layer's heads (``analysis.load_masks``: the masks ``sparsp analyze --density-profile`` reads,
-fitted now or read from ``--calibration``). Every layer's attention call is predicted per
+fitted now or read from ``--calibration``; with ``--thresholds``, at each layer's own
+thresholds). Every layer's attention call is predicted per
 strategy, G and fabric profile as ``sparsp simulate`` predicts one call (``job.row_of``); the
 model's step is the sum over its layers. ``auto`` picks per layer with the runtime's own rule
 (``strategies.auto.decide`` over ``strategies.auto.candidates``, on the strategy ``sparsp``'s
@@ -38,7 +39,8 @@ from ..placement import make_placement
 from ..strategies.auto import AUTO, PLANNED, candidates, decide
 from ..strategies.registry import strategies_where, strategy_names, strategy_spec
 from .calibrate import calibrate
-from .job import default_ranks, modelled, placement_for, row_of
+from .job import row_of
+from .options import default_ranks, modelled, placement_for
 
 SUMMED = ("predicted_ms", "compute_ms", "fixed_ms", "transfer_ms", "exposed_ms", "bytes_total")
 """Row fields the model's row sums over the layers."""
@@ -68,7 +70,7 @@ def simulate_model(cfg, progress=None) -> dict:
     cfg = replace(cfg, ranks=cfg.ranks or default_ranks(max(p.gpus for p in profiles)))
     acfg = AnalyzeConfig(model=cfg.model, ranks=max(cfg.ranks), cdf=cfg.cdf, layers=cfg.layers, seed=cfg.seed,
                          density_profile=Path(cfg.density_profile), step=cfg.step, calibration=cfg.calibration,
-                         out=cfg.out)
+                         out=cfg.out, thresholds=cfg.thresholds)
     geom = preset(cfg.model)
     several = len(profiles) > 1
     for G in cfg.ranks:  # before the masks: a calibration may take minutes

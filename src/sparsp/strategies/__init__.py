@@ -49,9 +49,17 @@ def close_transports() -> None:
         t.close()
 
 
-def comm_bytes(masks, placement, strategy: str, *, head_dim: int, dtype_bytes: int = 2) -> dict:
-    """Bytes each rank receives per call under ``strategy`` (its registered byte rule)."""
-    return strategy_spec(strategy).comm_bytes(masks, placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+def comm_bytes(masks, placement, strategy: str, *, head_dim: int, dtype_bytes: int = 2, mesh=None) -> dict:
+    """Bytes each rank receives per call under ``strategy`` (its registered byte rule).
+    ``mesh``: a ``sparsp.cost.mesh.Mesh`` whose ``sp`` ranks ``placement`` places: one call on
+    one half of it, the strategy's bytes on each Ulysses rank's heads (``"sp"``) and the
+    all-to-alls' (``"ulysses"``) apart (``cost.mesh.mesh_comm_bytes``)."""
+    spec = strategy_spec(strategy)
+    if mesh is None:
+        return spec.comm_bytes(masks, placement, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    from ..cost.mesh import mesh_comm_bytes
+
+    return mesh_comm_bytes(masks, placement, spec.byte_rule, mesh, head_dim=head_dim, dtype_bytes=dtype_bytes)
 
 
 def sp_attention(

@@ -425,10 +425,15 @@ def synthetic_masks(
     mix: HeadMix | None = None,
     on_layer: Callable[[int], None] | None = None,
     heads: Sequence[HeadParams] | None = None,
+    thresholds=None,
 ) -> dict[float, torch.Tensor]:
     """Synthetic block masks {cdf: bool [layers, H, nB, nB]} (original block order), similarity
     off. ``on_layer(i)`` is called after each layer (progress bars). ``heads[i]`` sets layer
-    i's kinds and alignments (a calibration); it must cover every layer asked for."""
+    i's kinds and alignments (a calibration); it must cover every layer asked for.
+    ``thresholds``: a ``sparsp.thresholds.ThresholdTable`` whose layer i's values replace the
+    scalar cdf (and turn similarity on where it sets ``sim``: every synthetic block is fully
+    similar, so only a threshold of 1 marks blocks dissimilar) in layer i's masks; the keys
+    stay the scalars, which the layers the table leaves out use."""
     mix = mix or DEFAULT_MIX
     cdfs = [float(x) for x in ([cdf_thresholds] if isinstance(cdf_thresholds, (int, float)) else cdf_thresholds)]
     if not cdfs or any(not 0.0 <= x <= 1.0 for x in cdfs):
@@ -444,8 +449,9 @@ def synthetic_masks(
         given = None if heads is None else heads[layer]
         pq, pk = _pooled(geom, _draw_heads(geom, mix, seed, layer, given), trig, mix, _generator(seed, layer, 2))
         # select_blocks sorts once per call; one call per threshold keeps its logic in one place.
+        cdf, sim = (None, None) if thresholds is None else thresholds.at(layer)
         for x in cdfs:
-            out[x][layer] = select_blocks(pq, pk, cdf_threshold=x)[0]
+            out[x][layer] = select_blocks(pq, pk, cdf_threshold=x if cdf is None else cdf, sim_threshold=sim)[0]
         if on_layer is not None:
             on_layer(layer)
     return out
