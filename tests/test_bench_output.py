@@ -47,7 +47,7 @@ def test_per_layer_plot_gives_each_series_a_look_of_its_own(tmp_path, monkeypatc
     two lines of a panel look alike."""
     from matplotlib.figure import Figure
 
-    from sparsp import analysis
+    from sparsp import analysis_plots as analysis
 
     saved = []
     real = Figure.savefig
