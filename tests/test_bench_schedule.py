@@ -1,6 +1,7 @@
 """The schedule in the benchmarks: ``bench e2e``'s schedule rows (``--schedule``, ``total_ms``,
 ``composed_ms``, the timed steps counted from 0 after the warm-up, synthetic q/k that move
-from step to step), and its ``--thresholds`` refused for another model before anything starts."""
+from step to step), ``bench attention``'s reuse rows (their plan figures), and both verbs'
+``--thresholds`` refused for another model before anything starts."""
 
 from __future__ import annotations
 
@@ -140,3 +141,43 @@ def test_e2e_thresholds_of_another_model_refused(tmp_path, capsys):
                    "wan2.1-14b --tiny (2 self-attention layers) has 2 layers x 2 heads\n")
     write_thresholds(path, layers=2, heads=2, cdf=[0.9])
     settle_arguments(p.parse_args(["--tiny", "--device", "cpu", "--thresholds", str(path)]))
+
+
+def test_attention_thresholds_of_another_model_refused_before_anything(tmp_path, capsys):
+    from sparsp.cli import main
+    from sparsp.thresholds import write_thresholds
+
+    path = tmp_path / "t.json"
+    write_thresholds(path, layers=2, heads=2, cdf=[0.9])
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "attention", "--model", "ltx-video", "--thresholds", str(path), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"sparsp bench attention: error: --thresholds {path}: the table is for 2 "
+                                         "layers x 2 heads; ltx-video (28 self-attention layers) has 28 layers x 32 "
+                                         "heads\n")
+
+
+def _row(strategy, call, median, mask, transport="nccl", **kw):
+    from sparsp.bench.attention_rows import AttentionRow
+
+    return AttentionRow(model="m", tokens=1, heads=1, head_dim=1, ranks=1, fabric="nvlink", cdf=0.9,
+                        strategy=strategy, call=call, transport=transport, placement="periodic", kernel="fa4",
+                        median_ms=median, timing="interleaved", density=0.5, mask_ms=mask, link_gbps=1.0,
+                        dense_tflops=1.0, dense_kernel="fa4", compute_bound_ms=1.0, bound_ms=1.0, **kw)
+
+
+def test_attention_reuse_rows_carry_their_plan_figures():
+    """A reuse row's ``reuse_ratio`` is its median over its plan row's (same strategy,
+    transport, placement, cdf) median less that row's mask phase; the one-GPU rows have none of
+    a call's fields, the reuse rows all of them."""
+    from sparsp.bench.attention_rows import with_reuse_figures
+
+    rows = with_reuse_figures([_row("sparsp", "plan", 6.0, 2.0), _row("sparsp", "plan", 9.0, 3.0, transport="ipc"),
+                               _row("sparsp (reuse)", "reuse", 4.2, 0.0), _row("sparsp (reuse)", "reuse", 6.0, 0.0,
+                                                                               transport="ipc"),
+                               _row("1gpu-sparse", None, 5.0, 0.0)])
+    plan, _, reuse, reuse_ipc, one = rows
+    assert (reuse.plan_median_ms, reuse.plan_mask_ms, reuse.reuse_ratio) == (6.0, 2.0, pytest.approx(4.2 / 4.0))
+    assert reuse_ipc.reuse_ratio == pytest.approx(1.0) and plan.reuse_ratio is None
+    assert {"call", "reuse_ratio", "plan_mask_ms"} <= set(reuse.as_json())
+    assert not {"call", "reuse_ratio"} & set(one.as_json())

@@ -28,7 +28,8 @@ CPU_FABRIC = "gloo"
 """The ``fabric`` of a CPU run (``bench e2e --device cpu``): gloo between processes, no GPU path."""
 
 ATTENTION_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--model", "transport": "the rows",
-                      "kernel": "--kernel", "timeout_s": "the benchmark (300 s)"}
+                      "kernel": "--kernel", "timeout_s": "the benchmark (300 s)", "thresholds": "--thresholds",
+                      "dense_steps": "the reuse rows", "replan_every": "the reuse rows"}
 """``SparspConfig`` fields ``bench attention`` sets itself (``--config`` may not)."""
 LAYER_PICKS = ("densest", "median", "sparsest")
 """``bench attention --layer`` names: a profile's layer by its mean density over heads (at
@@ -296,6 +297,11 @@ def add_attention(p) -> None:
     p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
     add_config_argument(p, reserved=ATTENTION_RESERVED)
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="skip the reuse rows: each strategy row is a plan call (its mask phase included); its "
+                        "\"STRATEGY (reuse)\" row times a call that reuses that plan (SparspConfig.replan_every: no "
+                        "mask phase), with reuse_ratio = reuse / (plan - plan mask phase)")
+    add_thresholds_argument(p, "the rows' calls (layer 0, or each --layer of a profile)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
                         "transport-all-*.json on this fabric)")
