@@ -17,7 +17,11 @@ single-process sparse attention: the same masks as one rank would compute (or as
 
 ``--compare-dense`` then runs the unparallelized dense model (``sparsp.unparallelize``) from
 the same seed and prompt on rank 0, after the other ranks have finished, and prints PSNR and
-SSIM of the sparse video against it (``psnr`` and ``ssim`` below).
+SSIM of the sparse video against it (``psnr`` and ``ssim`` below). ``--dense-steps N
+--replan-every K`` run the denoising schedule (``SparspConfig``: the first N steps dense, the
+masks searched every K steps and reused in between) and ``--thresholds FILE`` a table of
+thresholds per layer and head; with ``--compare-dense`` (and ``--emulate-ranks G`` in one
+process, which follows the same schedule) the figures measure that schedule's quality.
 
 ``--tiny`` replaces the checkpoint by a tiny random pipeline built in code (``_tiny.py``) to
 try a recipe anywhere. Step times are printed per step; on a GPU the first one includes the
@@ -131,12 +135,22 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
     g.add_argument("--kernel", default="auto",
                    help="block-sparse attention kernel: auto (default: sparsp picks for the device), torch "
                         "(reference, any device), flex (FlexAttention, GPU), fa4 (FlashAttention-4, GPU)")
+    g.add_argument("--dense-steps", type=int, default=0, metavar="N",
+                   help="the schedule: the first N denoising steps run exact dense attention (default 0; "
+                        "docs/configuration.md, \"Schedules\")")
+    g.add_argument("--replan-every", type=int, default=1, metavar="K",
+                   help="the schedule: after the dense steps, the block masks are searched every K steps and "
+                        "reused in between (default 1: every step)")
+    g.add_argument("--thresholds", default=None, metavar="FILE",
+                   help="a JSON table of CDF thresholds per layer and head (docs/configuration.md, \"Thresholds "
+                        "per layer and head\"); layers it leaves out take --cdf")
     g.add_argument("--emulate-ranks", type=int, default=None, metavar="G",
                    help="without torchrun only: compute the masks G ranks would compute, in one process")
     g.add_argument("--compare-dense", action="store_true",
                    help="also run the unparallelized dense model (same seed, same prompt) on rank 0 and print "
                         "PSNR (dB, peak 1) and SSIM (11x11 Gaussian window, sigma 1.5, per colour channel, "
-                        "averaged) of the video against it")
+                        "averaged) of the video against it; with --dense-steps/--replan-every (and "
+                        "--emulate-ranks G in one process) it measures that schedule's quality")
     r = p.add_argument_group("runtime")
     r.add_argument("--device", default=None,
                    help="cuda or cpu (default: cuda if available, else cpu); under torchrun each rank uses "
@@ -176,6 +190,7 @@ def check_args(args, recipe: Recipe) -> None:
         raise RecipeError(f"--emulate-ranks must be >= 1, got {args.emulate_ranks}")
     if args.device not in (None, "cpu", "cuda"):
         raise RecipeError(f"--device must be cuda or cpu, got {args.device}")
+    args.config = sparsp_config(args)
     _check_before_loading(args)
     if args.tiny:
         return
@@ -192,6 +207,24 @@ def check_args(args, recipe: Recipe) -> None:
     if found != recipe.pipeline:
         raise RecipeError(f"--pretrained {args.pretrained} holds a {found}, not a {recipe.pipeline}: "
                           f"use the recipe of that model family")
+
+
+def sparsp_config(args):
+    """The ``SparspConfig`` of the options (its own one-line checks: a bad threshold, schedule
+    or thresholds file), made before anything loads."""
+    from sparsp import SparspConfig
+
+    flags = {"cdf_threshold": "--cdf", "dense_steps": "--dense-steps", "replan_every": "--replan-every",
+             "thresholds": "--thresholds"}
+    try:
+        return SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, kernel=args.kernel,
+                            dense_steps=args.dense_steps, replan_every=args.replan_every, thresholds=args.thresholds)
+    except ValueError as e:
+        message = str(e)
+        for field, flag in flags.items():  # the option's name, as the user wrote it
+            if message.startswith(f"{field} "):
+                message = flag + message[len(field):]
+        raise RecipeError(message) from None
 
 
 def _check_before_loading(args) -> None:
@@ -380,6 +413,16 @@ def generate(args, recipe: Recipe, pipe, *, decode: bool, label: str, show: bool
     return frames, audio, times
 
 
+def describe_schedule(config) -> str:
+    """The schedule and thresholds file of ``config`` for the run's summary line ('' for none)."""
+    out = ""
+    if config.scheduled:
+        out += f", schedule dense={config.dense_steps},replan={config.replan_every}"
+    if config.thresholds is not None:
+        out += f", thresholds {config.thresholds}"
+    return out
+
+
 def describe_times(times: list[float]) -> str:
     ms = [1000 * t for t in times]
     if not ms:
@@ -537,10 +580,7 @@ def _run(args, recipe: Recipe) -> int:
         pipe = load_pipeline(args, recipe, device, dtype)
         ranks = world if world > 1 else (args.emulate_ranks or 1)
         tokens = check_size(args, recipe, pipe, ranks)
-        try:
-            config = sparsp.SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, kernel=args.kernel)
-        except ValueError as e:
-            raise RecipeError(str(e)) from None
+        config = args.config
         models = [getattr(pipe, n) for n in recipe.transformers if getattr(pipe, n, None) is not None]
         try:
             for model in models:
@@ -551,7 +591,7 @@ def _run(args, recipe: Recipe) -> int:
         mode = f"{world} ranks" if world > 1 else (f"1 process as {ranks} ranks" if ranks > 1 else "1 process")
         _say(rank, f"{recipe.name}: {args.frames}x{args.height}x{args.width}, {tokens} video tokens per call, "
                    f"{mode} on {device.type} ({str(dtype).removeprefix('torch.')}), strategy {args.strategy}, "
-                   f"cdf {args.cdf:g}, block {args.block_size}")
+                   f"cdf {args.cdf:g}, block {args.block_size}{describe_schedule(config)}")
         frames, audio, times = generate(args, recipe, pipe, decode=rank == 0, label=f"{args.strategy} cdf {args.cdf:g}",
                                         show=rank == 0)
         _say(rank, f"sparsp: {describe_times(times)}")

@@ -28,7 +28,7 @@ def test_e2e_table_prints_every_name_whole_in_a_pipe():
     """In a pipe (rich assumes 80 columns) the benchmarks' console is 100 wide: the e2e table
     shows every strategy's name and every header whole (it printed ``diffusers-…``)."""
     from sparsp.bench.common import wide_console
-    from sparsp.bench.e2e import result_table
+    from sparsp.bench.e2e_rows import result_table
 
     names = ["1gpu-dense", "1gpu-sparse", "diffusers-ring", "diffusers-ulysses", "ring-sparse", "sparsp"]
     rows = [{"strategy": n, "ranks": 2, "transport": "nccl", "density": 0.8123, "step_ms": 12345.678,

@@ -124,9 +124,10 @@ def _run(script: str, argv: list[str]) -> int:
 
 def test_one_process_tiny_with_emulated_ranks(tmp_path, capsys):
     video = tmp_path / "tiny.mp4"
-    assert _run("ltx_video.py", ["--tiny", "--device", "cpu", "--steps", "2", "--emulate-ranks", "2",
-                                 "--out", str(video)]) == 0
-    assert "1 process as 2 ranks" in capsys.readouterr().out
+    assert _run("ltx_video.py", ["--tiny", "--device", "cpu", "--steps", "3", "--emulate-ranks", "2",
+                                 "--dense-steps", "1", "--replan-every", "2", "--out", str(video)]) == 0
+    out = capsys.readouterr().out
+    assert "1 process as 2 ranks" in out and "schedule dense=1,replan=2" in out
     height, width, frames = SIZES["ltx-video"]
     assert _read_mp4(video)[:3] == (frames, height, width)
 
@@ -138,13 +139,23 @@ def test_help_explains_every_option(script, capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for option in ("--pretrained", "--prompt", "--height", "--width", "--frames", "--steps", "--seed", "--out",
-                   "--strategy", "--cdf", "--compare-dense", "--device", "--dtype", "--tiny"):
+                   "--strategy", "--cdf", "--compare-dense", "--device", "--dtype", "--tiny", "--dense-steps",
+                   "--replan-every", "--thresholds"):
         assert option in text, option
 
 
 def test_bad_input_is_one_line(pretrained, tmp_path, capsys):
+    from sparsp.thresholds import write_thresholds
+
     wan = str(pretrained("wan"))
+    other = tmp_path / "other.json"
+    write_thresholds(other, layers=40, heads=40, cdf=[0.9])
     cases = [
+        (["--pretrained", wan, "--dense-steps", "-1"], "--dense-steps must be an int >= 0, got -1"),
+        (["--pretrained", wan, "--replan-every", "0"], r"--replan-every must be an int >= 1 \(1 = plan every step\)"),
+        (["--pretrained", wan, "--thresholds", str(tmp_path / "none.json")], "--thresholds .*none.json"),
+        (["--pretrained", wan, "--thresholds", str(other), "--height", "48", "--width", "64", "--frames", "9",
+          "--block-size", "8"], "--thresholds .*other.json: the table is for 40 layers x 40 heads"),
         (["--pretrained", str(tmp_path / "missing")], "wan.py: error: --pretrained .*missing: no such directory"),
         (["--pretrained", str(tmp_path)], "no model_index.json"),
         (["--pretrained", wan], "holds a WanPipeline, not a LTXPipeline", "ltx_video.py"),

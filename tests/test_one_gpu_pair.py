@@ -6,7 +6,8 @@ device.
 The drain is cut into 5 head groups, more than the transport's window of 3 slots, so the
 round's late steps go on the side stream after the chunk kernels (strategies/sparsp.py);
 with ``local_first`` off and on (the local kernel queued after the first steps, or before the
-host read).
+host read). A denoising schedule (dense, plan and reuse steps) runs over both copy-engine
+transports (``ipc`` and ``host``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import random_slice_case, run_distributed
+from dist_utils import random_slice_case, run_distributed, structured_inputs
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -145,3 +146,54 @@ def test_evicted_graphs_and_buffers_leave_later_calls_intact():
     (differ, graphs), = run_distributed(_eviction_worker, 1, timeout=300)
     assert not differ, f"(round, S, call) whose outputs differ from the eager stage's: {differ}"
     assert 1 <= graphs <= 2
+
+
+def _schedule_worker(rank, world, lens, transport):
+    """A 5-step schedule (dense, plan, reuse, plan, reuse) over ``transport`` on bf16 inputs
+    that move a little from step to step; each step against the single-process reference of
+    the same step kind (fp32, the bf16-rounded inputs), and the reuse steps' bytes."""
+    from dataclasses import replace
+
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.integrations.reference import reference_sp_attention
+    from sparsp.strategies import close_transports, get_transport
+
+    torch.cuda.set_device(0)
+    H, D, bs = 4, 64, 128
+    a = sum(lens[:rank])
+    cfg = SparspConfig(cdf_threshold=0.8, block_size=bs, transport=transport, kernel="torch", dense_steps=1,
+                       replan_every=2)
+    base = structured_inputs(21, 1, sum(lens), H, D)
+    g = torch.Generator().manual_seed(22)
+    drift = [torch.randn(x.shape, generator=g) for x in base]
+    errors, moved, mask = [], [], None
+    t = get_transport(transport, None, torch.device("cuda", 0), cfg.timeout_s)
+    try:
+        for step in range(5):
+            q, k, v = ((x + 0.05 * step * d).cuda().bfloat16().float() for x, d in zip(base, drift))
+            t.reset_counters()
+            out = sp_attention(*(x[:, a:a + lens[rank]].bfloat16().contiguous() for x in (q, k, v)),
+                               strategy="sparsp", config=cfg, layer=0, step=step)
+            t.fence()
+            moved.append(t.total_received)
+            kind = cfg.step_kind(step)
+            if kind == "dense":
+                want = reference_sp_attention(q, k, v, lens=lens, config=replace(cfg, cdf_threshold=1.0))
+            elif kind == "plan":
+                want, mask = reference_sp_attention(q, k, v, lens=lens, config=cfg, return_mask=True)
+            else:
+                want = reference_sp_attention(q, k, v, lens=lens, config=cfg, mask=mask)
+            errors.append((out.float() - want[:, a:a + lens[rank]]).abs().max().item())
+    finally:
+        close_transports()
+    return errors, moved
+
+
+@pytest.mark.parametrize("transport", ["ipc", "host"])
+def test_schedule_on_one_shared_gpu(transport):
+    """A schedule's dense, plan and reuse steps over a copy-engine transport: each equals the
+    reference of its kind; a reuse step moves its plan step's bytes."""
+    for rank, (errors, moved) in enumerate(run_distributed(_schedule_worker, 2, [640, 600], transport,
+                                                           timeout=300)):
+        assert max(errors) <= 3e-2, f"rank {rank} {transport}: errors per step {errors}"
+        assert moved[2] == moved[1] and moved[4] == moved[3], f"rank {rank} {transport}: bytes per step {moved}"

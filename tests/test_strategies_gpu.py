@@ -200,3 +200,39 @@ def test_local_first_equals_in_order():
     stream (SparspConfig.local_first) give the same bits as the in-order call, on every
     transport, with the caller overwriting its inputs right after each call."""
     _spawn(_local_first_worker, 2, "auto")
+
+
+def _thresholds_worker(rank, world, path, kernel):
+    import dataclasses
+
+    from sparsp import SparspConfig, sp_attention
+    from sparsp.strategies import captured
+
+    H, D, S = 8, 128, 3000 - 100 * rank
+    graphs = SparspConfig(thresholds=path, transport="nccl", kernel=kernel)
+    eager = dataclasses.replace(graphs, cuda_graphs=False)
+    swapped = {}
+    for step in range(3):  # eager, capture + replay, replay; the two layers alternate on one geometry
+        for layer in (0, 1):
+            q, k, v = _drifting_inputs(rank, step, S, H, D)
+            got = sp_attention(q, k, v, strategy="sparsp", config=graphs, layer=layer)
+            want = sp_attention(q, k, v, strategy="sparsp", config=eager, layer=layer)
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= 1e-2, f"layer {layer} call {step}: graph vs eager {err}"
+            other = sp_attention(q, k, v, strategy="sparsp", config=eager, layer=1 - layer)
+            swapped[(step, layer)] = (got.float() - other.float()).abs().max().item()
+    assert captured.captured() == 1, f"captured stages: {captured.captured()}"  # one geometry, one stage
+    assert min(swapped.values()) > 0.05, f"the two layers' tables give the same output: {swapped}"
+
+
+def test_layers_with_their_own_thresholds_replay_one_stage(tmp_path):
+    """Two layers of one geometry with different per-head CDF thresholds: the captured plan
+    stage takes them as its input, so both replay one graph, each equal to the eager stage
+    with its own table (and not with the other layer's)."""
+    from sparsp.thresholds import write_thresholds
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path = tmp_path / "t.json"
+    write_thresholds(path, layers=2, heads=8, cdf=[[0.5, 0.6, 0.5, 0.7, 0.5, 0.6, 0.5, 0.6], 0.99])
+    _spawn(_thresholds_worker, min(2, torch.cuda.device_count()), str(path), "auto")

@@ -28,7 +28,8 @@ CPU_FABRIC = "gloo"
 """The ``fabric`` of a CPU run (``bench e2e --device cpu``): gloo between processes, no GPU path."""
 
 ATTENTION_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--model", "transport": "the rows",
-                      "kernel": "--kernel", "timeout_s": "the benchmark (300 s)"}
+                      "kernel": "--kernel", "timeout_s": "the benchmark (300 s)", "thresholds": "--thresholds",
+                      "dense_steps": "the reuse rows", "replan_every": "the reuse rows"}
 """``SparspConfig`` fields ``bench attention`` sets itself (``--config`` may not)."""
 LAYER_PICKS = ("densest", "median", "sparsest")
 """``bench attention --layer`` names: a profile's layer by its mean density over heads (at
@@ -41,7 +42,8 @@ ONE_GPU_ROWS = ("1gpu-dense", "1gpu-sparse")
 """The one-GPU rows of ``bench attention`` and ``bench e2e`` (rank 0, the whole sequence): the
 fastest dense kernel (what a user without sparsp runs), and the primary strategy on one GPU."""
 E2E_RESERVED = {"cdf_threshold": "--cdf", "block_size": "--block-size", "transport": "--transport",
-                "kernel": "--kernel"}
+                "kernel": "--kernel", "dense_steps": "--dense-steps", "replan_every": "--replan-every",
+                "thresholds": "--thresholds"}
 """``SparspConfig`` fields ``bench e2e`` sets from its own flags (``--config`` may not)."""
 E2E_BLOCK_SIZE = 128
 """``bench e2e --block-size`` of a full-size model."""
@@ -150,6 +152,58 @@ def layer_arg(text: str) -> int | str:
     return value
 
 
+def schedule_arg(text: str) -> tuple[int, int]:
+    """One ``bench e2e --schedule`` value, ``dense=N,replan=K`` (either part may be left out:
+    0 dense steps, replan every step): ``(dense_steps, replan_every)``."""
+    parts = dict(dense=0, replan=1)
+    for item in text.split(","):
+        key, eq, value = item.strip().partition("=")
+        try:
+            number = int(value) if eq and key in parts else -1
+        except ValueError:
+            number = -1
+        if number < (0 if key == "dense" else 1):
+            raise argparse.ArgumentTypeError(f"expected dense=N,replan=K (N >= 0 dense steps, a plan every K >= 1 "
+                                             f"steps), got {text!r}")
+        parts[key] = number
+    return parts["dense"], parts["replan"]
+
+
+def schedule_label(schedule: tuple[int, int]) -> str:
+    """``(dense_steps, replan_every)`` as ``--schedule`` writes it."""
+    return f"dense={schedule[0]},replan={schedule[1]}"
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def add_thresholds_argument(p, rows: str) -> None:
+    """``--thresholds FILE``: a per-(layer, head) thresholds table for ``rows``, checked against
+    the model before any process group starts (``check_thresholds``)."""
+    p.add_argument("--thresholds", type=Path, default=None, metavar="FILE",
+                   help=f"a JSON table of CDF (and similarity) thresholds per layer and head for {rows} "
+                        "(docs/configuration.md, \"Thresholds per layer and head\"); layers it leaves out take --cdf. "
+                        "A table of another model is refused")
+
+
+def check_thresholds(verb: str, path, *, layers: int, heads: int, what: str) -> None:
+    """Refuse (``refuse``: one line naming the file) a thresholds table that cannot be read or is
+    not for ``layers`` self-attention layers of ``heads`` heads."""
+    from ..thresholds import read_thresholds
+
+    try:
+        read_thresholds(path).check(layers=layers, heads=heads, what=what)
+    except ValueError as e:
+        refuse(verb, str(e))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -243,6 +297,11 @@ def add_attention(p) -> None:
     p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
     add_config_argument(p, reserved=ATTENTION_RESERVED)
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="skip the reuse rows: each strategy row is a plan call (its mask phase included); its "
+                        "\"STRATEGY (reuse)\" row times a call that reuses that plan (SparspConfig.replan_every: no "
+                        "mask phase), with reuse_ratio = reuse / (plan - plan mask phase)")
+    add_thresholds_argument(p, "the rows' calls (layer 0, or each --layer of a profile)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth for the bound (default: best 256 MiB row of bench/results/"
                         "transport-all-*.json on this fabric)")
@@ -308,6 +367,16 @@ def add_e2e(p) -> None:
                         "sparsp strategy (default: the rows named above); an unknown name is refused "
                         "with the known ones")
     p.add_argument("--cdf", type=float, default=0.9, help="CDF threshold of the sparse rows")
+    p.add_argument("--dense-steps", type=non_negative_int, default=0, metavar="N",
+                   help="the sparse rows' schedule: the first N timed steps dense (SparspConfig.dense_steps)")
+    p.add_argument("--replan-every", type=positive_int, default=1, metavar="K",
+                   help="the sparse rows' schedule: a plan every K steps after the dense ones, reused in "
+                        "between (SparspConfig.replan_every; 1: every step plans)")
+    p.add_argument("--schedule", action="append", default=[], type=schedule_arg, metavar="dense=N,replan=K",
+                   help="one more row per sparse strategy under this schedule (repeatable), e.g. "
+                        "--schedule dense=10,replan=5 --schedule dense=0,replan=10; every row has "
+                        "schedule and total_ms (its timed steps' sum)")
+    add_thresholds_argument(p, "the sparse rows")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"sparsp block size in tokens (default: {E2E_BLOCK_SIZE}; --block-size "
                         f"{E2E_TINY_BLOCK_SIZE} with --tiny unless given, so the tiny model has blocks "

@@ -32,6 +32,17 @@ same kernel. Per row:
   machine's ``bench transport`` result or ``--link-gbps``), ``bound_ms`` = max(C, T),
   ``efficiency`` = bound / median.
 
+Plan and reuse calls: every strategy row (each ``call: "plan"``) has a ``STRATEGY (reuse)`` row
+(``call: "reuse"``, not for the ablation rows; ``--no-reuse`` skips them) timing calls that
+reuse the plan one call on the first input set solved, as a schedule's reuse steps do
+(``SparspConfig.replan_every``: no summaries, no metadata collective, no host read), split
+phase by phase like the others; it carries its plan row's ``plan_median_ms`` and
+``plan_mask_ms`` and ``reuse_ratio`` = median / (plan median − plan mask phase)
+(``attention_rows.with_reuse_figures``). On a group of one (``--nproc-per-node 1``) the
+strategy rows are the one-GPU plan and reuse calls. ``--thresholds FILE`` gives every call
+(layer 0, or the profile layer it runs) a per-head thresholds table, checked against the
+preset's layers and heads before anything starts.
+
 One-GPU rows over the whole sequence (rank 0, timed in the same rounds as the strategies):
 ``1gpu-dense`` (the fastest dense kernel: what a user without sparsp runs) and ``1gpu-sparse``
 (the strategies' kernel and mask on one GPU).
@@ -74,8 +85,9 @@ import torch
 import torch.distributed as dist
 
 from ..timing import call_ms
-from .args import ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, check_out, default_out, refuse
-from .attention_rows import SPLIT, AttentionRow, plot, table
+from .args import (ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, check_out, check_thresholds,
+                   default_out, refuse)
+from .attention_rows import SPLIT, AttentionRow, plot, table, with_reuse_figures
 from .common import (barrier, config_overrides, init_distributed, over_ranks, profile_name, shutdown, stage,
                      time_interleaved, time_ms, wide_console, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
@@ -112,12 +124,18 @@ class _Run:
     console: object
     dense: tuple[float, str] | None = None
 
+    def layer(self, workload: LayerWorkload | None) -> int:
+        """The ``layer`` of a row's calls: the profile layer it runs, else 0 (``--thresholds``:
+        the table's first layer)."""
+        return 0 if workload is None else workload.layer
+
     def row(self, cdf: float, workload: LayerWorkload | None, **fields) -> AttentionRow:
         """A row of this run at ``cdf``: its fields shared by every row, and ``fields``."""
         g, args = self.setup.geom, self.args
         return AttentionRow(model=g.name, tokens=g.num_tokens, heads=g.heads, head_dim=g.head_dim, fabric=args.fabric,
                             cdf=cdf, timing="sequential" if args.sequential else "interleaved",
                             link_gbps=self.setup.gbps, dense_tflops=self.dense[0], dense_kernel=self.dense[1],
+                            thresholds=None if args.thresholds is None else str(args.thresholds),
                             workload=workload, **fields)
 
 
@@ -160,6 +178,9 @@ def check(args) -> _Setup:
     geom = preset(args.model)
     if not args.text:
         geom = replace(geom, text_tokens=0)
+    if args.thresholds is not None:
+        check_thresholds("attention", args.thresholds, layers=geom.layers, heads=geom.heads,
+                         what=f"{geom.name} ({geom.layers} self-attention layers)")
     layers = None if args.density_profile is None else read_layers(args, geom)
     if layers is None and args.seed is None:
         args.seed = 0
@@ -185,10 +206,14 @@ def _start(args, setup: _Setup) -> _Run:
 
 
 def _rows_of(run: _Run, workload: LayerWorkload | None, cdf: float, inputs: dict) -> list[tuple]:
-    """(row without its times, its call) of every strategy row at ``cdf`` and of the one-GPU
-    rows (on ranks but 0: (None, a call that does nothing)), to be timed together."""
-    timed = [_strategy_row(run, workload, cdf, config, inputs)
-             for config in _configs(run.args, run.world, run.setup.geom.heads)]
+    """(row without its times, its call) of every strategy row at ``cdf``, of each one's reuse
+    row (a strategy row, not an ablation step, unless ``--no-reuse``) and of the one-GPU rows
+    (on ranks but 0: (None, a call that does nothing)), to be timed together."""
+    configs = _configs(run.args, run.world, run.setup.geom.heads)
+    timed = [_strategy_row(run, workload, cdf, config, inputs) for config in configs]
+    if not run.args.no_reuse:
+        timed += [_strategy_row(run, workload, cdf, config, inputs, reuse=True)
+                  for config in configs if config[3] is None]
     if not run.args.no_1gpu:  # timed with the rows above: the comparison the targets make
         with stage("the one-GPU rows"):  # rank 0's work, agreed on by every rank
             timed += _one_gpu_rows(run, cdf, workload)
@@ -203,7 +228,7 @@ def _time_rows(run: _Run, timed: list[tuple]) -> list[AttentionRow]:
         all_times = [time_ms(c, warmup=args.warmup, iters=args.iters, device=run.device) for c in calls]
     else:
         all_times = time_interleaved(calls, warmup=args.warmup, iters=args.iters, device=run.device)
-    rows = [row.timed(times) for (row, _), times in zip(timed, all_times) if row is not None]
+    rows = with_reuse_figures([row.timed(times) for (row, _), times in zip(timed, all_times) if row is not None])
     for row in rows if run.console else ():
         run.console.print(row.line())
     return rows
@@ -323,22 +348,31 @@ def ablation_config(ablation: str | None) -> dict:
 
 
 
-def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config: tuple, inputs: dict) -> tuple:
+def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config: tuple, inputs: dict,
+                  reuse: bool = False) -> tuple:
     """One strategy row before its timing: the calls that settle it (every input set's first
     call: eager plan stage, capture), then on the first set its bytes, time split, the
-    profiler's counts and the bound; (row, the timed call, which takes the next set each time)."""
+    profiler's counts and the bound; (row, the timed call, which takes the next set each time).
+    ``reuse``: the row of calls that reuse the plan one call on the first set solved
+    (``SparspConfig.replan_every``: a schedule's reuse step), named ``STRATEGY (reuse)``."""
     from .. import SparspConfig, sp_attention
     from ..strategies import get_transport
     from ..strategies.auto import AUTO
 
     args, device = run.args, run.device
     strategy, kind, transport, ablation = config
-    with stage(f"setting up {strategy} over {transport}"):
+    name = f"{strategy} (reuse)" if reuse else strategy
+    with stage(f"setting up {name} over {transport}"):
         _, sets = _inputs(run, kind, workload, inputs)
         cfg = SparspConfig(cdf_threshold=cdf, block_size=run.setup.geom.block_size, transport=transport,
-                           kernel=args.kernel, timeout_s=300.0, **(run.setup.overrides | ablation_config(ablation)))
+                           kernel=args.kernel, timeout_s=300.0, thresholds=args.thresholds,
+                           replan_every=2 if reuse else 1, **(run.setup.overrides | ablation_config(ablation)))
         t = get_transport(transport, None, device, cfg.timeout_s, local=cfg.local_transport)
-        attend = lambda q, k, v: sp_attention(q, k, v, strategy=strategy, config=cfg)  # noqa: E731
+        # a reuse row's calls are step 1 of its own branch: step 0 solved the plan they reuse
+        where = {"layer": run.layer(workload)} | ({"step": 1, "branch": f"bench {name} {transport}"} if reuse else {})
+        attend = lambda q, k, v: sp_attention(q, k, v, strategy=strategy, config=cfg, **where)  # noqa: E731
+        if reuse:
+            sp_attention(*sets[0], strategy=strategy, config=cfg, **(where | {"step": 0}))
         for other in sets[1:]:
             attend(*other)
         attend(*sets[0])
@@ -347,13 +381,14 @@ def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config:
         attend(*sets[0])  # the bytes and the split: the first set's
         t.fence()
     moved, most = (int(over_ranks([t.total_received], device, op)[0]) for op in ("sum", "max"))
-    split, density, flops, chosen = _split(*sets[0], strategy, cfg, t, device)
-    with stage(f"profiling {strategy} over {transport}"):
+    split, density, flops, chosen = _split(*sets[0], strategy, cfg, t, device, where)
+    with stage(f"profiling {name} over {transport}"):
         call = cycling(sets, attend)
-        syncs, colls = count_syncs_and_collectives(call, _trace_stem(run, cdf, workload, config, t.name))
+        syncs, colls = count_syncs_and_collectives(call, _trace_stem(run, cdf, workload, config, t.name, reuse))
     c_ms = over_ranks([flops], device)[0] / (run.dense[0] * 1e9)
     t_ms = most / (run.setup.gbps * 1e6)
-    row = run.row(cdf, workload, ranks=run.world, strategy=strategy, transport=t.name, placement=kind,
+    row = run.row(cdf, workload, ranks=run.world, strategy=name, call="reuse" if reuse else "plan",
+                  transport=t.name, placement=kind,
                   kernel=args.kernel, bytes_moved=moved, bytes_max_rank=most,
                   density=density, **{key: split.get(key, 0.0) for key in SPLIT},
                   pack_side_ms=split["pack_side_ms"], transfer_ms=split.get("transfer_ms", 0.0), host_syncs=syncs,
@@ -366,20 +401,21 @@ def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config:
     return row, call
 
 
-def _trace_stem(run: _Run, cdf: float, workload, config: tuple, transport: str) -> Path | None:
+def _trace_stem(run: _Run, cdf: float, workload, config: tuple, transport: str, reuse: bool = False) -> Path | None:
     """Where ``--torch-profile DIR`` puts a row's tables and trace on this rank (None: nowhere)."""
     if run.args.torch_profile is None:
         return None
     strategy, kind, _, ablation = config
     return run.args.torch_profile / (
-        f"{run.setup.geom.name}-{run.args.fabric}-{strategy}-{transport}-{kind}-cdf{cdf}"
+        f"{run.setup.geom.name}-{run.args.fabric}-{strategy}{'-reuse' if reuse else ''}-{transport}-{kind}-cdf{cdf}"
         + ("" if workload is None else f"-layer{workload.layer}")
         + (f"-{ablation.replace(' ', '').replace(',', '_')}" if ablation else "")
         + "".join(f"-{key}{value}" for key, value in run.setup.overrides.items()) + f"-r{run.rank}")
 
 
-def _split(q, k, v, strategy, cfg, transport, device):
-    """One timed call: the slowest rank's phase times, the mask density, this rank's FLOPs."""
+def _split(q, k, v, strategy, cfg, transport, device, where: dict):
+    """One timed call (``where``: its layer, and a reuse row's step and branch): the slowest
+    rank's phase times, the mask density, this rank's FLOPs."""
     from .. import sp_attention
     from ..plan import gather_metadata
     from ..strategies import auto, strategy_spec
@@ -388,7 +424,7 @@ def _split(q, k, v, strategy, cfg, transport, device):
     timer = PhaseTimer()
     barrier()
     with stage(f"{strategy}'s timed split"):
-        total = call_ms(lambda: sp_attention(q, k, v, strategy=strategy, config=cfg, _timer=timer), device)
+        total = call_ms(lambda: sp_attention(q, k, v, strategy=strategy, config=cfg, _timer=timer, **where), device)
         s = timer.summary()
         split = {f"{key}_ms": s.get(key, 0.0) for key in ("mask", "pack", "compute", "merge", "transfer")}
         # a pack on the side stream (Call.side) overlaps the local kernel: not on the compute
@@ -407,7 +443,7 @@ def _split(q, k, v, strategy, cfg, transport, device):
     meta = gather_metadata(q, k, v, None, cfg, strategy, sparse=sparse)
     with stage(f"{strategy}'s mask"):
         sh = meta.shapes
-        mask = meta.block_mask(cfg)[:, :, sh.blocks_of(sh.rank)] if sparse else None
+        mask = meta.block_mask(cfg.at_layer(where["layer"]))[:, :, sh.blocks_of(sh.rank)] if sparse else None
         kept, pairs = (1.0, 1.0) if mask is None else (float(mask.sum()), float(mask.numel()))
         flops = kept_flops(mask, sh)
     kept, pairs = over_ranks([kept, pairs], device, "sum")
@@ -432,14 +468,14 @@ def _one_gpu_rows(run: _Run, cdf: float, workload: LayerWorkload | None = None) 
     rate, name = dense_tflops(q, k, v, args.kernel)
     run.dense = run.dense or (rate, name)  # no strategy row ran (none applies to the geometry)
     cfg = SparspConfig(cdf_threshold=cdf, block_size=geom.block_size, transport="nccl", kernel=args.kernel,
-                       timeout_s=300.0)
+                       timeout_s=300.0, thresholds=args.thresholds)
     # the primary strategy on a group of one: the whole sequence, the strategies' kernel and
     # mask, no packing
-    primary = strategies_where(primary=True)[0]
-    sparse = lambda: sp_attention(q, k, v, group=run.one_gpu, strategy=primary, config=cfg)  # noqa: E731
+    primary, layer = strategies_where(primary=True)[0], run.layer(workload)
+    sparse = lambda: sp_attention(q, k, v, group=run.one_gpu, strategy=primary, config=cfg, layer=layer)  # noqa: E731
     sparse()
     meta = gather_metadata(q, k, v, run.one_gpu, cfg, primary, sparse=True)
-    whole = meta.block_mask(cfg)
+    whole = meta.block_mask(cfg.at_layer(layer))
     rows = []
     for strategy, kernel, c_ms, density in (("1gpu-dense", name, flops / (run.dense[0] * 1e9), 1.0),
                                             ("1gpu-sparse", args.kernel,

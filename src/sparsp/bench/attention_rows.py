@@ -6,6 +6,13 @@ drawn.
 (``sparsp simulate --validate`` and ``sparsp bench report`` read them); a one-GPU row has none
 of a strategy call's fields (``CALL_FIELDS``). Figures are stored as measured and rounded only
 where printed.
+
+A strategy row times a plan call (``call: "plan"``: its mask phase in ``mask_ms``); its reuse
+row, ``STRATEGY (reuse)`` (``call: "reuse"``), times calls that reuse that plan, with the plan
+row's ``plan_median_ms`` and ``plan_mask_ms`` and ``reuse_ratio`` = its median / (plan median −
+plan mask phase): a reuse call saves exactly the mask phase where the ratio is 1 (the
+schedule's target: ≤ 1.05, with its own ``mask_ms`` ≤ 0.05). Registered-strategy readers (the
+report, ``simulate --validate``) pass over reuse rows: their name is no registered strategy.
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ from .common import save_figure
 
 SPLIT = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms")
 """The phases of a call's time split, stacked in the plot (``exposed``: the compute stream waiting)."""
-CALL_FIELDS = ("cuda_graphs", "local_first_config", "local_first", "drain_chunks", "auto_choice", "config",
-               "head_order", "input_sets")
+CALL_FIELDS = ("call", "cuda_graphs", "local_first_config", "local_first", "drain_chunks", "auto_choice", "config",
+               "head_order", "input_sets", "plan_median_ms", "plan_mask_ms", "reuse_ratio")
 """Fields of a strategy's call that a one-GPU row's file does not have."""
 
 
@@ -75,6 +82,11 @@ class AttentionRow:
     config: dict | None = None
     head_order: str | None = None
     input_sets: int | None = None
+    thresholds: str | None = None  # --thresholds FILE
+    call: str | None = None  # "plan" or "reuse" (a strategy's call; None: a one-GPU row)
+    plan_median_ms: float | None = None  # a reuse row's: its plan row's median and mask phase
+    plan_mask_ms: float | None = None
+    reuse_ratio: float | None = None  # median / (plan_median_ms - plan_mask_ms)
     workload: object = field(default=None, compare=False)
 
     def timed(self, times: list[float]) -> AttentionRow:
@@ -98,7 +110,26 @@ class AttentionRow:
                 + f"{self.strategy:12s} {self.placement:10s} {self.transport:5s} cdf {self.cdf}: "
                 f"{self.median_ms:.2f} ms (bound {self.bound_ms:.2f}, eff {self.efficiency:.2f}); split "
                 + ", ".join(f"{key[:-3]} {getattr(self, key):.1f}" for key in SPLIT)
-                + f"; {self.host_syncs} syncs, {self.collectives} collectives")
+                + f"; {self.host_syncs} syncs, {self.collectives} collectives"
+                + ("" if self.reuse_ratio is None else f"; reuse / (plan - mask) {self.reuse_ratio:.3f}"))
+
+
+def with_reuse_figures(rows: list[AttentionRow]) -> list[AttentionRow]:
+    """``rows`` with each reuse row's plan figures: the median and mask phase of its strategy's
+    plan row (same strategy, transport, placement, cdf and layer) and ``reuse_ratio``."""
+    def where(r: AttentionRow, strategy: str) -> tuple:
+        return (strategy, r.transport, r.placement, r.cdf, None if r.workload is None else r.workload.layer)
+
+    plans = {where(r, r.strategy): r for r in rows if r.call == "plan" and r.ablation is None}
+    out = []
+    for r in rows:
+        plan = plans.get(where(r, r.strategy.removesuffix(" (reuse)"))) if r.call == "reuse" else None
+        if plan is not None:
+            rest = plan.median_ms - plan.mask_ms
+            r = dataclasses.replace(r, plan_median_ms=plan.median_ms, plan_mask_ms=plan.mask_ms,
+                                    reuse_ratio=r.median_ms / rest if rest > 0 else None)
+        out.append(r)
+    return out
 
 
 def table(rows: list[AttentionRow], title: str):

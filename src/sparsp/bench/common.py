@@ -130,21 +130,30 @@ def share(value, src: int = 0):
     return box[0]
 
 
-def time_ms(fn, *, warmup: int, iters: int, device: torch.device, what: str = "the timed calls") -> list[float]:
+def time_ms(fn, *, warmup: int, iters: int, device: torch.device, what: str = "the timed calls",
+            between=None) -> list[float]:
     """Per-iteration wall time in ms, the slowest rank's (CUDA events on GPU). The ranks agree
     after the warm-up and with every timed call (its failure flag rides on the time's
     all-reduce): a call that fails on one rank raises the same ``BenchFailed`` on every rank.
-    Called where the ranks have just agreed that none failed."""
+    ``between``: called before each timed call, untimed (``bench e2e``: the next step's
+    synthetic inputs); its failure counts as the call's. Called where the ranks have just
+    agreed that none failed."""
     if warmup:
         with stage(f"{what} (warm-up)"):
             for _ in range(warmup):
                 fn()
     times = []
     for _ in range(iters):
-        barrier()
         ms, error = 0.0, None
         try:
-            ms = call_ms(fn, device)
+            if between is not None:
+                between()
+        except Exception as e:  # reported with the call's flag below
+            error = failure_text(e)
+        barrier()
+        try:
+            if error is None:
+                ms = call_ms(fn, device)
         except Exception as e:  # every rank learns of it from the flag of the maximum below
             error = failure_text(e)
         times += over_ranks([ms], device, error=error, what=what)

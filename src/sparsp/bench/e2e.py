@@ -36,7 +36,19 @@ over the timed steps, slowest rank); ``per_layer_ms`` = step / layers. Random we
 near-uniform attention, so masks are nearly dense; ``--weights synthetic-structure`` feeds the
 synthetic video Q/K of ``sparsp.workloads.token_qk`` (the model's RoPE structure) into sparsp's
 attention instead, labelled as such (dense rows are timed unchanged: their time does not depend
-on q/k values).
+on q/k values); every step moves them a little, untimed, before it runs (``e2e_model.DRIFT``),
+as a real run's q/k move, so a plan kept across steps meets inputs it was not made for.
+
+Schedules (``e2e_rows``): the sparse rows run under ``--dense-steps N --replan-every K``
+(``SparspConfig``'s schedule; default 0 and 1: every step plans), and once more under each
+``--schedule dense=N,replan=K``. Every row has ``schedule`` (None on the dense rows) and
+``total_ms``, the sum of its timed steps; a one-GPU schedule row also ``composed_ms``, its timed
+steps at ``1gpu-dense``'s step where dense and the plain ``1gpu-sparse`` row's step elsewhere.
+A scheduled row's untimed steps are at least N + K + 1 (every kind of step runs once before
+the timed ones: dense, plan, reuse, a second plan), and the timed steps start a new run
+(``sparsp.new_run``): they count from step 0, so its first N timed steps are the dense ones.
+``--thresholds FILE`` gives the sparse rows thresholds per layer and head; a table of another
+model is refused before any process group starts.
 Results: ``bench/results/e2e-<model>-<machine>-<date>.json`` (kind ``e2e``) + a PNG of step
 time per strategy. ``--tiny --device cpu`` is the CPU smoke path (gloo; under ``torchrun
 --nproc-per-node 2`` for the parallel rows): a tiny config and latent, ``--block-size 8`` unless
@@ -65,15 +77,15 @@ import torch
 import torch.distributed as dist
 
 from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, check_names,
-                   check_out, default_out, refuse)
+                   check_out, check_thresholds, default_out, refuse)
 from .backends import (CANDIDATES, PROCESSOR_DENSE, fastest, one_gpu_config, pick_fastest, tflops, try_backend,
                        try_each, use_backend)
 from .common import (config_overrides, failure_text, first_error, init_distributed, median, over_ranks,
-                     profile_name, save_figure, share, shutdown, stage, time_ms, wide_console, write_result)
+                     profile_name, share, shutdown, stage, time_ms, wide_console, write_result)
 from .e2e_model import AttentionTimer, attention_modules, drop_all_valid_text_masks, step_fn, synthetic_qk
+from .e2e_rows import DIFFUSERS, compose, plot, result_table, row_label, row_plan, scheduled_warmup, what_ran
 
 RESERVED = E2E_RESERVED
-DIFFUSERS = {"diffusers-ring": "ring_degree", "diffusers-ulysses": "ulysses_degree"}
 
 
 def default_strategies() -> list[str]:
@@ -116,14 +128,17 @@ class _Built:
     model: object = None
     inputs: dict | None = None  # one step's keyword arguments
     step: object = lambda: None
+    between: object = lambda: None  # before each step, untimed: the synthetic q/k's move (``SyntheticQK``)
     modules: list = field(default_factory=list)
     choices: list = field(default_factory=list)
+    planned: dict = field(default_factory=dict)  # layer -> the choice of its last plan step
 
 
-def _run_strategy(name, args, run: _Run, calibration=None, other=None) -> dict:
+def _run_strategy(name, args, run: _Run, calibration=None, other=None, schedule=None) -> dict:
     """Build, set up, time one strategy; the row (without the shared fields). ``other``: the
     Diffusers backend of the attention sparsp does not replace (cross-attention, text): the
-    one ``1gpu-dense`` found fastest when it ran before, else cuDNN where it applies."""
+    one ``1gpu-dense`` found fastest when it ran before, else cuDNN where it applies.
+    ``schedule``: a sparse row's (dense_steps, replan_every)."""
     active = name not in ONE_GPU_ROWS or run.rank == 0  # one-GPU rows: rank 0 works, the others wait
     # every stage on every rank, active or not: its work is this rank's alone (or a group of
     # one's), and the ranks agree after it, before the next collective
@@ -132,7 +147,7 @@ def _run_strategy(name, args, run: _Run, calibration=None, other=None) -> dict:
             args.warmup, {"layers": None, "transport": None, "cdf": None, "density": None})
     with stage("parallelizing the model"):
         if active:
-            _parallelize(name, built, args, run)
+            _parallelize(name, built, args, run, schedule)
     with stage("setting up the steps"):
         if active:
             _set_up_steps(name, built, args, calibration)
@@ -188,26 +203,41 @@ def _set_up_steps(name, built: _Built, args, calibration) -> None:
     rt = runtime_of(built.model)
     if rt is not None and args.weights == "synthetic-structure":
         rt.qk_override = synthetic_qk(built.model, args.seed, calibration)
+        built.between = rt.qk_override.advance  # each step its own q/k, a little moved (DRIFT)
         built.row["qk"] = "synthetic" if calibration is None else "calibrated"
     sigmas = torch.linspace(1.0, 0.0, built.warmup + args.steps + 1).tolist()
     built.step = step_fn(built.model, built.inputs, sigmas)
     built.modules = attention_modules(built.model)
     if name == "1gpu-sparse":  # what each attention call chose (``strategies/one_gpu.py``)
         for i, m in enumerate(built.modules):
-            m.register_forward_hook(lambda *_, i=i: built.choices.append((i, one_gpu.last_choice())))
+            m.register_forward_hook(lambda *_, i=i: built.choices.append(_choice(built, rt, i, one_gpu.last_choice())))
 
 
-def _parallelize(name, built: _Built, args, run: _Run) -> None:
+def _choice(built: _Built, rt, layer: int, choice) -> tuple:
+    """(layer, what its call ran, the step's kind) of one attention call: a reuse step ran the
+    kernel its plan step chose (``KeptPlan``), and made no choice of its own."""
+    kind = rt.config.step_kind(rt.step) if rt.step is not None and rt.config.scheduled else "plan"
+    if kind == "reuse" and layer in built.planned:
+        return layer, built.planned[layer], kind
+    built.planned[layer] = choice
+    return layer, choice, kind
+
+
+def _parallelize(name, built: _Built, args, run: _Run, schedule=None) -> None:
     """Parallelize the model as row ``name`` runs: sparsp's primary strategy on the group of one
     (``1gpu-sparse``, as ``bench attention`` runs it), Diffusers' own context parallelism
-    (``diffusers-*``), a sparsp strategy over the group; ``1gpu-dense`` as it is."""
+    (``diffusers-*``), a sparsp strategy over the group, under ``schedule`` (its untimed
+    steps then run every kind of step once: ``scheduled_warmup``); ``1gpu-dense`` as it is."""
     import sparsp
 
     from ..strategies import one_gpu
     from ..strategies.registry import strategies_where
 
+    dense_steps, replan_every = schedule or (0, 1)
     config = sparsp.SparspConfig(cdf_threshold=args.cdf, block_size=args.block_size, transport=run.transport,
-                                 kernel=args.kernel, **dict(args.config))
+                                 kernel=args.kernel, dense_steps=dense_steps, replan_every=replan_every,
+                                 thresholds=args.thresholds, **dict(args.config))
+    built.warmup = max(built.warmup, scheduled_warmup(schedule))
     if name == "1gpu-sparse":
         sparsp.parallelize(built.model, group=run.one, config=one_gpu_config(config),
                            strategy=strategies_where(primary=True)[0])
@@ -239,19 +269,29 @@ def _pick_backend(name, built: _Built, timer, args, run: _Run) -> None:
 
 
 def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
-    """The row's figures: ``--steps`` steps timed after the untimed ones, the slowest rank's;
-    the attention's time per step (and a dense row's rate); a ``1gpu-sparse`` row's density
-    and kernels per step."""
+    """The row's figures: ``--steps`` steps timed after the untimed ones, the slowest rank's,
+    and their sum (``total_ms``); the attention's time per step (and a dense row's rate); a
+    ``1gpu-sparse`` row's density and kernels per step. A parallelized model starts a new run
+    after the untimed steps (``sparsp.new_run``): its schedule counts the timed steps from 0."""
+    import sparsp
+
+    from ..integrations.diffusers import runtime_of
+
     with stage("the warm-up steps"):  # here, not in time_ms, so the attention spans exclude them
         for _ in range(built.warmup):
+            built.between()
             built.step()
         timer.take_ms()
         built.choices.clear()
-    times = time_ms(built.step, warmup=0, iters=args.steps, device=run.device, what="the timed steps")
+        if built.model is not None and runtime_of(built.model) is not None:
+            sparsp.new_run(built.model)
+    times = time_ms(built.step, warmup=0, iters=args.steps, device=run.device, what="the timed steps",
+                    between=built.between)
     choices = built.choices
     with stage("the step's figures"):
         attn_ms, flops = timer.take()
-        kept = sum(c.kept for _, c in choices) / len(choices) if choices else -1.0
+        masked = [c for _, c, kind in choices if kind != "dense"]  # a dense step has no mask
+        kept = sum(c.kept for c in masked) / len(masked) if masked else -1.0
     # the slowest rank's attention time and the dense FLOPs of a step (per GPU), and the density
     gang = run.world if name in DIFFUSERS else 1
     attn, step_flops, density = over_ranks([attn_ms / args.steps, flops / args.steps * gang, kept], run.device)
@@ -259,12 +299,12 @@ def _time_steps(name, built: _Built, timer, args, run: _Run) -> dict:
     if name in ONE_GPU_ROWS[:1] or name in DIFFUSERS:  # dense: the rate its attention ran at, per GPU
         out["attention_tflops"] = tflops(step_flops, attn)
     if choices:
-        out["dense_layers"] = sorted({i for i, c in choices if c.dense})
-        out["attention_kernels"] = {k: sum(c.kernel == k for _, c in choices) // args.steps
-                                    for k in sorted({c.kernel for _, c in choices})}
+        out["dense_layers"] = sorted({i for i, c, kind in choices if c.dense and kind != "dense"})
+        out["attention_kernels"] = {k: sum(c.kernel == k for _, c, _ in choices) // args.steps
+                                    for k in sorted({c.kernel for _, c, _ in choices})}
     step_ms = median(times)
     return {**out, "step_ms": step_ms, "per_layer_ms": step_ms / built.row["layers"], "attention_ms": attn,
-            "step_ms_all": times, "warmup": built.warmup}
+            "total_ms": sum(times), "step_ms_all": times, "warmup": built.warmup}
 
 
 def settle_arguments(args) -> bool:
@@ -299,6 +339,12 @@ def settle_arguments(args) -> bool:
         args.weights = "synthetic-structure"
     if args.block_size is None:
         args.block_size = E2E_TINY_BLOCK_SIZE if args.tiny else E2E_BLOCK_SIZE
+    if args.thresholds is not None:  # before any process group: a table of another model is one line
+        from ..integrations.models import attention_shape
+
+        layers, heads = attention_shape(args.model, tiny=args.tiny, layers=args.layers)
+        check_thresholds("e2e", args.thresholds, layers=layers, heads=heads,
+                         what=f"{args.model}{' --tiny' if args.tiny else ''} ({layers} self-attention layers)")
     if args.out is None:
         args.out = default_out(want_cuda and not args.tiny)
     check_out("e2e", "--out", args.out)
@@ -346,14 +392,15 @@ def main(args) -> int:
     run = _start(args, want_cuda, overrides)
     try:
         rows, other = [], None
-        for name in args.strategy:
-            rows.append(_strategy_row(name, args, run, calibration, other))
+        for name, schedule in row_plan(args):
+            rows.append(_strategy_row(name, args, run, calibration, other, schedule))
             if name == "1gpu-dense":  # the later rows' other attention: Diffusers' fastest here (rank 0 measured it)
                 other = share(rows[-1].get("other_backend"))
-        densities = {r["cdf"]: r["density"] for r in rows if r["density"] is not None}
+        densities = {r["cdf"]: r["density"] for r in rows if r["density"] is not None and row_label(r) == r["strategy"]}
         for r in rows:  # every sparse row of a cdf has the masks 1gpu-sparse measured
             if r["cdf"] is not None and r["density"] is None:
                 r["density"] = densities.get(r["cdf"])
+        compose(rows)
         with stage("writing the results"):
             if run.rank == 0:
                 _write(rows, args, run, calibration)
@@ -374,28 +421,30 @@ def _start(args, want_cuda: bool, overrides: dict) -> _Run:
     return _Run(rank, world, device, dtype, transport, one, overrides, wide_console() if rank == 0 else None)
 
 
-def _strategy_row(name, args, run: _Run, calibration, other) -> dict:
-    """Row ``name``, the same outcome on every rank: its figures, or why it could not run
-    (decided before trying where it can be, else the first failing rank's error): a baseline
-    that cannot run here is a result, not a crash."""
+def _strategy_row(name, args, run: _Run, calibration, other, schedule=None) -> dict:
+    """Row ``name`` (under ``schedule``, a sparse row's), the same outcome on every rank: its
+    figures, or why it could not run (decided before trying where it can be, else the first
+    failing rank's error): a baseline that cannot run here is a result, not a crash."""
     from ..integrations.models import PRESETS
 
     base = {"model": args.model, "ranks": 1 if name in ONE_GPU_ROWS else run.world, "fabric": args.fabric,
             "strategy": name, "weights": args.weights, "steps": args.steps, "device": run.device.type,
-            "cuda_graphs": run.overrides.get("cuda_graphs", True), "config": run.overrides or None}
+            "cuda_graphs": run.overrides.get("cuda_graphs", True), "config": run.overrides or None,
+            "schedule": None if schedule is None else {"dense_steps": schedule[0], "replan_every": schedule[1]},
+            "thresholds": None if schedule is None or args.thresholds is None else str(args.thresholds)}
     row, error = None, diffusers_refusal(name, PRESETS[args.model].kind, run.device)
     if error is None:
         try:
-            row = {**base, **_run_strategy(name, args, run, calibration, other)}
+            row = {**base, **_run_strategy(name, args, run, calibration, other, schedule)}
         except Exception as e:  # agreed by every rank below
             error = failure_text(e)[:500]
     error = first_error(error)
     if error is not None:
         row = {**base, "transport": None, "cdf": None, "density": None, "layers": args.layers,
-               "step_ms": None, "per_layer_ms": None, "attention_ms": None, "error": error}
+               "step_ms": None, "per_layer_ms": None, "attention_ms": None, "total_ms": None, "error": error}
     if run.console:
-        run.console.print(f"{name}: " + (f"{row['step_ms']:.1f} ms/step" if row["step_ms"] is not None
-                                         else row["error"]) + _what_ran(row))
+        run.console.print(f"{row_label(row)}: " + (f"{row['step_ms']:.1f} ms/step" if row["step_ms"] is not None
+                                         else row["error"]) + what_ran(row))
     return row
 
 
@@ -411,34 +460,6 @@ def _write(rows: list[dict], args, run: _Run, calibration) -> None:
                                          f"weights={args.weights}"))
     outputs = [path] if args.no_plot else [path, plot(path)]
     run.console.print("wrote " + ", ".join(map(str, outputs)))
-
-
-def result_table(rows: list[dict], title: str):
-    """The rows as printed: step, per-layer and attention time per strategy (on a
-    ``wide_console``: every name and header whole)."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("strategy", "ranks", "transport", "density", "step ms", "ms/layer", "attention ms"):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in rows:
-        ok = r["step_ms"] is not None
-        table.add_row(r["strategy"], str(r["ranks"]), str(r["transport"] or "-"),
-                      "-" if r["density"] is None else f"{100 * r['density']:.1f}%",
-                      f"{r['step_ms']:.1f}" if ok else "failed", f"{r['per_layer_ms']:.2f}" if ok else "-",
-                      f"{r['attention_ms']:.1f}" if ok else "-")
-    return table
-
-
-def _what_ran(row: dict) -> str:
-    """The attention a row ran: a dense row's backend, a one-GPU sparse row's kernels per step
-    and the layers that took the dense kernel."""
-    if row.get("attention_kernels"):
-        kernels = ", ".join(f"{k} x{n}" for k, n in row["attention_kernels"].items())
-        return f" (attention per step: {kernels}; dense kernel on layers {row['dense_layers'] or 'none'})"
-    if row.get("backends_tried"):
-        return f" (dense attention: {row['attention_backend']})"
-    return ""
 
 
 def _result_name(args) -> str:
@@ -476,30 +497,3 @@ def _calibration(args, verbose: bool):
         path = cal.write(Path(args.out) / f"calibration-{_result_name(args)}.json")
         print(f"wrote {path} (pass it as --calibration next time)", flush=True)
     return cal
-
-
-def plot(path: Path) -> Path:
-    """Step time per strategy (one bar group per fabric and weights), PNG next to the JSON."""
-    import json
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    doc = json.loads(Path(path).read_text())
-    rows = [r for r in doc["rows"] if r.get("step_ms") is not None]
-    groups = sorted({(r["fabric"], r["weights"]) for r in rows})
-    names = list(dict.fromkeys(r["strategy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names) * max(1, len(groups))), 4))
-    width = 0.8 / max(1, len(groups))
-    for i, g in enumerate(groups):
-        vals = {r["strategy"]: r["step_ms"] for r in rows if (r["fabric"], r["weights"]) == g}
-        xs = [j + i * width for j, n in enumerate(names) if n in vals]
-        ax.bar(xs, [vals[n] for n in names if n in vals], width, label=f"{g[0]}, {g[1]} weights")
-    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(names))], names, rotation=20)
-    ax.set_ylabel("ms per denoising step (median)")
-    models = sorted({r["model"] for r in rows})
-    ax.set_title(f"e2e step time: {', '.join(models)} ({doc['machine']})")
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)

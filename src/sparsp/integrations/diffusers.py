@@ -8,15 +8,18 @@ Supported: HunyuanVideo, Wan (2.1/2.2), LTX-Video and LTX-2 (its video self-atte
 split of each is declared as data in ``plans.py``. What ``parallelize`` does, in this order:
 
 1. validate everything that needs no communication (model class and config; strategy, never
-   ``auto`` without a process group; placement; heads divisible by G for ``ulysses``) —
-   ``ValueError`` before any collective;
+   ``auto`` without a process group; placement; heads divisible by G for ``ulysses``; a
+   thresholds table against the model's self-attention layers and heads) — ``ValueError``
+   before any collective;
 2. attach a ``Runtime`` (group, config, strategy, placement cache) to the model;
 3. replace the processors of the video self-attention modules (and LTX-2's video-K/V
    attention) by sparsp processors, remembering the originals;
-4. hook the model's forward (geometry of this call → placement; cut entry tensors), the
-   submodules whose inputs or outputs carry one entry per video token (cut to this rank's
-   tokens in placed order: hidden states, RoPE), HunyuanVideo's text stream (trimmed to its
-   valid tokens) and the output projection (all-gather, back to the original order).
+4. hook the model's forward (geometry of this call → placement; its step and branch for the
+   schedule, ``steps.py``, from the pipeline's cache context, ``context.py``; cut entry
+   tensors), the submodules whose inputs or outputs carry one entry per video token (cut to
+   this rank's tokens in placed order: hidden states, RoPE), HunyuanVideo's text stream
+   (trimmed to its valid tokens) and the output projection (all-gather, back to the original
+   order).
 
 The placement is a fixed permutation per (geometry, G) (docs/design.md, "The mechanism",
 dependency-aware placement): the geometry is read from the latent shape at every forward and placements are
@@ -30,8 +33,9 @@ dynamic graph), far from the recompile limit.
 
 Without a process group (or with ``emulate_ranks=G``) nothing is communicated: the whole
 placed sequence stays in the process and attention runs under the masks that G ranks would
-compute (``reference.reference_sp_attention``), so a user sees what sparsity alone does. A
-process group of one runs ``sp_attention`` on it: the fast one-GPU path.
+compute (``reference.reference_sp_attention``, under the config's schedule:
+``steps.ScheduledReference``), so a user sees what sparsity alone does. A process group of
+one runs ``sp_attention`` on it: the fast one-GPU path.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from ..kernels import merge_partials
 from ..placement import PLACEMENTS, Placement, make_placement
 from .plans import Split, SplitPlan, plan_for
 from .processors import PROCESSORS, VideoKVProcessor
+from .steps import ScheduledReference, StepCounter, timestep_value
 
 log = logging.getLogger("sparsp")
 
@@ -121,7 +126,9 @@ class TokenLayout:
 
 
 class Runtime:
-    """Per model: the group, config and strategy, the placement cache and the hooks."""
+    """Per model: the group, config and strategy, the placement cache, the hooks, and where the
+    forward now running is in its denoising run (``step``, ``branch``). It owns the model's
+    kept plans (``sp_attention(_owner=)``)."""
 
     def __init__(self, model, plan: SplitPlan, *, group, ranks: int, rank: int, distributed: bool,
                  config: SparspConfig, strategy: str, placement: str, heads: int, head_dim: int):
@@ -140,6 +147,18 @@ class Runtime:
         self.on_mask = None
         # bench e2e --weights synthetic-structure: (layout, q, layer) -> (q, k) of the attention sequence
         self.qk_override = None
+        # where the forward now running is in its denoising run (``steps.py``): its step and
+        # branch, passed to every attention call; the pipeline's cache context (``context.py``)
+        self.steps, self.step, self.branch = StepCounter(), None, None
+        self.context_hook = None
+        self.reference = ScheduledReference()  # the single-process path's kept masks
+
+    def new_run(self) -> None:
+        """Count steps from 0 again (``sparsp.new_run``; a pipeline's end)."""
+        from ..strategies import new_run
+
+        self.steps.new_run()
+        new_run(self)  # the branch counts of calls without a branch
 
     def describe(self) -> str:
         mode = f"rank {self.rank} of {self.ranks}" if self.distributed else f"1 process as {self.ranks} ranks"
@@ -254,14 +273,16 @@ class Runtime:
         if self.distributed:
             from ..strategies import sp_attention
 
-            return sp_attention(q, k, v, group=self.group, strategy=self.strategy, config=self.config, layer=layer)
-        from .reference import reference_sp_attention, split_block_mask
+            return sp_attention(q, k, v, group=self.group, strategy=self.strategy, config=self.config, layer=layer,
+                                step=self.step, branch=self.branch, _owner=self)
+        from .reference import split_block_mask
 
-        out, mask = reference_sp_attention(q, k, v, lens=lay.lens, strategy=self.strategy, config=self.config,
-                                           return_mask=True)
+        config = self.config.at_layer(layer)
+        out, mask = self.reference.attend(q, k, v, lens=lay.lens, strategy=self.strategy, config=config, layer=layer,
+                                          step=self.step, branch=self.branch, owner=self)
         if self.on_mask is not None:  # a dense run still reports the mask at its thresholds
             if not _strategy_spec(self.strategy).sparse:  # a dense baseline's run ignores the thresholds
-                mask = split_block_mask(q, k, lay.lens, self.config)
+                mask = split_block_mask(q, k, lay.lens, config)
             self.on_mask(mask[0])
         return out
 
@@ -329,6 +350,12 @@ def _entry_hook(rt: Runtime):
             if bound.arguments.get(name) is not None:
                 raise ValueError(f"sparsp: {rt.model_name} argument {name} is not supported: {why}")
         rt.current = rt.layout_for(_geometry(rt, model, bound))
+        # the step and branch of this forward (``steps.py``); the timestep is read (a host read)
+        # only where the pipeline gives no step index and the config has a schedule to follow
+        def timestep():
+            return timestep_value(bound.arguments.get("timestep")) if rt.config.scheduled else None
+
+        rt.step, rt.branch = rt.steps.advance(rt.context_hook.context, rt.current.geometry, timestep)
         for name, source in rt.plan.defaults.items():
             if bound.arguments.get(name) is None and bound.arguments.get(source) is not None:
                 bound.arguments[name] = bound.arguments[source]
@@ -448,6 +475,9 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
     if spec.heads_divisible and heads % ranks:
         raise ValueError(f"{strategy} needs heads divisible by the group size: {type(transformer).__name__} "
                          f"has {heads} heads, G={ranks}")
+    if config.table is not None:  # a table of another model: its layers x heads against this one's
+        config.table.check(layers=len(attn), heads=heads,
+                           what=f"{type(transformer).__name__} ({len(attn)} self-attention layers)")
     rt = Runtime(transformer, plan, group=group, ranks=ranks, rank=rank, distributed=distributed,
                  config=config, strategy=strategy, placement=kind, heads=heads, head_dim=head_dim)
     # 2. Attach the runtime: the model now knows it is parallelized.
@@ -478,6 +508,10 @@ def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(
         rt.handles.append(modules[plan.text.stream].register_forward_hook(_text_hook(rt)))
     for where, dim in plan.gather.items():
         rt.handles.append(modules[where].register_forward_hook(_gather_hook(rt, dim)))
+    # the pipeline's cache context (its branch and step index) for the schedule (``steps.py``)
+    from . import context
+
+    rt.context_hook = context.add(transformer, rt.new_run)
     log.info("sparsp: hooked entry, %s, gather at %s", ", ".join([*plan.inputs, *plan.outputs]) or "-",
              ", ".join(plan.gather))
     return transformer
@@ -493,9 +527,25 @@ def unparallelize(transformer):
         modules[name].set_processor(proc)
     for h in rt.handles:
         h.remove()
+    from ..strategies import schedule
+    from . import context
+
+    context.remove(transformer)
+    plans = schedule.forget(rt)  # its kept plans and branch counts
+    rt.reference.forget()
     delattr(transformer, _ATTR)
-    log.info("sparsp: unparallelize %s: %d processors restored", rt.model_name, len(rt.originals))
+    log.info("sparsp: unparallelize %s: %d processors restored, %d kept plans freed", rt.model_name,
+             len(rt.originals), plans)
     return transformer
+
+
+def new_run(transformer) -> None:
+    """Start a new denoising run of the parallelized ``transformer``: its next forward is step
+    0 (``sparsp.new_run``; a pipeline's own end starts one too, docs/diffusers.md "Schedules")."""
+    rt = getattr(transformer, _ATTR, None)
+    if rt is None:
+        raise ValueError(f"{type(transformer).__name__} is not parallelized by sparsp")
+    rt.new_run()
 
 
 def runtime_of(transformer) -> Runtime | None:

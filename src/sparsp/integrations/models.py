@@ -114,6 +114,21 @@ def _truncate(kind: str, cfg: dict, layers: int) -> dict:
     return {"num_layers": min(dual, layers), "num_single_layers": max(0, layers - dual)}
 
 
+def attention_shape(preset: str, *, tiny: bool = False, layers: int | None = None) -> tuple[int, int]:
+    """(self-attention layers, heads) of the model ``build_transformer`` makes for ``preset``
+    (its ``TINY`` config with ``tiny``; ``layers`` truncating it), read from the config and
+    Diffusers' defaults without building it: what a thresholds table must match."""
+    import inspect
+
+    kind = PRESETS[preset].kind
+    cfg = dict(TINY[kind] if tiny else PRESETS[preset].config)
+    if layers is not None:
+        cfg.update(_truncate(kind, cfg, layers))
+    defaults = {name: p.default for name, p in inspect.signature(model_class(kind).__init__).parameters.items()}
+    get = lambda name: cfg.get(name, defaults.get(name, 0))  # noqa: E731
+    return get("num_layers") + (get("num_single_layers") if kind == "hunyuan-video" else 0), get("num_attention_heads")
+
+
 def num_layers(transformer) -> int:
     """Transformer blocks in the stack (HunyuanVideo: dual- plus single-stream)."""
     cfg = transformer.config
