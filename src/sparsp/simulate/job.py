@@ -276,6 +276,9 @@ def validate(paths, calibrate_paths=(), cache: MaskCache | None = None, progress
             if row.get("env"):
                 notes.append(f"{where}: a variant run with {row['env']}, not the code's default")
                 continue
+            if row.get("call") == "reuse":
+                notes.append(f"{where}: a reuse call of a kept plan, not a plan call")
+                continue
             if row.get("strategy") not in strategy_names():
                 notes.append(f"{where}: {row.get('strategy')!r} is not a registered strategy")
                 continue
