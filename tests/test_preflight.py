@@ -94,7 +94,7 @@ def test_analyze_interrupted_during_the_work(capsys, tmp_path, monkeypatch):
 
 def test_analyze_interrupted_while_writing_leaves_no_file(capsys, tmp_path, monkeypatch):
     """analysis.json is written before the plots: an interrupt in the plots takes it away too."""
-    from sparsp import analysis
+    from sparsp import analysis_plots
 
     trace = _small_trace(tmp_path)
 
@@ -102,7 +102,7 @@ def test_analyze_interrupted_while_writing_leaves_no_file(capsys, tmp_path, monk
         (out / "volume_vs_ranks.png").write_bytes(b"\x89PNG half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(analysis, "plot", plot_then_interrupt)
+    monkeypatch.setattr(analysis_plots, "plot", plot_then_interrupt)
     out = tmp_path / "o"
     out.mkdir()
     code, _, err = run_cli(capsys, ["analyze", "--trace", trace, "--ranks", 2, "--out", out])
