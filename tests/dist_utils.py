@@ -12,7 +12,8 @@ For the strategy tests that run on those ranks: ``structured_inputs`` (q, k, v w
 are truly sparse), ``reference`` (float64 masked attention in one process), ``slice_errors``
 (every strategy on this rank's slice of a sequence: errors against the reference) and
 ``placed_run`` (every strategy on a placed video sequence: errors and bytes moved against
-``sparsp.demand``).
+``sparsp.demand``); for the schedule's tests, ``ScheduleReference`` (the reference step by step
+under a schedule) and ``count_collectives``.
 """
 
 from __future__ import annotations
@@ -265,3 +266,61 @@ def placed_run(rank: int, world: int, geom, kind: str, cdf: float, seed: int, *,
         if after is not None:
             after(strategy, transport)
     return runs
+
+
+class ScheduleReference:
+    """The single-process reference under ``cfg``'s schedule, step by step: dense steps exact,
+    plan steps under their own mask, reuse steps under the mask of the last plan step."""
+
+    def __init__(self, lens, cfg):
+        self.lens, self.cfg, self.mask = lens, cfg, None
+
+    def step(self, s, q, k, v, strategy):
+        from dataclasses import replace
+
+        from sparsp.integrations.reference import reference_sp_attention
+
+        kind, lens, cfg = self.cfg.step_kind(s), self.lens, self.cfg
+        if kind == "dense":
+            return reference_sp_attention(q, k, v, lens=lens, strategy="ring", config=replace(cfg, cdf_threshold=1.0))
+        if kind == "plan" or self.mask is None:
+            out, self.mask = reference_sp_attention(q, k, v, lens=lens, strategy=strategy, config=cfg,
+                                                    return_mask=True)
+            return out
+        return reference_sp_attention(q, k, v, lens=lens, strategy=strategy, config=cfg, mask=self.mask)
+
+
+def count_collectives():
+    """Count every torch.distributed collective this process issues (all-gathers, all-reduces,
+    broadcasts, barriers, new groups) in ``["n"]`` and every host read of a call's counts
+    (``Metadata.finish``) in ``["reads"]``; ``["undo"]()`` stops counting."""
+    import torch.distributed as dist
+
+    counted = {"n": 0, "reads": 0}
+    names = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier", "all_gather_object",
+             "reduce_scatter_tensor", "all_to_all_single", "new_group")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def wrap(fn, what="n"):
+        def counting(*a, **kw):
+            counted[what] += 1
+            return fn(*a, **kw)
+        return counting
+
+    from sparsp import groups, plan
+
+    flat = groups._ALL_GATHER_FLAT  # the metadata all-gather, bound once in sparsp.groups
+    finish = plan.Metadata.finish  # the call's host read
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(fn))
+    groups._ALL_GATHER_FLAT = wrap(flat)
+    plan.Metadata.finish = wrap(finish, "reads")
+
+    def undo():
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+        groups._ALL_GATHER_FLAT = flat
+        plan.Metadata.finish = finish
+
+    counted["undo"] = undo
+    return counted

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from dist_utils import run_distributed, structured_inputs
+from dist_utils import ScheduleReference, count_collectives, run_distributed, structured_inputs
 
 B, H, D, BS = 1, 4, 16, 16
 
@@ -44,28 +44,6 @@ def test_bad_schedule_fields_are_one_line(fields, message):
     assert str(e.value) == message
 
 
-class _Reference:
-    """The single-process reference under ``cfg``'s schedule, step by step: dense steps exact,
-    plan steps under their own mask, reuse steps under the mask of the last plan step."""
-
-    def __init__(self, lens, cfg):
-        self.lens, self.cfg, self.mask = lens, cfg, None
-
-    def step(self, s, q, k, v, strategy):
-        from dataclasses import replace
-
-        from sparsp.integrations.reference import reference_sp_attention
-
-        kind, lens, cfg = self.cfg.step_kind(s), self.lens, self.cfg
-        if kind == "dense":
-            return reference_sp_attention(q, k, v, lens=lens, strategy="ring", config=replace(cfg, cdf_threshold=1.0))
-        if kind == "plan" or self.mask is None:
-            out, self.mask = reference_sp_attention(q, k, v, lens=lens, strategy=strategy, config=cfg,
-                                                    return_mask=True)
-            return out
-        return reference_sp_attention(q, k, v, lens=lens, strategy=strategy, config=cfg, mask=self.mask)
-
-
 def _step_inputs(steps, S, seed=0):
     """q, k, v per step: a base drawn once plus a small change per step (masks move little)."""
     base = structured_inputs(seed, B, S, H, D)
@@ -85,17 +63,17 @@ def _scheduled_worker(rank, world, lens, strategies, fields, steps, dtype):
     results = {}
     for strategy in strategies:
         cfg = SparspConfig(cdf_threshold=0.8, block_size=BS, transport="nccl", kernel="torch", **fields)
-        ref = _Reference(lens, cfg)
+        ref = ScheduleReference(lens, cfg)
         transport = get_transport("nccl", None, torch.device("cpu"), cfg.timeout_s)
-        counted = _count_collectives()
+        counted = count_collectives()
         errs, moved, collectives = [], [], []
         plans_before = schedule.kept()[0]
         for s in range(steps):
             x = [t[s, :, a:a + lens[rank]].to(dtype).contiguous() for t in (q, k, v)]
             transport.reset_counters()
-            before = counted["n"]
+            before = counted["n"] + counted["reads"]
             out = sp_attention(*x, strategy=strategy, config=cfg, layer=0, step=s)
-            collectives.append(counted["n"] - before)
+            collectives.append(counted["n"] + counted["reads"] - before)
             moved.append(transport.total_received)
             # auto: the reference of the strategy its plan step chose (a dense one ignores the mask)
             decided = auto.last_decision()
@@ -107,41 +85,6 @@ def _scheduled_worker(rank, world, lens, strategies, fields, steps, dtype):
         dist.barrier()
     close_transports()
     return results, schedule.kept()
-
-
-def _count_collectives():
-    """Count every torch.distributed collective this process issues (all-gathers, all-reduces,
-    broadcasts, barriers) and every host read of a call's counts: a reuse call issues none."""
-    import torch.distributed as dist
-
-    counted = {"n": 0}
-    names = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier", "all_gather_object",
-             "reduce_scatter_tensor", "all_to_all_single")
-    saved = {n: getattr(dist, n) for n in names}
-
-    def wrap(fn):
-        def counting(*a, **kw):
-            counted["n"] += 1
-            return fn(*a, **kw)
-        return counting
-
-    from sparsp import groups, plan
-
-    flat = groups._ALL_GATHER_FLAT  # the metadata all-gather, bound once in sparsp.groups
-    finish = plan.Metadata.finish  # the call's host read
-    for n, fn in saved.items():
-        setattr(dist, n, wrap(fn))
-    groups._ALL_GATHER_FLAT = wrap(flat)
-    plan.Metadata.finish = wrap(finish)
-
-    def undo():
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
-        groups._ALL_GATHER_FLAT = flat
-        plan.Metadata.finish = finish
-
-    counted["undo"] = undo
-    return counted
 
 
 STRATEGIES = ["sparsp", "ring-sparse", "ring-relay", "ulysses", "ring", "auto"]

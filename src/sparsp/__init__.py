@@ -1,7 +1,8 @@
 """sparsp: sparsity-aware sequence-parallel attention for video diffusion transformers.
 
 Public API: ``SparspConfig``, ``sp_attention`` (functional, local shards (B, S_local, H, D)),
-and the building blocks in ``geometry``, ``placement``, ``masks``, ``demand``.
+``make_mesh`` (a device mesh of ``cfg``, ``sp`` and ``ulysses``), and the building blocks in
+``geometry``, ``placement``, ``masks``, ``demand``.
 """
 
 from . import env
@@ -20,6 +21,10 @@ def __getattr__(name):
         return getattr(strategies, name)
     if name == "new_run":
         return new_run
+    if name == "make_mesh":
+        from .mesh import make_mesh
+
+        return make_mesh
     if name in ("parallelize", "unparallelize"):  # needs diffusers only when called
         from .integrations import diffusers
 
@@ -37,4 +42,5 @@ def new_run(transformer=None) -> None:
     start(transformer)
 
 
-__all__ = ["SparspConfig", "new_run", "sp_attention", "close_transports", "parallelize", "unparallelize", "__version__"]
+__all__ = ["SparspConfig", "new_run", "sp_attention", "close_transports", "make_mesh", "parallelize", "unparallelize",
+           "__version__"]

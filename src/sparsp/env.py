@@ -11,7 +11,8 @@ the same table):
 ``SPARSP_SHM_TAG``  the tag in shared-memory segment names, for jobs that share ``/dev/shm``
                     and a rendezvous port (default: derived from the process group)
 ``SPARSP_HOST_ID``  this process's host name as the transports see it; ranks with different
-                    ids are treated as on different hosts (to emulate several hosts on one)
+                    ids are treated as on different hosts (to emulate several hosts on one);
+                    unset: the node ``torchrun`` names, else the machine's own identity
 ``SPARSP_TRITON``   ``0`` turns every sparsp Triton kernel off: the torch form of each runs
                     (for debugging a kernel; default on where Triton and CUDA are present)
 ==================  ====================================================================
@@ -20,11 +21,13 @@ Values are read when asked for, so a spawned worker sees what its parent set. A 
 variable that is set but not one of these draws one warning naming it, once per process
 (settings removed in 0.2.0 are listed in CHANGELOG.md).
 
-Beside them this module reads one variable that belongs to Triton, not to sparsp:
+Beside them this module reads variables that belong to other tools, not to sparsp:
 ``TRITON_INTERPRET`` (``triton_interpret``), which decides whether Triton can run a kernel on
-CPU tensors at all; sparsp only asks, so it can refuse with a message instead of a crash. No
-other module reads or writes ``os.environ`` (``tests/test_env.py``; the benchmark drivers under
-``sparsp.bench`` are the exception, as they set up the processes they measure).
+CPU tensors at all (sparsp only asks, so it can refuse with a message instead of a crash);
+``NCCL_P2P_DISABLE`` (``nccl_p2p_disabled``); and ``torchrun``'s ``GROUP_RANK`` and
+``LOCAL_WORLD_SIZE`` (``torchrun_node``), which name a process's node. No other module reads
+or writes ``os.environ`` (``tests/test_env.py``; the benchmark drivers under ``sparsp.bench``
+are the exception, as they set up the processes they measure).
 """
 
 from __future__ import annotations
@@ -79,6 +82,21 @@ def nccl_p2p_disabled() -> bool:
     return (_get("NCCL_P2P_DISABLE") or "0").lower() not in ("0", "false", "no")
 
 
+def torchrun_node() -> tuple[int, int] | None:
+    """What ``torchrun`` tells every process of its node: ``(GROUP_RANK, LOCAL_WORLD_SIZE)``,
+    the node's rank among the job's nodes and the processes it runs; None where either is unset
+    or not an int (outside ``torchrun``). torchrun's variables, not sparsp's: a rank's host is
+    its node (``transport.topology.host_id``) unless ``SPARSP_HOST_ID`` says otherwise, and
+    ``sparsp.make_mesh`` checks that a Ulysses group fits in one node."""
+    node, local = _get("GROUP_RANK"), _get("LOCAL_WORLD_SIZE")
+    if node is None or local is None:
+        return None
+    try:
+        return int(node), int(local)
+    except ValueError:
+        return None
+
+
 def unknown() -> list[str]:
     """``SPARSP_*`` names set in the environment that sparsp does not read."""
     return sorted(n for n in os.environ if n.startswith("SPARSP_") and n not in KNOWN)
@@ -99,4 +117,4 @@ def warn_unknown() -> None:
 
 
 __all__ = ["HOST_ID", "KNOWN", "PROFILE", "SHM_TAG", "TRITON", "host_id", "nccl_p2p_disabled", "profile",
-           "shm_tag", "triton_enabled", "triton_interpret", "unknown", "warn_unknown"]
+           "shm_tag", "torchrun_node", "triton_enabled", "triton_interpret", "unknown", "warn_unknown"]

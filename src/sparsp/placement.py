@@ -10,6 +10,9 @@ and is undone once at exit; it never changes the math.
 ``contiguous``: rank r owns a contiguous range of blocks (plain SP: whole frames per rank).
 ``periodic``: rank r owns the same spatial region of every frame, P(t, s) = ⌊G·s / S_frame⌋,
 so multi-diagonal dependencies become local and remote demand shrinks to the halo (§4.3).
+
+On a mesh with a ``ulysses`` dimension the placement is that of the ``sp`` ranks, and
+``ulysses_pieces`` cuts each sp slice at block boundaries into the pieces of its Ulysses ranks.
 """
 
 from __future__ import annotations
@@ -139,6 +142,28 @@ def periodic(geom: VideoGeometry, ranks: int) -> Placement:
     key = torch.where(video_len > 0, s, torch.full_like(s, 2.0))  # text after all video
     order = torch.argsort(key, stable=True)  # stable: equal places keep frame order
     return Placement(geom, ranks, _balanced_chunks(order, ranks), "periodic")
+
+
+def ulysses_pieces(tokens: int, block_size: int, ulysses: int) -> tuple[int, ...]:
+    """The tokens of each of the ``ulysses`` pieces one sp slice of ``tokens`` is cut into at
+    model entry, for a mesh whose Ulysses group holds the slice (``sp_attention(mesh=)``: rank
+    (sp=r, ulysses=u) holds piece u of slice r, in order). The cut is at block boundaries, so
+    the pieces' blocks are the slice's own blocks (each cut from the slice's start) and the
+    mask, the placement and the strategy's blocks are those of the sp ranks alone; the pieces
+    are as even as whole blocks allow (the first ones take the one block more), and the slice's
+    short tail block, if any, ends the last piece. ``ValueError`` when the slice has fewer
+    blocks than pieces."""
+    for name, n in (("tokens", tokens), ("block_size", block_size), ("ulysses", ulysses)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    blocks = -(-tokens // block_size)
+    if blocks < ulysses:
+        raise ValueError(f"a slice of {tokens} tokens has {blocks} blocks of {block_size}: too few to cut "
+                         f"into {ulysses} Ulysses pieces of whole blocks")
+    base, extra = divmod(blocks, ulysses)
+    pieces = [(base + (u < extra)) * block_size for u in range(ulysses)]
+    pieces[-1] -= blocks * block_size - tokens  # the tail block is short
+    return tuple(pieces)
 
 
 PLACEMENTS = {"contiguous": contiguous, "periodic": periodic}

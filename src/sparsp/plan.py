@@ -26,6 +26,10 @@ queueing the mask while the device gathers, and ``finish``'s host read polls an 
 call's timeout, so a peer that never answers is still a ``TimeoutError`` naming the metadata
 all-gather. Exact NaN/Inf counts (for the error message) are gathered only when a flag is set.
 
+A mesh call's sp step gathers nothing: its head step gathered every piece's summaries for all
+heads over the (sp × ulysses) sub-mesh, and ``Metadata.given`` carries the slices' shapes and
+the mask of the step's heads from there (``strategies/meshed.py``).
+
 Why the host sync is inherent: copy engines take their sizes from the host (a
 ``cudaMemcpyAsync`` length is a host argument), and the errors above must be raised on the
 host. With ``sim_threshold`` set, key smoothing must precede the block similarity, so the key
@@ -237,6 +241,18 @@ class Metadata:
     similarity: bool = False  # the summaries are pooled means and similarities (``summarize``)
     check: bool = True  # the rows carry the non-finite check's sums (``check_finite``)
     rows_kept: bool = False  # ``rows`` is the geometry's kept buffer (``summaries.gathered_rows``)
+    known: bool = False  # shapes every rank holds, no headers (``Metadata.known``)
+    mask: torch.Tensor | None = None  # a known call's whole mask (None: a dense call)
+
+    @classmethod
+    def given(cls, shapes: Shapes, mask: torch.Tensor | None, device, timeout_s: float) -> "Metadata":
+        """The metadata of a call whose caller gathered the summaries already and holds the
+        shapes and the whole mask (a mesh call's sp step: its slices' shapes, read from the
+        head step's headers, and the whole mask restricted to its heads): no collective, no
+        header in its host read, which carries only its own counts; ``block_mask`` returns
+        ``mask``."""
+        empty = torch.empty(shapes.world_size, 0, device=device)
+        return cls(shapes, empty.long(), empty, 0, timeout_s=timeout_s, check=False, known=True, mask=mask)
 
     def headers(self) -> torch.Tensor:
         """The header table (``table_of`` the rows), made on first use: on the device, so in
@@ -296,12 +312,13 @@ class Metadata:
         sh = self.shapes
         read = read if read is not None else self.start_read(staged)
         host = read.result(self.timeout_s, "geometry check (metadata all-gather)")
-        table = host[:staged.n_head].view(sh.world_size, -1)
-        self._host_table = table
-        check_table(table[:, :HEADER_SLOTS], sh.world_size, self.counts)
-        rows = table.tolist()
-        if max(r[HEADER_SLOTS] for r in rows) > self.capacity or tuple(r[0] for r in rows) != sh.seq_lens:
-            return None
+        if not self.known:  # a known call's shapes were checked where they were read
+            table = host[:staged.n_head].view(sh.world_size, -1)
+            self._host_table = table
+            check_table(table[:, :HEADER_SLOTS], sh.world_size, self.counts)
+            rows = table.tolist()
+            if max(r[HEADER_SLOTS] for r in rows) > self.capacity or tuple(r[0] for r in rows) != sh.seq_lens:
+                return None
         rest = host[staged.n_head:].tolist()
         layouts = {}
         for i, (key, pend) in enumerate(staged.pending.items()):
@@ -320,14 +337,17 @@ class Metadata:
         placeholder and the call will redo it (``finish`` returns None): nothing should be
         computed on it."""
         sh = self.shapes
-        return all(summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, check=False)
-                   <= self.capacity for n in sh.num_blocks)
+        return self.known or all(summary_size(sh.batch, sh.heads, sh.head_dim, n, self.similarity, check=False)
+                                 <= self.capacity for n in sh.num_blocks)
 
     def block_mask(self, config: SparspConfig, cdf: torch.Tensor | None = None) -> torch.Tensor:
         """The whole block mask from the gathered summaries (device ops only): bool [B, H, N, N],
         N = all ranks' blocks in rank order. ``cdf``: the per-head CDF thresholds as a device
         tensor (``masks.threshold_tensor``) in place of ``config``'s, for a captured stage
-        that takes them as an input."""
+        that takes them as an input. A known call's: the mask it was made with."""
+        if self.known:
+            assert self.mask is not None, "a known call without a mask computes none"
+            return self.mask
         return _mask(self, self.shapes, config, self.center, cdf)
 
     def true_shapes(self) -> Shapes:

@@ -5,7 +5,9 @@ Data path per call (``request``): validate → one metadata all-gather (header +
 the host reads; a CUDA graph per geometry: ``captured``) → one host read (header checks,
 layouts; the transport's fence runs on the host while the device works towards it) → what runs
 (``auto``'s choice, the heads' ranks, one GPU's kernel) → the strategy's run (transport →
-kernel → LSE merge: ``Call.run``, ``merged``).
+kernel → LSE merge: ``Call.run``, ``merged``). A call on a mesh of ulysses > 1 makes two
+requests around an all-to-all inside the Ulysses group (``meshed``); of ulysses 1, this one over
+the mesh's ``sp`` group.
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ import logging
 
 import torch
 
-from dataclasses import replace
-
 from .. import caches
 from ..config import SparspConfig
 from ..transport import make_transport
-from . import ring, ring_relay, schedule, sparsp, ulysses  # noqa: F401  (each registers its strategies)
+from . import meshed, ring, ring_relay, schedule, sparsp, ulysses  # noqa: F401  (each registers its strategies)
 from .call import Call
-from .request import Request, validate
+from .request import Request, validate, validate_place
 from .registry import StrategyName, StrategySpec, register_strategy, strategy_names, strategy_spec
 
 log = logging.getLogger("sparsp")
@@ -68,6 +68,8 @@ def sp_attention(
     v: torch.Tensor,
     *,
     group=None,
+    mesh=None,
+    dims=None,
     strategy: str = "sparsp",
     config: SparspConfig = SparspConfig(),
     layer: int | None = None,
@@ -77,7 +79,7 @@ def sp_attention(
     _timer=None,
     _owner=None,
 ) -> torch.Tensor:
-    """Sequence-parallel block-sparse attention over ``group``.
+    """Sequence-parallel block-sparse attention over ``group``, or over a device ``mesh``.
 
     ``q, k, v``: this rank's contiguous slice (B, S_local, H, D) of the (already placed)
     sequence; the slices concatenated in rank order form the global sequence, and each slice
@@ -87,6 +89,15 @@ def sp_attention(
     ``block_mask`` when every slice but the last is a whole number of blocks).
     ``strategy="ring"`` is the dense baseline and ignores the thresholds; ``strategy="auto"``
     picks one per call from the call's own mask and a machine profile (``strategies/auto.py``).
+
+    ``mesh``: a ``DeviceMesh`` of ``ulysses`` and ``sp`` dimensions (``sparsp.make_mesh``, or
+    any mesh with ``dims`` naming its dimensions' roles: ``sparsp.mesh``; a ``cfg`` dimension
+    of more than one rank is a pipeline's and is refused), in place of ``group`` (a mesh of one
+    ``sp`` dimension). With ulysses U > 1, ``q, k, v`` are piece u of sp slice r on rank
+    (sp=r, ulysses=u) (``sparsp.placement.ulysses_pieces``), and the call is the one the sp
+    ranks alone would make on their slices: an all-to-all to H/U heads per Ulysses rank, the
+    strategy over the sp group, an all-to-all back (``strategies/meshed.py``). Ulysses 1 is
+    the call over the mesh's sp group, unchanged.
 
     ``layer``: the index of the model layer this call attends for (an int >= 0; None: not
     said): its thresholds where ``config.thresholds`` sets them per layer, ``auto``'s log line
@@ -98,29 +109,27 @@ def sp_attention(
     for benchmarks; ``_owner``: whose plans these are (the parallelized model; None: direct
     calls).
     """
+    groups = None
+    if mesh is not None or dims is not None:  # every check of the mesh before any communication
+        groups = meshed.resolve(mesh, dims, group, q)
+        group = groups.sp if groups.layout.ulysses == 1 else groups.sequence
     validate(q, k, v, group, strategy, config)
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
-        raise ValueError(f"layer must be an int >= 0 or None, got {layer!r}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
-    if branch is not None and not isinstance(branch, (int, str)):
-        raise ValueError(f"branch must be None, an int or a str, got {type(branch).__name__}")
+    validate_place(layer, step, branch)
     if config.table is not None:
         config.table.check(heads=q.shape[2], what="q")
     config = config.at_layer(layer)
-    transport = get_transport(config.transport, group, q.device, config.timeout_s, config.local_transport)
     schedule.finite_checks.settle()  # earlier reuse calls' non-finite checks that are complete
-    key = None
+    if groups is not None and groups.layout.ulysses > 1:
+        transports = tuple(get_transport(config.transport, g, q.device, config.timeout_s, config.local_transport)
+                           for g in (groups.ulysses, groups.sp))
+        return meshed.attention(q, k, v, groups, strategy, config, transports, layer=layer, step=step, branch=branch,
+                                global_mask=_global_mask, timer=_timer, owner=_owner)
+    transport = get_transport(config.transport, group, q.device, config.timeout_s, config.local_transport)
     with torch.no_grad():
-        if step is not None and config.scheduled and _global_mask is None:
-            if config.step_kind(step) == "dense":  # exact dense attention, the strategy's dense path
-                strategy, config = schedule.dense_path(strategy), replace(config, cdf_threshold=1.0, sim_threshold=None)
-            elif config.replan_every > 1:
-                branch = schedule.branch_of(_owner, layer, step, branch)
-                key = schedule.plan_key(_owner, layer, branch, q, group, strategy, config)
-                plan = schedule.lookup(key) if config.step_kind(step) == "reuse" else None
-                if plan is not None:
-                    return _reuse(plan, q, k, v, group, config, transport, _timer)
+        strategy, config, key, kept = schedule.place(step, strategy, config, owner=_owner, layer=layer, branch=branch,
+                                                     q=q, group=group, masked=_global_mask is not None)
+        if kept is not None:  # a reuse step: the kept plan on this call's q, k, v
+            return schedule.run_kept(kept, q, k, v, group, config, transport, _timer)
         request = Request(q, k, v, group, strategy, config, transport, _global_mask, _timer, layer=layer)
         meta = request.gather()  # every rank's header and summaries, one all-gather
         call, staged = request.stage(meta)  # the mask, the payloads' selections, the counts to read
@@ -129,20 +138,6 @@ def sp_attention(
         if key is not None:  # a plan step whose plan later steps reuse
             schedule.keep(key, schedule.KeptPlan.of(call, spec), config.kept_plans)
         call.run(spec)  # transfers, kernels, merges
-    return call.output.result()
-
-
-def _reuse(plan, q, k, v, group, config: SparspConfig, transport, timer) -> torch.Tensor:
-    """A call on a kept plan: no summaries, no metadata collective, no mask, no host read; the
-    transport's fence, then the plan's transfers, kernels and merges on this call's q, k, v."""
-    plan.check(q)
-    call = plan.call(q, k, v, config, group, transport)
-    call.timer = timer
-    if config.check_finite:
-        with call.phase("check"):
-            schedule.finite_checks.queue(q, k, v, call.rank)
-    transport.fence()
-    call.run(plan.spec)
     return call.output.result()
 
 

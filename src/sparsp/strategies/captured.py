@@ -24,7 +24,8 @@ per geometry, on its second call (a warm-up step of a denoising loop).
 ``strategy="auto"`` runs ``sparsp``'s stage with the figures its choice needs
 (``cost.figures.call_figures``) in the same host read, captured alike. Not captured: a
 ``sim_threshold`` config (key smoothing adds collectives before the mask), test masks
-(``_global_mask``) and dense configs (no mask to compute). The CDF thresholds are an input of
+(``_global_mask``), dense configs (no mask to compute) and a mesh call's sp step (its mask is
+an input made by the call's head step, whose own stage is captured: ``strategies/meshed.py``). The CDF thresholds are an input of
 the graph, copied in before each replay, not part of its key: the layers of one geometry with
 thresholds of their own (``SparspConfig.thresholds``) replay one graph.
 """

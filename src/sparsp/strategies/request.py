@@ -2,7 +2,8 @@
 host read.
 
 ``validate`` makes every check that needs no communication. ``Request`` then holds the call's
-steps before the strategy runs:
+steps before the strategy runs (a mesh call makes two requests, its head step's and its sp
+step's: ``strategies/meshed.py``):
 
 1. ``gather``: the metadata all-gather (``plan.gather_metadata``);
 2. ``stage``: the plan stage (``strategies/captured.py``), replayed where a graph of its
@@ -16,7 +17,7 @@ steps before the strategy runs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,18 @@ from .call import Call
 from .registry import StrategySpec, strategy_names, strategy_spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _staged_only(call: Call) -> None:
+    raise AssertionError("a mesh call's head step stages; the strategy runs in its sp step")
+
+
+HEAD_STEP = StrategySpec(name="mesh-heads", run=_staged_only, plan=None, sparse=True, heads_divisible=True,
+                         placement="contiguous", byte_rule="all-to-all")
+"""What a mesh call's head step stages (``Request(heads_only=True)``): the whole mask and, as a
+head-sharded strategy's stage does, the kept work per head; no payloads."""
+HEADERS_STEP = replace(HEAD_STEP, name="mesh-headers", sparse=False, heads_divisible=False)
+"""The head step of a call without a mask (a dense strategy or config): the headers alone."""
 
 
 def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
@@ -79,6 +92,17 @@ def validate(q, k, v, group, strategy: str, config: SparspConfig) -> None:
         raise ValueError(f"config.sim_threshold has {len(config.sim_threshold)} values for {q.shape[2]} heads")
 
 
+def validate_place(layer, step, branch) -> None:
+    """The checks of where a call is in a model and a run (``sp_attention``'s ``layer``,
+    ``step``, ``branch``); raises ``ValueError`` naming the argument."""
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+        raise ValueError(f"layer must be an int >= 0 or None, got {layer!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    if branch is not None and not isinstance(branch, (int, str)):
+        raise ValueError(f"branch must be None, an int or a str, got {type(branch).__name__}")
+
+
 @dataclass
 class Request:
     """One ``sp_attention`` call up to its strategy's run, in four steps: ``gather``, ``stage``,
@@ -98,12 +122,22 @@ class Request:
     global_mask: torch.Tensor | None = None  # tests: replaces the CDF mask
     timer: PhaseTimer | None = None  # benchmarks: CUDA events per phase
     layer: int | None = None  # the model layer it attends for: auto logs its choice per layer
+    # a mesh call's head step (``strategies/meshed.py``): the stage makes the whole mask and the
+    # kept work per head (``HEAD_STEP``), no payloads; the strategy runs in the sp step after it
+    heads_only: bool = False
+    # a mesh call's sp step: the metadata its head step gathered (``Metadata.given``), so
+    # ``gather`` issues no collective
+    given: Metadata | None = None
 
     def __post_init__(self) -> None:
-        self.auto = self.strategy == AUTO
-        self.planned: StrategySpec = strategy_spec(PLANNED if self.auto else self.strategy)
-        self.computed = (self.auto or self.planned.sparse) and self.global_mask is None and not self.config.dense
-        self.graphed = captured.eligible(self.q, self.planned, self.config, self.computed)
+        self.auto = self.strategy == AUTO and not self.heads_only
+        spec = strategy_spec(PLANNED if self.strategy == AUTO else self.strategy)
+        self.computed = spec.sparse and self.global_mask is None and not self.config.dense
+        if self.heads_only:  # a mask where the strategy reads one (a test's too), else the headers alone
+            spec = HEAD_STEP if self.computed or (spec.sparse and self.global_mask is not None) else HEADERS_STEP
+        self.planned: StrategySpec = spec
+        # a given mask is an input the graph would not see change: the stage runs eagerly
+        self.graphed = self.given is None and captured.eligible(self.q, self.planned, self.config, self.computed)
         # one rank picks its kernel from the mask it reads (``one_gpu``): no kernel before the read
         self.alone = self.q.device.type in one_gpu.DEVICES and dist.get_world_size(self.group) == 1
         self.early = (self.config.local_first is not False and self.planned.local_first  # Call.attend_local_early
@@ -112,10 +146,13 @@ class Request:
         self._mask_phase = None  # the timer's "mask" phase while it is open
 
     def gather(self) -> Metadata:
-        """The metadata all-gather (``plan.gather_metadata``); the timer's mask phase opens."""
+        """The metadata all-gather (``plan.gather_metadata``), or the metadata given (no
+        collective); the timer's mask phase opens."""
         if self.timer is not None:
             self._mask_phase = self.timer.phase("mask")
             self._mask_phase.__enter__()
+        if self.given is not None:
+            return self.given
         with record_function("sparsp.metadata"):
             return gather_metadata(self.q, self.k, self.v, self.group, self.config, self.strategy,
                                    sparse=self.computed)
@@ -205,4 +242,4 @@ class Request:
             self._mask_phase = None
 
 
-__all__ = ["Request", "validate"]
+__all__ = ["HEADERS_STEP", "HEAD_STEP", "Request", "validate", "validate_place"]

@@ -75,6 +75,38 @@ def plan_key(owner, layer, branch, q: torch.Tensor, group, strategy: str, config
     return (owner, layer, branch, tuple(q.shape), id(group), strategy, config, q.dtype, str(q.device))
 
 
+def place(step: int | None, strategy: str, config, *, owner, layer, branch, q: torch.Tensor, group,
+          masked: bool) -> tuple:
+    """Where a call stands in ``config``'s schedule: ``(strategy, config, key, plan)`` — the
+    strategy and config it runs with (a dense step's: ``dense_path`` and every block kept), the
+    key its plan is kept under (None: not kept) and the kept plan it reuses (None: it plans).
+    ``group``: what the plans of its calls are kept per (a call's group, or a mesh call's
+    groups); ``masked``: a test's mask, which no schedule applies to."""
+    if step is None or not config.scheduled or masked:
+        return strategy, config, None, None
+    kind = config.step_kind(step)
+    if kind == "dense":  # exact dense attention, the strategy's dense path
+        return dense_path(strategy), dataclasses.replace(config, cdf_threshold=1.0, sim_threshold=None), None, None
+    if config.replan_every == 1:
+        return strategy, config, None, None
+    key = plan_key(owner, layer, branch_of(owner, layer, step, branch), q, group, strategy, config)
+    return strategy, config, key, lookup(key) if kind == "reuse" else None
+
+
+def run_kept(plan: "KeptPlan", q, k, v, group, config, transport, timer) -> torch.Tensor:
+    """A call on a kept plan: no summaries, no metadata collective, no mask, no host read; the
+    transport's fence, then the plan's transfers, kernels and merges on this call's q, k, v."""
+    plan.check(q)
+    call = plan.call(q, k, v, config, group, transport)
+    call.timer = timer
+    if config.check_finite:
+        with call.phase("check"):
+            finite_checks.queue(q, k, v, call.rank)
+    transport.fence()
+    call.run(plan.spec)
+    return call.output.result()
+
+
 def lookup(key) -> "KeptPlan | None":
     """The plan kept for ``key`` (now the most recently used), or None."""
     plan = _PLANS.get(key)
@@ -221,4 +253,4 @@ finite_checks = FiniteChecks()
 on_forget("schedule: queued non-finite checks", finite_checks.clear)
 
 __all__ = ["FiniteChecks", "KeptPlan", "branch_of", "dense_path", "finite_checks", "forget", "keep", "kept",
-           "lookup", "new_run", "plan_key"]
+           "lookup", "new_run", "place", "plan_key", "run_kept"]

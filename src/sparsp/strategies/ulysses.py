@@ -31,28 +31,65 @@ from ..caches import lru_get, per_geometry
 from ..cost.balance import balanced_heads, contiguous_heads
 from ..kernels import KVBuffer, LocalKV, kernel_indices, update_out_and_lse
 from ..packing import layout, pack
+from ..timing import phase_of
 from .call import Call
 from .registry import register_strategy
 
 
-def _exchange(call: Call, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
-    """For every peer p, in rounds: each tensor of ``sends[p]`` to p, and each tensor of
-    ``recvs[p]`` filled from p (the same count each way), one message per tensor. A
-    contiguous destination is fetched into in place; another through a temporary."""
-    r, G, t = call.rank, call.world, call.transport
+def exchange(transport, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]], *,
+             fetch=None, phase=None) -> None:
+    """For every peer p of ``transport``'s group, in rounds: each tensor of ``sends[p]`` to p,
+    and each tensor of ``recvs[p]`` filled from p (the same count each way), one message per
+    tensor. A contiguous destination is fetched into in place; another through a temporary.
+    ``fetch``: the fetch to use (``Call.fetch``, timed; default the transport's); ``phase``:
+    ``phase(name)`` times the packs (``Call.phase``; default untimed)."""
+    r, G, t = transport.rank, transport.world_size, transport
+    fetch = fetch or t.fetch
+    phase = phase or (lambda name: phase_of(None, name))
     for k in range(1, G):
         dst, src = (r + k) % G, (r - k) % G
         for piece, into in zip(sends[dst], recvs[src], strict=True):
-            with call.phase("pack"):
+            with phase("pack"):
                 buf = t.send_buffer(dst, piece.numel(), piece.dtype)
                 buf.view(piece.shape).copy_(piece)
             t.publish(dst, buf)
             target = into if into.is_contiguous() else torch.empty(into.shape, dtype=into.dtype,
                                                                    device=into.device)
-            call.fetch(src, target.view(-1)).wait()
+            fetch(src, target.view(-1)).wait()
             t.release(src)
             if target is not into:
                 into.copy_(target)
+
+
+def _exchange(call: Call, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
+    """``exchange`` over the call's transport, its transfers and packs timed with the call's."""
+    exchange(call.transport, sends, recvs, fetch=call.fetch, phase=call.phase)
+
+
+def to_heads(xs: list[torch.Tensor], heads: list[slice], toks: list[slice], rank: int, move) -> list[torch.Tensor]:
+    """Sequence shards to head shards: ``xs`` (B, S_rank, H, D) tensors of this rank's tokens
+    ``toks[rank]`` with every head → the same tensors for every token (``toks`` in order, the
+    last ending the sequence) of this rank's heads ``heads[rank]``. ``move(sends, recvs)``
+    exchanges them (``exchange``): one message per tensor and peer, landing in place."""
+    B, _, _, D = xs[0].shape
+    hp = heads[rank].stop - heads[rank].start
+    full = [torch.empty(B, toks[-1].stop, hp, D, dtype=x.dtype, device=x.device) for x in xs]
+    for t, x in zip(full, xs):  # this rank's own tokens of its heads
+        t[:, toks[rank]] = x[:, :, heads[rank]]
+    peers = [p for p in range(len(toks)) if p != rank]
+    move({p: [x[:, :, heads[p]] for x in xs] for p in peers}, {p: [t[:, toks[p]] for t in full] for p in peers})
+    return full
+
+
+def to_tokens(out: torch.Tensor, heads: list[slice], toks: list[slice], rank: int, move) -> torch.Tensor:
+    """Head shards back to sequence shards (``to_heads`` undone): ``out`` (B, S, hp, D), every
+    token of this rank's heads → (B, S_rank, H, D), this rank's tokens of every head."""
+    B, _, _, D = out.shape
+    final = torch.empty(B, toks[rank].stop - toks[rank].start, heads[-1].stop, D, dtype=out.dtype, device=out.device)
+    final[:, :, heads[rank]] = out[:, toks[rank]]
+    peers = [p for p in range(len(toks)) if p != rank]
+    move({p: [out[:, toks[p]]] for p in peers}, {p: [final[:, :, heads[p]]] for p in peers})
+    return final
 
 
 def _spans(sh, G: int) -> tuple[list[slice], list[slice]]:
@@ -77,20 +114,33 @@ _ORDERS = per_geometry("ulysses: head orders as index tensors")
                    description="all-to-all of Q, K, V to head shards, output back; block-sparse "
                                "on the full sequence")
 def run(call: Call) -> None:
-    H = call.shapes.heads
-    order = None
-    if call.head_work is not None:
-        order = balanced_heads(call.head_work, call.world)
-        order = None if order == contiguous_heads(H) else order
-    q, k, v, mask = call.q, call.k, call.v, call.full_mask
-    if order is not None:  # this call's heads in rank order: rank r computes the r-th group
-        idx, back = _orders(order, q.device)
-        q, k, v = (x.index_select(2, idx) for x in (q, k, v))
-        mask = mask.index_select(1, idx)
+    order = balanced_order(call.head_work, call.world)
+    q, k, v, mask, back = ordered(order, call.q, call.k, call.v, call.full_mask)
     final = (_run_whole if _whole_blocks(call.shapes) else _run_slices)(call, q, k, v, mask)
-    if order is not None:  # back to the caller's head order
+    if back is not None:  # back to the caller's head order
         final = final.index_select(2, back)
     call.output.set_final(final)
+
+
+def balanced_order(head_work: list[int] | None, ranks: int) -> tuple[int, ...] | None:
+    """The head order by density (``cost.balance.balanced_heads`` of the kept work per head:
+    rank r computes its r-th group), or None where it is the contiguous order or there is no
+    work to balance by (a dense call)."""
+    if head_work is None:
+        return None
+    order = balanced_heads(head_work, ranks)
+    return None if order == contiguous_heads(len(head_work)) else order
+
+
+def ordered(order: tuple[int, ...] | None, q, k, v, mask):
+    """``q, k, v`` (heads on dim 2) and ``mask`` (heads on dim 1, or None) in ``order``, and
+    the index that puts an output's heads back in the caller's order (None: ``order`` is None,
+    nothing moves)."""
+    if order is None:
+        return q, k, v, mask, None
+    idx, back = _orders(order, q.device)
+    q, k, v = (x.index_select(2, idx) for x in (q, k, v))
+    return q, k, v, None if mask is None else mask.index_select(1, idx), back
 
 
 def _orders(order: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,12 +160,8 @@ def _run_whole(call: Call, q, k, v, full_mask) -> torch.Tensor:
     B, H, D, bs = sh.batch, sh.heads, sh.head_dim, sh.block_size
     hp = H // G
     heads, toks = _spans(sh, G)
-    inputs = (q, k, v)
-    full = [torch.empty(B, toks[-1].stop, hp, D, dtype=q.dtype, device=q.device) for _ in inputs]
-    for t, x in zip(full, inputs):  # this rank's own tokens of its heads
-        t[:, toks[r]] = x[:, :, heads[r]]
-    _exchange(call, {p: [x[:, :, heads[p]] for x in inputs] for p in range(G) if p != r},
-              {p: [t[:, toks[p]] for t in full] for p in range(G) if p != r})
+    move = lambda sends, recvs: _exchange(call, sends, recvs)  # noqa: E731
+    full = to_heads([q, k, v], heads, toks, r, move)
     kv = LocalKV(full[1], full[2], bs)
     mask = (full_mask[:, heads[r]] if full_mask is not None else
             torch.ones(B, hp, kv.num_blocks, kv.num_blocks, dtype=torch.bool, device=q.device))
@@ -124,11 +170,7 @@ def _run_whole(call: Call, q, k, v, full_mask) -> torch.Tensor:
         o, _ = call.kernel(full[0].permute(0, 2, 1, 3), kv, kv_num, kv_idx, scale=D**-0.5)
     # the kernel may return fp32 (the torch kernel on the CPU): the exchange sends q's dtype
     out = o.transpose(1, 2).to(q.dtype)  # (B, S, hp, D): every token of this rank's heads
-    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=q.dtype, device=q.device)
-    final[:, :, heads[r]] = out[:, toks[r]]
-    _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},
-              {p: [final[:, :, heads[p]]] for p in range(G) if p != r})
-    return final
+    return to_tokens(out, heads, toks, r, move)
 
 
 def _run_slices(call: Call, q, k, v, full_mask) -> torch.Tensor:
@@ -177,8 +219,4 @@ def _run_slices(call: Call, q, k, v, full_mask) -> torch.Tensor:
                 acc_o, acc_l = update_out_and_lse(acc_o, acc_l, o, l)
         out[:, :, a:b] = acc_o
     out = out.permute(0, 2, 1, 3).to(dtype)  # (B, S, hp, D)
-    final = torch.empty(B, sh.seq_lens[r], H, D, dtype=dtype, device=out.device)
-    final[:, :, heads] = out[:, toks[r]]
-    _exchange(call, {p: [out[:, toks[p]]] for p in range(G) if p != r},
-              {p: [final[:, :, head_spans[p]]] for p in range(G) if p != r})
-    return final
+    return to_tokens(out, head_spans, toks, r, lambda sends, recvs: _exchange(call, sends, recvs))

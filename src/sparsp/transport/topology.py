@@ -6,11 +6,13 @@ lists, peer access between every pair of ranks); ``choose_by_rules`` applies the
 every pair of ranks, for the per-pair transport of ``peers.py``. Both ``select.py`` and
 ``peers.py`` build on this module, which imports neither.
 
-A process's host identity is its hostname and boot id, or ``SPARSP_HOST_ID`` when set
-(``sparsp.env``): ranks with different ids are treated as on different hosts, so that tests can
-emulate several hosts on one machine (e.g. ``host0`` for ranks 0–1 and ``host1`` for ranks
-2–3). Set it on every rank of the group or on none (on CPU the topology is gathered only when
-it is set).
+A process's host identity (``host_id``, read through ``sparsp.env``) is, in this order:
+``SPARSP_HOST_ID`` where set — ranks with different ids are treated as on different hosts, so
+that tests can emulate several hosts on one machine (e.g. ``host0`` for ranks 0–1 and ``host1``
+for ranks 2–3); set it on every rank of the group or on none —; else the node ``torchrun``
+names (``GROUP_RANK``: every process it starts on one node shares it); else the machine's
+hostname and boot id. On CPU the topology is gathered only where one of the first two says
+something (a single process without them is on one host).
 """
 
 from __future__ import annotations
@@ -42,9 +44,20 @@ def _boot_id() -> str:
 
 
 def host_id() -> str:
-    """This process's host identity: ``SPARSP_HOST_ID`` if set, else hostname and boot id."""
-    override = env.host_id()
-    return f"id:{override}" if override else f"{socket.gethostname()}/{_boot_id()}"
+    """This process's host identity: ``SPARSP_HOST_ID`` if set, else ``torchrun``'s node, else
+    hostname and boot id (module docstring)."""
+    override, node = env.host_id(), env.torchrun_node()
+    if override:
+        return f"id:{override}"
+    if node is not None:
+        return f"node:{node[0]}"
+    return f"{socket.gethostname()}/{_boot_id()}"
+
+
+def hosts_told() -> bool:
+    """Whether the environment names this process's host (``SPARSP_HOST_ID`` or ``torchrun``):
+    on CPU, ranks are then on the hosts it names, else on one."""
+    return env.host_id() is not None or env.torchrun_node() is not None
 
 
 def _host_indices(keys: list) -> tuple[int, ...]:
@@ -54,8 +67,8 @@ def _host_indices(keys: list) -> tuple[int, ...]:
 
 
 def topology(group=None, device=None) -> Topology:
-    """The group's ``Topology``; collective over ``group`` for CUDA devices (and on CPU when
-    ``SPARSP_HOST_ID`` is set).
+    """The group's ``Topology``; collective over ``group`` for CUDA devices (and on CPU where
+    the environment names hosts: ``hosts_told``).
 
     Two ranks count as having peer access (``Topology.peer``) when they are on one host, see the
     same GPU list, one GPU reaches the other's (or they share one), and both can import
@@ -65,7 +78,7 @@ def topology(group=None, device=None) -> Topology:
     if world == 1:
         return Topology(device.type, world, True, True, device.type == "cuda")
     if device.type != "cuda":
-        if env.host_id() is None:
+        if not hosts_told():
             return Topology(device.type, world, True, True, False)
         hosts = _host_indices(gather_objects(host_id(), group))
         return Topology("cpu", world, len(set(hosts)) == 1, True, False, hosts=hosts)
@@ -131,5 +144,5 @@ def describe_plan(plan: Plan) -> str:
     return "; ".join(f"{name} for {', '.join(p)}" for name, p in sorted(pairs.items()))
 
 
-__all__ = ["PEERS", "Plan", "choose_by_rules", "describe_plan", "host_id", "pair_plan",
+__all__ = ["PEERS", "Plan", "choose_by_rules", "describe_plan", "host_id", "hosts_told", "pair_plan",
            "plan_names", "topology"]
