@@ -1,7 +1,7 @@
 """Workloads calibrated to a per-head density profile: the token-density measure against a sort,
 the directly drawn scores against the generator's, kinds by density rank, the fit within its
 tolerance on a small geometry, unreachable targets reported, the JSON form round-tripping, the
-committed fits refitted, and the masks following the fitted heads."""
+committed fits refitted, ``sparsp calibrate``, and the masks following the fitted heads."""
 
 from __future__ import annotations
 
@@ -177,6 +177,32 @@ def test_profile_must_match_the_geometry():
         C.calibrate(SMALL, wrong)
 
 
+# --- sparsp calibrate ----------------------------------------------------------------------------
+
+
+def test_calibrate_writes_the_fit_and_a_line_per_layer(capsys, tmp_path):
+    profile, out = _ltx_profile(tmp_path), tmp_path / "fits" / "cal.json"
+    code, stdout, err = run_cli(capsys, ["calibrate", profile, "--model", "ltx-video", "--layers", 2, "--rows", 8,
+                                         "--step", 1, "--out", out])
+    assert code == 0, err
+    cal = C.read_calibration(out, geometry="ltx-video", source="toy-ltx", step=1)
+    assert len(cal.layers) == 2 and cal.rows == 8
+    lines = stdout.splitlines()
+    # not a terminal: one line per layer as it is fitted, then the table
+    assert [line.split(":")[0] for line in lines[:2]] == ["fitted layer 0 (1/2)", "fitted layer 1 (2/2)"]
+    assert lines[2].startswith("| layer | heads within tolerance") and len(lines) == 2 + 2 + 2 + 1
+    assert f"wrote {out}" in lines[-1]
+
+
+@pytest.mark.parametrize("where, match", [("dir", "is a directory; give a file"), ("under-a-file", "is a file")])
+def test_calibrate_refuses_an_unwritable_out_before_fitting(capsys, tmp_path, monkeypatch, where, match):
+    monkeypatch.setattr(C, "calibrate", lambda *a, **k: pytest.fail("fitted before checking --out"))
+    (tmp_path / "notes.txt").write_text("a file")
+    out = tmp_path if where == "dir" else tmp_path / "notes.txt" / "cal.json"
+    code, _, err = run_cli(capsys, ["calibrate", tmp_path / "missing.csv", "--model", "ltx-video", "--out", out])
+    assert code == 2 and err.startswith("sparsp calibrate: error:") and match in err and err.count("\n") == 1
+
+
 # --- sparsp analyze --density-profile ------------------------------------------------------------
 
 LTX = preset("ltx-video")
@@ -253,6 +279,7 @@ def test_analyze_fits_and_writes_the_calibration(capsys, tmp_path, monkeypatch):
     assert [h.target for h in cal.layers[0].heads] == list(DensityProfile.step(
         __import__("sparsp.workloads.density", fromlist=["read_profile"]).read_profile(profile), 1)[0])
     assert "calibration (fitted now, " in stdout
+    assert stdout.startswith("fitted layer 0 (1/1): ")  # a line per layer: capsys is not a terminal
 
 
 def _with_rows(init, rows):

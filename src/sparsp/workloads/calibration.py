@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -304,48 +305,19 @@ def calibrate(
                        rows=rows, mix=mix, layers=tuple(fits))
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-    import time
+def layer_lines(layers: int, emit: Callable[[str], None]) -> Callable[[LayerFit], None]:
+    """An ``on_layer`` for ``calibrate`` that ``emit``s one line per fitted layer (where output
+    is not a terminal, in place of a progress bar): its share within tolerance and the time
+    since this was made."""
+    t0, done = time.perf_counter(), []
 
-    parser = argparse.ArgumentParser(
-        prog="python -m sparsp.workloads.calibration",
-        description="Fit a preset's synthetic heads to a per-head density profile and write the "
-                    "fitted parameters (JSON) that `sparsp analyze --calibration` reads.")
-    parser.add_argument("profile", help="the profile: .csv as published, or .json as sparsp.density writes it")
-    parser.add_argument("--model", required=True, help="the preset whose heads are fitted")
-    parser.add_argument("--step", type=int, default=None, help="the profile's step (1-based; default: the mean)")
-    parser.add_argument("--layers", type=int, default=None, help="fit only the first N layers")
-    parser.add_argument("--rows", type=int, default=128, help="sampled query rows per head")
-    parser.add_argument("--seed", type=int, default=0, help="the workload seed")
-    parser.add_argument("--out", required=True, help="the calibration JSON to write")
-    args = parser.parse_args(argv)
+    def on_layer(fit: LayerFit) -> None:
+        done.append(fit.layer)
+        out = sum(not h.reachable for h in fit.heads)
+        emit(f"fitted layer {fit.layer} ({len(done)}/{layers}): {100 * fit.share_within():.0f} % of "
+             f"{len(fit.heads)} heads within tolerance{f', {out} out of reach' if out else ''}, "
+             f"{time.perf_counter() - t0:.0f} s")
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .density import read_profile
-
-    t0 = time.perf_counter()
-    try:
-        profile = read_profile(args.profile, expected=args.model)
-        with Progress(TextColumn("calibrating layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      transient=True) as progress:
-            task = progress.add_task("", total=args.layers or preset(args.model).layers)
-            cal = calibrate(args.model, profile, step=args.step, layers=args.layers, seed=args.seed,
-                            rows=args.rows, on_layer=lambda _: progress.advance(task))
-        cal.write(args.out)
-    except (OSError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    print("| layer | heads within tolerance | unreachable | worst head (kind): target → verified |")
-    print("|---|---|---|---|")
-    for r in cal.summary_rows():
-        print(f"| {r['layer']} | {100 * r['within']:.0f} % | {len(r['unreachable'])} | {r['worst_head']} "
-              f"({r['worst_kind']}): {r['worst_target']:.4f} → {r['worst_density']:.4f} |")
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
-    return 0
+    return on_layer
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..geometry import VideoGeometry, preset
-from ..masks import PooledBlocks, density, pattern_shares, select_blocks
+from ..geometry import VideoGeometry
+from ..masks import PooledBlocks, select_blocks
 from .rope import angles, block_trig, frequencies, rotate_pairs
 
 KINDS = ("diagonal", "multi-diagonal", "column", "dense")
@@ -342,30 +342,3 @@ def synthetic_masks(
         if on_layer is not None:
             on_layer(layer)
     return out
-
-
-# --- calibration table (docs/workloads.md): python -m sparsp.workloads.synthetic -----------------------------
-
-
-def calibration_rows(model: str, cdfs: Sequence[float] = (0.85, 0.9, 0.95), *, seed: int = 0):
-    """Per cdf, one layer of ``model`` at the default mix: (cdf, density, pattern shares of all
-    heads, pattern shares without the dense control heads)."""
-    geom = preset(model)
-    masks = synthetic_masks(geom, cdfs, seed=seed)
-    positional = [h for h, k in enumerate(head_kinds(geom, seed=seed)) if k != "dense"]
-    for cdf, m in masks.items():
-        yield cdf, density(m), pattern_shares(m, geom), pattern_shares(m[:, positional], geom)
-
-
-if __name__ == "__main__":
-    import sys
-
-    def shares(d: dict[str, float]) -> str:
-        return " / ".join(f"{v:.2f}" for v in d.values())
-
-    print("| model | seed | cdf | density | all heads: diag / multi / column / other "
-          "| without dense heads: diag / multi / column / other |\n|---|---|---|---|---|---|")
-    for model in sys.argv[1:] or ["hunyuan-video", "wan2.1-14b"]:
-        for seed in (0, 1, 2):
-            for cdf, dens, every, positional in calibration_rows(model, seed=seed):
-                print(f"| {model} | {seed} | {cdf} | {dens:.3f} | {shares(every)} | {shares(positional)} |")
