@@ -2,9 +2,11 @@
 attention, recorded mask traces, published per-head density profiles, and heads fitted to them.
 
 ``synthetic``    q/k from each model's own 3D RoPE (docs/workloads.md); ``synthetic_masks``
+``rope``         the RoPE tables ``synthetic`` and ``scores`` share
 ``traces``       recorded block masks (``sparsp trace`` writes them, ``analyze --trace`` reads)
 ``density``      per-(step, layer, head) density profiles (CSV of the public repositories, JSON)
 ``scores``       token-level scores of sampled query rows, drawn directly, and their density
+``alignment``    the search for one head's alignment against a target density
 ``calibration``  the generator's heads fitted to a density profile, layer by layer
 
 The documented names are importable from here (``from sparsp.workloads import synthetic_masks``).
