@@ -46,7 +46,8 @@ import sys
 from sparsp.cli import main
 heavy = ("torch", "diffusers", "matplotlib", "rich.table")
 for argv in ([], ["analyze"], ["simulate"], ["trace"], ["bench"], ["bench", "attention"], ["bench", "e2e"],
-             ["bench", "kernel"], ["bench", "transport"], ["bench", "report"], ["bench", "timeline"]):
+             ["bench", "kernel"], ["bench", "transport"], ["bench", "report"], ["bench", "timeline"],
+             ["calibrate"], ["density"]):
     try:
         main([*argv, "--help"])
     except SystemExit as e:
@@ -62,8 +63,8 @@ def test_help_of_every_verb_imports_no_torch():
     (``sparsp.names``), so they answer without importing torch (9-13 s on a 2-core machine)."""
     run = subprocess.run([sys.executable, "-c", HELP_CHECK], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "LIGHT" in run.stdout, run.stderr[-2000:]
-    for verb in ("analyze", "simulate", "trace", "bench", *(f"bench {v}" for v in ("attention", "e2e", "kernel",
-                                                                                "transport", "report", "timeline"))):
+    for verb in ("analyze", "simulate", "trace", "bench", "calibrate", "density",
+                 *(f"bench {v}" for v in ("attention", "e2e", "kernel", "transport", "report", "timeline"))):
         assert f"usage: sparsp {verb}" in run.stdout
     # each bench verb's description is its module's docstring, read without importing the module
     assert "One attention layer per strategy" in run.stdout and "End-to-end denoising steps" in run.stdout

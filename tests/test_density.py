@@ -14,7 +14,6 @@ import pytest
 from sparsp.workloads.density import (
     PROFILE_FORMAT,
     DensityProfile,
-    main,
     read_csv,
     read_json,
     read_profile,
@@ -213,18 +212,18 @@ def test_json_errors(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
+    from cli_utils import run_cli
+
     path = write(tmp_path / "p.csv", rows())
-    assert main([str(path), "--preset", "wan2.1-14b"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {path}: 3 layers x 4 heads, but preset wan2.1-14b has 40 layers x 40 heads"]
-    assert main([str(path), "--write-json", str(tmp_path / "p.json")]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("p.csv: 2 steps x 3 layers x 4 heads, token-level density at 0.95")
+    code, _, err = run_cli(capsys, ["density", path, "--preset", "wan2.1-14b"])
+    assert code == 2 and err.strip().splitlines() == [
+        f"sparsp density: error: {path}: 3 layers x 4 heads, but preset wan2.1-14b has 40 layers x 40 heads"]
+    code, out, _ = run_cli(capsys, ["density", path, "--write-json", tmp_path / "p.json"])
+    assert code == 0 and out.startswith("p.csv: 2 steps x 3 layers x 4 heads, token-level density at 0.95")
     assert read_json(tmp_path / "p.json") == read_csv(path)
     bad = write(tmp_path / "bad.csv", rows()[:1] + [(1, 0, 1, 2.0)])
-    assert main([str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "bad.csv:3: Sparsity 2.0 outside [0, 1]" in err
+    code, _, err = run_cli(capsys, ["density", bad])
+    assert code == 2 and err.count("\n") == 1 and "bad.csv:3: Sparsity 2.0 outside [0, 1]" in err
 
 
 def test_imports_no_torch():

@@ -320,3 +320,20 @@ def test_head_params_set_kinds_and_alignment_and_are_checked():
         HeadParams(("dense", "column"), (1.0,))
     with pytest.raises(ValueError, match="HeadParams for 2 heads, the geometry has 8"):
         pooled_qk(SMALL, seed=0, heads=HeadParams(("dense", "column"), (1.0, 1.0)))
+
+
+# --- the default mix's table (docs/workloads.md, "Calibration") ----------------------------------
+
+
+def test_the_docs_table_of_the_default_mix_is_the_generators():
+    """A row of the table (HunyuanVideo, seed 0, cdf 0.9), recomputed as every row is made: one
+    layer of ``synthetic_masks`` at the default mix, its density and pattern shares, then the
+    shares without the dense control heads."""
+    from pathlib import Path
+
+    geom = preset("hunyuan-video")
+    m = synthetic_masks(geom, 0.9, seed=0)[0.9]
+    positional = [h for h, k in enumerate(head_kinds(geom, seed=0)) if k != "dense"]
+    shares = [" / ".join(f"{v:.2f}" for v in M.pattern_shares(x, geom).values()) for x in (m, m[:, positional])]
+    row = f"| hunyuan-video | 0 | 0.9 | {M.density(m):.3f} | {shares[0]} | {shares[1]} |"
+    assert row in (Path(__file__).resolve().parents[1] / "docs" / "workloads.md").read_text()

@@ -166,9 +166,8 @@ def _calibrated_masks(cfg: AnalyzeConfig, geom: VideoGeometry, table, progress):
             raise ValueError(f"{cfg.calibration}: fitted {len(cal.layers)} layer(s), {n} asked for")
         written = None
     else:
-        task = progress.add_task("calibrating layers", total=n) if progress else None
         cal = cal_mod.calibrate(geom, profile, step=cfg.step, layers=n, seed=cfg.seed, rows=cfg.calibration_rows,
-                                on_layer=lambda _: _advance(progress, task))
+                                on_layer=_fit_progress(progress, n))
         # Written at once, so a later failure does not lose the fit: calibrate once, load many.
         written = None
         if cfg.out is not None:
@@ -597,6 +596,18 @@ def _sweep(geom, masks_by_cdf, cfg, dtype_bytes, progress) -> dict:
         ]
     return {"cdf": cdf, "volume": volume, "sharing": sharing, "amplification": amp,
             "relay": relay, "direct": direct}
+
+
+def _fit_progress(progress, layers: int):
+    """``on_layer`` of a fit: a bar on a terminal, else a line per layer (a fit takes minutes)."""
+    from .workloads.calibration import layer_lines
+
+    if progress is None:
+        return None
+    if progress.console.is_terminal:
+        task = progress.add_task("calibrating layers", total=layers)
+        return lambda _: progress.advance(task)
+    return layer_lines(layers, lambda line: progress.console.print(line, markup=False, highlight=False))
 
 
 def _advance(progress, task) -> None:

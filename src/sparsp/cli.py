@@ -1,5 +1,6 @@
-"""The ``sparsp`` command line: ``analyze`` and ``simulate`` (CPU), ``trace`` (a Diffusers model),
-``bench attention|e2e|kernel|transport`` (GPUs) and ``bench report|timeline`` (their results).
+"""The ``sparsp`` command line: ``analyze``, ``simulate``, ``calibrate`` and ``density`` (CPU),
+``trace`` (a Diffusers model), ``bench attention|e2e|kernel|transport`` (GPUs) and ``bench
+report|timeline`` (their results).
 
 Each verb's parser gets its arguments only when that verb is chosen (``_LazyParser``), and its
 choices come from plain-data modules (``sparsp.geometry``, ``sparsp.names``); strategy names
@@ -16,6 +17,7 @@ from pathlib import Path
 from .geometry import PRESETS
 from .inputs import HelpFormatter, add_density_profile_arguments, add_schedule_arguments, add_thresholds_argument
 from .names import PLACEMENTS
+from .preflight import check_out_file
 
 
 class _LazyParser(argparse.ArgumentParser):
@@ -231,6 +233,117 @@ def _usage_error(error, verb: str = "analyze") -> int:
     return 2
 
 
+def _add_calibrate(sub) -> None:
+    """``sparsp calibrate`` (fit the synthetic heads to a density profile; ``sparsp.workloads.calibration``)."""
+    sub.add_parser(
+        "calibrate", help="fit a preset's synthetic heads to a per-head density profile (CPU)",
+        description=(
+            "Fit the kinds and alignments of a preset's synthetic heads, layer by layer, to a real model's "
+            "per-head densities (docs/workloads.md, \"Heads calibrated to a profile\"), check each head on "
+            "another sample, and write the fit (JSON) that --calibration of analyze, simulate and bench "
+            "reads. Prints a line per layer (a progress bar on a terminal), then a table per layer."),
+        formatter_class=_DefaultsFormatter, populate=_calibrate_arguments)
+
+
+def _calibrate_arguments(p) -> None:
+    p.add_argument("profile", type=Path, metavar="PROFILE",
+                   help="the density profile: .csv as published (Step,Layer,Head,Sparsity), or sparsp's .json")
+    p.add_argument("--model", required=True, choices=PRESETS, help="the preset whose heads are fitted")
+    p.add_argument("--step", type=int, default=None, help="the profile's step (1-based; default: the mean over steps)")
+    p.add_argument("--layers", type=int, default=None, help="fit only the first N layers (default: all of them)")
+    p.add_argument("--rows", type=int, default=128, help="sampled query rows per head, for the fit and for the check")
+    p.add_argument("--seed", type=int, default=0, help="the workload seed")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="the calibration JSON to write")
+    p.set_defaults(func=_run_calibrate)
+
+
+def _run_calibrate(args) -> int:
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        check_out_file(args.out, what="a file, e.g. calibration.json")  # before the fit: minutes lost otherwise
+        from rich.console import Console
+
+        from .workloads.calibration import calibrate
+        from .workloads.density import read_profile
+
+        profile = read_profile(args.profile, expected=args.model)
+        console = Console()
+        with _layer_progress(console, args.layers or profile.layers) as on_layer:
+            cal = calibrate(args.model, profile, step=args.step, layers=args.layers, seed=args.seed,
+                            rows=args.rows, on_layer=on_layer)
+        cal.write(args.out)
+    except (OSError, ValueError) as e:
+        return _usage_error(e, "calibrate")
+    print("| layer | heads within tolerance | unreachable | worst head (kind): target → verified |")
+    print("|---|---|---|---|")
+    for r in cal.summary_rows():
+        print(f"| {r['layer']} | {100 * r['within']:.0f} % | {len(r['unreachable'])} | {r['worst_head']} "
+              f"({r['worst_kind']}): {r['worst_target']:.4f} → {r['worst_density']:.4f} |")
+    heads = [h for ly in cal.layers for h in ly.heads]
+    print(f"{sum(h.within for h in heads)} of {len(heads)} heads within tolerance, "
+          f"{sum(not h.reachable for h in heads)} out of reach; wrote {args.out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _layer_progress(console, layers: int):
+    """A context giving ``on_layer(fit)``: a progress bar on a terminal, else one line per layer."""
+    import contextlib
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .workloads.calibration import layer_lines
+
+    if console.is_terminal:
+        @contextlib.contextmanager
+        def bar():
+            with Progress(TextColumn("fitting layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                task = progress.add_task("", total=layers)
+                yield lambda _: progress.advance(task)
+        return bar()
+    return contextlib.nullcontext(layer_lines(layers, lambda line: print(line, flush=True)))
+
+
+def _add_density(sub) -> None:
+    """``sparsp density`` (summarise a per-head density profile; ``sparsp.workloads.density``)."""
+    sub.add_parser(
+        "density", help="summarise a per-head density profile (CPU)",
+        description=("Summarise a per-(step, layer, head) density profile, as published (CSV Step,Layer,Head,"
+                     "Sparsity) or in sparsp's JSON form: mean, median, layer means, densest head over its "
+                     "layer's mean, and how alike consecutive steps are (docs/workloads.md)."),
+        formatter_class=_DefaultsFormatter, populate=_density_arguments)
+
+
+def _density_arguments(p) -> None:
+    p.add_argument("file", type=Path, metavar="FILE",
+                   help="the profile: .csv as published, or .json as sparsp writes it")
+    p.add_argument("--preset", choices=PRESETS, default=None, help="check that layers and heads match this preset")
+    p.add_argument("--step", type=int, default=None,
+                   help="the step of 'densest head / layer mean' (1-based; default: the middle step)")
+    p.add_argument("--write-json", type=Path, default=None, metavar="OUT",
+                   help="also write the profile as sparsp's JSON")
+    p.set_defaults(func=_run_density)
+
+
+def _run_density(args) -> int:
+    from .workloads.density import read_profile, write_json
+
+    try:
+        profile = read_profile(args.file, expected=args.preset)
+        summary = profile.summary(step=args.step)
+        if args.write_json:
+            write_json(profile, args.write_json)
+    except (OSError, ValueError) as e:
+        return _usage_error(e, "density")
+    print(f"{profile.source}: {profile.steps} steps x {profile.layers} layers x {profile.heads} heads, "
+          f"token-level density at {profile.mass:g} of the attention mass")
+    for line in summary.lines():
+        print(f"  {line}")
+    return 0
+
+
 def _add_bench(sub) -> None:
     sub.add_parser("bench", help="GPU benchmarks (run under torchrun) and their reports",
                    description="GPU benchmarks and their reports; results go to bench/results/ as JSON + PNG.",
@@ -278,10 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sparsp",
         description="Sparsity-aware sequence-parallel attention for video diffusion transformers.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,bench,simulate,trace}",
-                                parser_class=_LazyParser)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{analyze,bench,calibrate,density,simulate,trace}", parser_class=_LazyParser)
     _add_analyze(sub)
     _add_bench(sub)
+    _add_calibrate(sub)
+    _add_density(sub)
     _add_trace(sub)
     _add_simulate(sub)
     return parser

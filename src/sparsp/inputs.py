@@ -123,9 +123,8 @@ def add_density_profile_arguments(p: argparse.ArgumentParser, *, use: str, fitte
     p.add_argument("--step", type=int, default=None,
                    help="with --density-profile: the profile's step (1-based; default: the mean over steps)")
     p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
-                   help="with --density-profile: fitted heads to reuse (python -m sparsp.workloads.calibration's JSON, "
-                        f"or an earlier run's), about a minute per layer of a full preset to fit; default: "
-                        f"fit them now and write {fitted}")
+                   help="with --density-profile: fitted heads to reuse (sparsp calibrate's JSON, or an earlier "
+                        f"run's; a whole model takes minutes to fit); default: fit them now and write {fitted}")
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser, *, costs: str) -> None:

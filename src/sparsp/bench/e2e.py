@@ -475,7 +475,7 @@ def _share_within(cal) -> float:
 def _calibration(args, verbose: bool):
     """The calibrated heads of the model's layers (``--calibration``, else fitted now on this
     process's CPU and written into ``--out``): one ``sparsp.calibration.Calibration``."""
-    from ..workloads.calibration import calibrate, read_calibration
+    from ..workloads.calibration import calibrate, layer_lines, read_calibration
     from ..workloads.density import read_profile
     from ..geometry import preset
 
@@ -490,7 +490,8 @@ def _calibration(args, verbose: bool):
             return cal
         if verbose:
             print(f"calibrating {layers} layer(s) of {geom.name} to {args.density_profile} ...", flush=True)
-        cal = calibrate(geom, profile, step=args.step, layers=layers, seed=args.seed)
+        cal = calibrate(geom, profile, step=args.step, layers=layers, seed=args.seed,
+                        on_layer=layer_lines(layers, lambda line: print(line, flush=True)) if verbose else None)
     except (OSError, ValueError) as e:
         refuse("e2e", " ".join(str(e).split()))
     if verbose:

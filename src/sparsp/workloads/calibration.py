@@ -8,11 +8,11 @@ shares (``HeadMix``) and gives the kinds to the heads by density rank, sparsest 
 
 (a column head's sinks hold its mass in a few keys; a diagonal head needs its neighbourhood in
 one frame; a multi-diagonal head the same place in every frame; the dense control the most).
-Then each head's alignment a, which sets how sharply it decays, is fitted by bisection on log a
-so that its TOKEN-level density at the profile's mass matches the profile: per query, the fewest
-keys holding ``mass`` of its softmax attention over ALL keys, over the number of keys, averaged
-over sampled query rows. Scores are quadratic in a (``workloads.score_terms``), so one set of
-terms, computed for a group of heads at once, serves every bisection step of those heads.
+Then each head's alignment a, which sets how sharply it decays, is searched for
+(``workloads.alignment``) so that its TOKEN-level density at the profile's mass matches the
+profile: per query, the fewest keys holding ``mass`` of its softmax attention over ALL keys,
+over the number of keys, averaged over sampled query rows (``workloads.scores``, which draws
+those rows' scores directly and serves every trial of a from one set of tables).
 
 A head is within tolerance when |measured − target| <= max(10 % of the target, 0.002). The
 result is then measured again with another noise seed and another sample of query rows; that
@@ -29,69 +29,31 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .density import DensityProfile
 from ..geometry import VideoGeometry, preset
-from .synthetic import HeadMix, HeadParams, score_terms
+from .alignment import ABSOLUTE_TOLERANCE, RELATIVE_TOLERANCE, fit_alignment, tolerance
+from .density import DensityProfile
+from .scores import KeyCounter, RowScores, row_scores
+from .synthetic import HeadMix, HeadParams
 
 CALIBRATION_FORMAT = "sparsp-calibration"
 CALIBRATION_VERSION = 1
 RANK_ORDER = ("column", "diagonal", "multi-diagonal", "dense")
 """Kinds from the sparsest heads of a layer to the densest."""
-ALIGNMENT_RANGE = (0.01, 20.0)
-"""The bisection's bounds on a: at 0.01 only the noise shapes the scores, at 20 a head keeps a
-handful of keys."""
-RELATIVE_TOLERANCE = 0.10
-ABSOLUTE_TOLERANCE = 0.002
 CALIBRATION_MIX = HeadMix(noise=0.5)
 """The default mix with half its noise. With only noise left (a -> 0), a head's scores are
 about σ² × N(0, 1) per key, and the fewest keys holding 95 % of the mass are Φ(1.645 − σ²) of
 them: 0.74 at σ = 1, short of the densest published heads (Wan 2.1 14B: up to 0.945, and 6.5 %
 of its heads' means over steps above 0.81); at σ = 0.5 the ceiling is 0.92, which reaches them
 within tolerance. The shares and every other field stay the default's."""
-_BINS_PER_NAT = 20  # histogram of log p: keys within 5 % of each other in p share a bin
-_LOG_P_FLOOR = 60.0  # keys below e^-60 of the mass share the last bin; they never count
-_CHUNK_ROWS = 16  # rows per histogram: small temporaries the allocator reuses, not fresh pages
-
-
-def tolerance(target: float) -> float:
-    """The allowed |measured − target|: 10 % relative or 0.002 absolute, whichever is larger."""
-    return max(RELATIVE_TOLERANCE * target, ABSOLUTE_TOLERANCE)
-
-
-def token_density(scores: torch.Tensor, mass: float) -> torch.Tensor:
-    """Per leading index of ``scores`` [..., rows, keys]: the fewest keys holding ``mass`` of
-    each row's softmax, over the number of keys, averaged over the rows.
-
-    Counted from a histogram of log p (bins of 1/20 nat) instead of a sort, seven times faster
-    on the CPU; the bin that crosses ``mass`` is split in proportion to its mass, so the count
-    is within a fraction of one bin of the sorted one (tests/test_calibration.py)."""
-    *lead, rows, keys = scores.shape
-    flat = scores.reshape(-1, keys)
-    counts = torch.cat([_key_counts(flat[i:i + _CHUNK_ROWS], mass) for i in range(0, len(flat), _CHUNK_ROWS)])
-    return (counts.reshape(*lead, rows) / keys).mean(-1)
-
-
-def _key_counts(rows: torch.Tensor, mass: float) -> torch.Tensor:
-    rows = rows.float()
-    logp = rows - torch.logsumexp(rows, -1, keepdim=True)
-    nb = int(_LOG_P_FLOOR * _BINS_PER_NAT)
-    b = (logp * -_BINS_PER_NAT).long().clamp_(0, nb - 1)
-    b += torch.arange(len(rows))[:, None] * nb
-    b = b.flatten()
-    pm = torch.bincount(b, weights=logp.exp_().flatten(), minlength=len(rows) * nb).double().reshape(-1, nb)
-    pc = torch.bincount(b, minlength=len(rows) * nb).double().reshape(-1, nb)
-    cm, cc = pm.cumsum(1), pc.cumsum(1)
-    i = (cm < mass).sum(1, keepdim=True).clamp(max=nb - 1)
-    bin_m, bin_c = pm.gather(1, i), pc.gather(1, i)
-    frac = ((mass - (cm.gather(1, i) - bin_m)) / bin_m.clamp_min(1e-300)).clamp(0, 1)
-    return (cc.gather(1, i) - bin_c + torch.ceil(frac * bin_c)).clamp_min(1).flatten()
 
 
 def assign_kinds(targets: Sequence[float], mix: HeadMix) -> tuple[str, ...]:
@@ -241,30 +203,6 @@ def _sample_rows(geom: VideoGeometry, seed: int, layer: int, sample: int, rows: 
     return torch.randperm(geom.num_tokens, generator=gen)[: min(rows, geom.num_tokens)]
 
 
-def _densities(terms: torch.Tensor, a: torch.Tensor, noise: float, mass: float,
-               heads: Sequence[int] | None = None) -> torch.Tensor:
-    """Token density of the ``heads`` (default all) of ``terms`` [3, heads, rows, keys] at their
-    alignments ``a``; the scores are formed a few rows at a time, so no [heads, rows, keys]
-    temporary exists."""
-    heads = range(terms.shape[1]) if heads is None else heads
-    out = torch.empty(len(heads), dtype=torch.float64)
-    rows = terms.shape[2]
-    for j, h in enumerate(heads):
-        x = float(a[j])
-        counts = []
-        for i in range(0, rows, _CHUNK_ROWS):
-            t = terms[:, h, i:i + _CHUNK_ROWS]
-            counts.append(_key_counts(torch.add(t[0] * (x * x), t[1], alpha=x * noise).add_(t[2], alpha=noise * noise),
-                                      mass))
-        out[j] = torch.cat(counts).mean() / terms.shape[-1]
-    return out
-
-
-def _head_groups(geom: VideoGeometry, rows: int, budget: int) -> int:
-    # Heads per vectorised group: bounds the memory of the score terms and the histogram.
-    return max(1, min(geom.heads, budget // max(1, rows * geom.num_tokens)))
-
-
 def calibrate_layer(
     geom: VideoGeometry,
     targets: Sequence[float],
@@ -275,63 +213,64 @@ def calibrate_layer(
     mass: float = 0.95,
     rows: int = 128,
     iterations: int = 16,
-    budget: int = 1 << 26,
+    workers: int | None = None,
 ) -> LayerFit:
     """Fit one layer's kinds and alignments to ``targets`` (one token-level density per head)
-    with ``mix``'s shares and noise (default ``CALIBRATION_MIX``)."""
+    with ``mix``'s shares and noise (default ``CALIBRATION_MIX``), in at most ``iterations``
+    measurements per head. The heads are fitted ``workers`` at a time (default: torch's CPU
+    threads), each on one thread."""
     mix = mix or CALIBRATION_MIX
     if len(targets) != geom.heads:
         raise ValueError(f"{len(targets)} targets for {geom.heads} heads")
     kinds = assign_kinds(targets, mix)
-    t = torch.tensor(targets, dtype=torch.float64)
-    tol = torch.tensor([tolerance(x) for x in targets], dtype=torch.float64)
-    lo_a, hi_a = ALIGNMENT_RANGE
-    a = torch.empty(geom.heads, dtype=torch.float64)
-    fit = torch.empty(geom.heads, dtype=torch.float64)
-    reachable = torch.ones(geom.heads, dtype=torch.bool)
-    group = _head_groups(geom, rows, budget)
-    fit_rows = _sample_rows(geom, seed, layer, 0, rows)
-    for start in range(0, geom.heads, group):
-        hs = list(range(start, min(geom.heads, start + group)))
-        terms = score_terms(geom, kinds, seed=seed, layer=layer, rows=fit_rows, heads=hs, noise_seed=0, mix=mix)
-        n = len(hs)
-        densest = _densities(terms, torch.full((n,), lo_a), mix.noise, mass)
-        sparsest = _densities(terms, torch.full((n,), hi_a), mix.noise, mass)
-        tt, tl = t[hs], tol[hs]
-        lo, hi = torch.full((n,), math.log(lo_a), dtype=torch.float64), torch.full((n,), math.log(hi_a),
-                                                                                     dtype=torch.float64)
-        best_a = torch.where(tt > densest, torch.tensor(lo_a, dtype=torch.float64), hi_a)
-        best_d = torch.where(tt > densest, densest, sparsest)
-        reach = (tt <= densest + tl) & (tt >= sparsest - tl)
-        # A head whose end already fits needs no search; aim inside half the tolerance so the
-        # verification with another sample still lands within it.
-        active = reach & ((best_d - tt).abs() > tl / 2)
-        for _ in range(iterations):
-            if not active.any():
-                break
-            idx = active.nonzero().flatten()
-            mid = (lo[idx] + hi[idx]) / 2
-            d = _densities(terms, mid.exp(), mix.noise, mass, idx.tolist())
-            closer = (d - tt[idx]).abs() < (best_d[idx] - tt[idx]).abs()
-            best_a[idx] = torch.where(closer, mid.exp(), best_a[idx])
-            best_d[idx] = torch.where(closer, d, best_d[idx])
-            sharper = d > tt[idx]  # too dense: a must grow
-            lo[idx] = torch.where(sharper, mid, lo[idx])
-            hi[idx] = torch.where(sharper, hi[idx], mid)
-            active[idx] = (d - tt[idx]).abs() > tl[idx] / 2
-        a[hs], fit[hs], reachable[hs] = best_a, best_d, reach
-        del terms
-    # Verification: another noise seed, another sample of query rows.
-    check_rows = _sample_rows(geom, seed, layer, 1, rows)
-    verified = torch.empty(geom.heads, dtype=torch.float64)
-    for start in range(0, geom.heads, group):
-        hs = list(range(start, min(geom.heads, start + group)))
-        terms = score_terms(geom, kinds, seed=seed, layer=layer, rows=check_rows, heads=hs, noise_seed=1, mix=mix)
-        verified[hs] = _densities(terms, a[hs], mix.noise, mass)
-    return LayerFit(layer=layer, heads=tuple(
-        HeadFit(head=h, kind=kinds[h], alignment=float(a[h]), target=float(targets[h]),
-                fit_density=float(fit[h]), density=float(verified[h]), reachable=bool(reachable[h]))
-        for h in range(geom.heads)))
+
+    def scores(sample: int, counter: KeyCounter) -> RowScores:  # 1: another seed, other rows
+        return row_scores(geom, kinds, seed=seed, layer=layer, rows=_sample_rows(geom, seed, layer, sample, rows),
+                          noise_seed=sample, mix=mix)
+
+    def one(h: int, counter: KeyCounter) -> HeadFit:
+        a, fitted, reachable = fit_alignment(fit, h, float(targets[h]), kinds[h], mass, iterations, counter)
+        return HeadFit(head=h, kind=kinds[h], alignment=a, target=float(targets[h]), fit_density=fitted,
+                       density=check.density(h, a, mass, counter), reachable=reachable)
+
+    with _Threads(workers, geom.num_tokens) as threads:
+        fit, check = threads.map(scores, (0, 1))
+        # Column heads take the most steps (docs/workloads.md): first, so no thread waits on one.
+        order = sorted(range(geom.heads), key=lambda h: (kinds[h] != "column", h))
+        fits = dict(zip(order, threads.map(one, order)))
+    return LayerFit(layer=layer, heads=tuple(fits[h] for h in range(geom.heads)))
+
+
+class _Threads:
+    """``map(fn, items)``: ``fn(item, counter)`` for every item, ``workers`` at a time (default:
+    torch's CPU threads), each on one CPU thread with a ``KeyCounter`` of its own (a count's
+    histogram runs on one thread; heads side by side use them all)."""
+
+    def __init__(self, workers: int | None, keys: int) -> None:
+        self._threads = torch.get_num_threads()
+        self._workers = max(1, workers or self._threads)
+        self._keys = keys
+        self._local = threading.local()
+        self._pool = None
+
+    def __enter__(self) -> _Threads:
+        if self._workers > 1:
+            torch.set_num_threads(1)
+            self._pool = ThreadPoolExecutor(self._workers)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            torch.set_num_threads(self._threads)
+
+    def map(self, fn, items) -> list:
+        def run(item):
+            if not hasattr(self._local, "counter"):
+                self._local.counter = KeyCounter(self._keys)
+            return fn(item, self._local.counter)
+
+        return list(self._pool.map(run, items) if self._pool is not None else map(run, items))
 
 
 def calibrate(
@@ -355,6 +294,8 @@ def calibrate(
     n = geom.layers if layers is None else layers
     if not isinstance(n, int) or not 1 <= n <= geom.layers:
         raise ValueError(f"layers must be an int in 1..{geom.layers}, got {layers!r}")
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
     fits = []
     for ly in range(n):
         fits.append(calibrate_layer(geom, grid[ly], layer=ly, seed=seed, mix=mix, mass=profile.mass, rows=rows))
@@ -364,49 +305,19 @@ def calibrate(
                        rows=rows, mix=mix, layers=tuple(fits))
 
 
+def layer_lines(layers: int, emit: Callable[[str], None]) -> Callable[[LayerFit], None]:
+    """An ``on_layer`` for ``calibrate`` that ``emit``s one line per fitted layer (where output
+    is not a terminal, in place of a progress bar): its share within tolerance and the time
+    since this was made."""
+    t0, done = time.perf_counter(), []
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-    import time
+    def on_layer(fit: LayerFit) -> None:
+        done.append(fit.layer)
+        out = sum(not h.reachable for h in fit.heads)
+        emit(f"fitted layer {fit.layer} ({len(done)}/{layers}): {100 * fit.share_within():.0f} % of "
+             f"{len(fit.heads)} heads within tolerance{f', {out} out of reach' if out else ''}, "
+             f"{time.perf_counter() - t0:.0f} s")
 
-    parser = argparse.ArgumentParser(
-        prog="python -m sparsp.workloads.calibration",
-        description="Fit a preset's synthetic heads to a per-head density profile and write the "
-                    "fitted parameters (JSON) that `sparsp analyze --calibration` reads.")
-    parser.add_argument("profile", help="the profile: .csv as published, or .json as sparsp.density writes it")
-    parser.add_argument("--model", required=True, help="the preset whose heads are fitted")
-    parser.add_argument("--step", type=int, default=None, help="the profile's step (1-based; default: the mean)")
-    parser.add_argument("--layers", type=int, default=None, help="fit only the first N layers")
-    parser.add_argument("--rows", type=int, default=128, help="sampled query rows per head")
-    parser.add_argument("--seed", type=int, default=0, help="the workload seed")
-    parser.add_argument("--out", required=True, help="the calibration JSON to write")
-    args = parser.parse_args(argv)
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .density import read_profile
-
-    t0 = time.perf_counter()
-    try:
-        profile = read_profile(args.profile, expected=args.model)
-        with Progress(TextColumn("calibrating layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      transient=True) as progress:
-            task = progress.add_task("", total=args.layers or preset(args.model).layers)
-            cal = calibrate(args.model, profile, step=args.step, layers=args.layers, seed=args.seed,
-                            rows=args.rows, on_layer=lambda _: progress.advance(task))
-        cal.write(args.out)
-    except (OSError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    print("| layer | heads within tolerance | unreachable | worst head (kind): target → verified |")
-    print("|---|---|---|---|")
-    for r in cal.summary_rows():
-        print(f"| {r['layer']} | {100 * r['within']:.0f} % | {len(r['unreachable'])} | {r['worst_head']} "
-              f"({r['worst_kind']}): {r['worst_target']:.4f} → {r['worst_density']:.4f} |")
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
-    return 0
+    return on_layer
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())

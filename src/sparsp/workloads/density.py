@@ -10,17 +10,15 @@ naming the file and, for a CSV, the line.
 Plain Python on purpose: profiles are small (at most a few 10^5 numbers) and this module must
 load without torch, like the presets it is checked against.
 
-Run ``python -m sparsp.density FILE`` for the summary that docs/workloads.md quotes.
+``sparsp density FILE`` prints the summary that docs/workloads.md quotes.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -334,32 +332,3 @@ def read_profile(path: str | Path, *, expected: str | VideoGeometry | None = Non
     reader = read_json if Path(path).suffix.lower() == ".json" else read_csv
     return reader(path, expected=expected)
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sparsp.workloads.density",
-        description="Summarise a per-head density profile (published CSV Step,Layer,Head,Sparsity "
-                    "or sparsp's JSON form).")
-    parser.add_argument("file", help="the profile: .csv as published, or .json as sparsp writes it")
-    parser.add_argument("--preset", help="check that layers and heads match this preset")
-    parser.add_argument("--step", type=int, default=None,
-                        help="the step of 'densest head / layer mean' (1-based; default the middle step)")
-    parser.add_argument("--write-json", metavar="OUT", help="also write the profile as sparsp JSON")
-    args = parser.parse_args(argv)
-    try:
-        profile = read_profile(args.file, expected=args.preset)
-        summary = profile.summary(step=args.step)
-        if args.write_json:
-            write_json(profile, args.write_json)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{profile.source}: {profile.steps} steps x {profile.layers} layers x {profile.heads} heads, "
-          f"token-level density at {profile.mass:g} of the attention mass")
-    for line in summary.lines():
-        print(f"  {line}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,8 +19,8 @@ as in Diffusers' processor, so they look like position (0, 0, 0) to a positional
 means of cos/sin (per frequency, shared by all heads), and the mean of ``len`` iid N(0, σ²)
 noises is N(0, σ²/len) — 126,720 tokens × 24 heads never exist at token level.
 Model, calibration and caveats: docs/workloads.md. ``HeadParams`` sets the heads' kinds and
-alignments from outside and ``score_terms`` gives token-level scores split by powers of a: both
-serve ``sparsp.workloads.calibration``, which fits the heads to a real model's per-head densities.
+alignments from outside, for ``sparsp.workloads.calibration``, which fits the heads to a real
+model's per-head densities (measured on ``sparsp.workloads.scores``' token-level scores).
 Recorded masks (traces) are read and written by ``sparsp.workloads.traces``.
 """
 
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..geometry import Rope, VideoGeometry, preset
-from ..masks import PooledBlocks, density, pattern_shares, select_blocks
+from ..geometry import VideoGeometry
+from ..masks import PooledBlocks, select_blocks
+from .rope import angles, block_trig, frequencies, rotate_pairs
 
 KINDS = ("diagonal", "multi-diagonal", "column", "dense")
 # Above this many elements per tensor token_qk refuses: full-size geometries use pooled_qk.
@@ -114,75 +115,13 @@ class HeadMix:
 DEFAULT_MIX = HeadMix()
 
 
-# --- RoPE tables ---------------------------------------------------------------------------------
-
-
-def _rope(geom: VideoGeometry) -> Rope:
-    """The geometry's RoPE; a custom geometry without one gets Wan's split rule and θ = 1e4."""
-    if geom.rope is not None:
-        rope = geom.rope
-    else:
-        hw = 2 * (geom.head_dim // 6)
-        rope = Rope(axes_dim=(geom.head_dim - 2 * hw, hw, hw))
-    if sum(rope.axes_dim) > geom.head_dim or any(d < 2 for d in rope.axes_dim):
-        raise ValueError(f"rope.axes_dim {rope.axes_dim} must be parts >= 2 within head_dim {geom.head_dim}")
-    return rope
-
-
-def _frequencies(geom: VideoGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per dim pair: ω (float64 [D/2]) and its axis (long [D/2]): 0/1/2 = t/h/w pairs in that
-    order, then 3 for dims RoPE leaves alone (an odd axis part, as LTX pads; ω = 0)."""
-    rope = _rope(geom)
-    omegas, axes = [], []
-    for axis, d in enumerate(rope.axes_dim):
-        i = torch.arange(d // 2, dtype=torch.float64)
-        omegas.append(rope.theta ** (-2.0 * i / d) / rope.scale[axis])  # scale divides positions
-        axes.append(torch.full((d // 2,), axis, dtype=torch.long))
-    rest = geom.head_dim // 2 - sum(d // 2 for d in rope.axes_dim)
-    omegas.append(torch.zeros(rest, dtype=torch.float64))
-    axes.append(torch.full((rest,), 3, dtype=torch.long))
-    return torch.cat(omegas), torch.cat(axes)
-
-
-def _angles(geom: VideoGeometry, tokens: torch.Tensor) -> torch.Tensor:
-    """Rotation angle per (token, pair), float64 [len(tokens), D/2]; text tokens: 0 (no RoPE)."""
-    omega, axis = _frequencies(geom)
-    coords = torch.zeros(len(tokens), 4, dtype=torch.float64)  # column 3: unrotated dims
-    video = tokens < geom.video_tokens
-    v = tokens[video]
-    rem = v % geom.frame_tokens
-    coords[video, :3] = torch.stack([v // geom.frame_tokens, rem // geom.width, rem % geom.width], 1).double()
-    return coords[:, axis] * omega
-
-
-def _block_trig(geom: VideoGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-mean cos and sin per frequency, float64 [num_blocks, D/2], shared by all heads."""
-    n, bs = geom.num_blocks, geom.block_size
-    lengths = geom.block_lengths().double()[:, None]
-    cos_sum, sin_sum = [], []
-    for start in range(0, n, 256):  # chunks bound the memory of the token-level angles
-        stop = min(n, start + 256)
-        tokens = torch.arange(start * bs, min(stop * bs, geom.num_tokens))
-        ang = torch.nn.functional.pad(_angles(geom, tokens), (0, 0, 0, (stop - start) * bs - len(tokens)))
-        # Padded rows get angle 0 → cos 1; remove them from the sums below.
-        cos_sum.append(ang.cos().reshape(stop - start, bs, -1).sum(1))
-        sin_sum.append(ang.sin().reshape(stop - start, bs, -1).sum(1))
-    cos_sum, sin_sum = torch.cat(cos_sum), torch.cat(sin_sum)
-    cos_sum[-1] -= bs - geom.tail_tokens
-    return cos_sum / lengths, sin_sum / lengths
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of the last dim of ``x`` (…, D) by cos/sin (…, D/2)."""
-    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
-
-
 # --- per-head parameters -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Heads:
+class Heads:
+    """One layer's drawn heads (``draw_heads``): what q and k are made of, before noise."""
+
     kinds: tuple[str, ...]
     a: torch.Tensor  # float64 [H] alignment
     c: torch.Tensor  # float64 [H, D] content, |c|² = D
@@ -191,9 +130,10 @@ class _Heads:
     sinks: tuple[torch.Tensor, ...]  # per head: LongTensor of sink token indices
 
 
-def _generator(seed: int, layer: int, stream: int | str) -> torch.Generator:
-    # Reproducible streams per (seed, layer, purpose): layers differ in every draw. Hashed because
-    # the CPU generator keeps only 32 bits of its seed.
+def seeded_generator(seed: int, layer: int, stream: int | str) -> torch.Generator:
+    """The generator of one stream of draws of (``seed``, ``layer``): every purpose has its own,
+    so layers differ in every draw and adding a purpose moves no other draw."""
+    # Hashed because the CPU generator keeps only 32 bits of its seed.
     digest = hashlib.blake2b(f"sparsp-workloads/{seed}/{layer}/{stream}".encode(), digest_size=4).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
@@ -220,11 +160,13 @@ class HeadParams:
                 raise ValueError(f"HeadParams: alignment must be a finite float >= 0, got {a!r}")
 
 
-def _draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int, given: HeadParams | None = None) -> _Heads:
+def draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int, given: HeadParams | None = None) -> Heads:
+    """Layer ``layer``'s heads drawn from ``mix`` (kinds and alignments from ``given`` instead,
+    when set): the parameters ``token_qk``, ``pooled_qk`` and ``workloads.scores`` share."""
     H, D = geom.heads, geom.head_dim
     if given is not None and len(given.kinds) != H:
         raise ValueError(f"HeadParams for {len(given.kinds)} heads, the geometry has {H}")
-    gen = _generator(seed, layer, 0)
+    gen = seeded_generator(seed, layer, 0)
     kinds = [k for k, n in mix.counts(H).items() for _ in range(n)]
     kinds = tuple(kinds[i] for i in torch.randperm(H, generator=gen).tolist())
     if given is not None:  # after the draw it replaces, so every later draw keeps its place in the stream
@@ -234,7 +176,7 @@ def _draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int, given:
     if given is not None:
         a = torch.tensor(given.alignment, dtype=torch.float64)
     c = torch.randn(H, D, generator=gen, dtype=torch.float64)
-    omega, axis = _frequencies(geom)
+    omega, axis = frequencies(geom)
     top = torch.stack([omega[axis == ax].max() for ax in range(3)] + [torch.ones((), dtype=torch.float64)])[axis]
     c *= ((omega / top).where(axis < 3, 1.0) ** (mix.tilt / 2)).repeat_interleave(2)  # amplitude = √energy
     t_lo, t_hi = mix.time_share
@@ -268,12 +210,12 @@ def _draw_heads(geom: VideoGeometry, mix: HeadMix, seed: int, layer: int, given:
             # Scaled by a like the content, so a sink's pull grows with the head's sharpness.
             sink_dir[h, low] = mix.sink_gain * a[h] * math.sqrt(D) * c[h, low] / c[h, low].norm()
     rotate = torch.tensor([k != "dense" for k in kinds])
-    return _Heads(kinds, a, c, rotate, sink_dir, tuple(sinks))
+    return Heads(kinds, a, c, rotate, sink_dir, tuple(sinks))
 
 
 def head_kinds(geom: VideoGeometry, *, seed: int, mix: HeadMix | None = None, layer: int = 0) -> tuple[str, ...]:
     """The kind (one of ``KINDS``) of every head that ``token_qk``/``pooled_qk`` generate."""
-    return _draw_heads(geom, mix or DEFAULT_MIX, seed, layer).kinds
+    return draw_heads(geom, mix or DEFAULT_MIX, seed, layer).kinds
 
 
 # --- generators ----------------------------------------------------------------------------------
@@ -311,11 +253,11 @@ def token_qk(
     if device.type == "cpu" and B * S * H * D > _TOKEN_LIMIT:
         raise ValueError(f"token_qk of {geom.describe()} × batch {B} is too large on the CPU; use pooled_qk")
     work = torch.float64 if dtype == torch.float64 else torch.float32  # same draws for fp32/bf16
-    heads = _draw_heads(geom, mix, seed, layer, heads)
+    heads = draw_heads(geom, mix, seed, layer, heads)
     if device.type == "cpu":
-        gen = _generator(seed, layer, 1)
+        gen = seeded_generator(seed, layer, 1)
     else:
-        gen = torch.Generator(device=device).manual_seed(_generator(seed, layer, 1).initial_seed())
+        gen = torch.Generator(device=device).manual_seed(seeded_generator(seed, layer, 1).initial_seed())
     base = (heads.a[:, None] * heads.c).to(device, work)  # [H, D]
     xq = base + mix.noise * torch.randn(B, S, H, D, generator=gen, dtype=work, device=device)
     xk = base + mix.noise * torch.randn(B, S, H, D, generator=gen, dtype=work, device=device)
@@ -325,75 +267,26 @@ def token_qk(
         local = where[idx]
         local = local[local >= 0].to(device)
         xk[:, local, h] += heads.sink_dir[h].to(device, work)
-    ang = _angles(geom, ids)[:, None, :].to(device)  # [S, 1, D/2]
+    ang = angles(geom, ids)[:, None, :].to(device)  # [S, 1, D/2]
     rot = heads.rotate[None, :, None].to(device)
     cos = torch.where(rot, ang.cos(), 1.0).to(work)  # dense heads: no RoPE
     sin = torch.where(rot, ang.sin(), 0.0).to(work)
-    return _rotate(xq, cos, sin).to(dtype), _rotate(xk, cos, sin).to(dtype)
+    return rotate_pairs(xq, cos, sin).to(dtype), rotate_pairs(xk, cos, sin).to(dtype)
 
 
-def score_terms(
-    geom: VideoGeometry,
-    kinds: Sequence[str],
-    *,
-    seed: int,
-    layer: int,
-    rows: torch.Tensor,
-    heads: Sequence[int],
-    noise_seed: int,
-    mix: HeadMix | None = None,
-) -> torch.Tensor:
-    """Token-level attention scores of query ``rows`` against every key, split by the power of
-    the alignment: float32 [3, len(heads), len(rows), S] = (T2, T1, T0) with
-
-        q_n · k_m / √D = a² T2 + a σ T1 + σ² T0
-
-    for the heads of ``kinds`` (``token_qk`` with ``HeadParams(kinds, …)``: the same c, ρ and
-    sinks; a sink's extra component grows with a, so it sits in T2 and T1). Scores are quadratic
-    in a, so a calibration can try many a per head from one set of terms. The noise comes from
-    its own stream per (``noise_seed``, head), so two seeds give two independent samples."""
-    mix = mix or DEFAULT_MIX
-    H, D, S = geom.heads, geom.head_dim, geom.num_tokens
-    drawn = _draw_heads(geom, mix, seed, layer, HeadParams(tuple(kinds), (1.0,) * H))  # sink_dir per unit a
-    rows = rows.long()
-    ang = _angles(geom, torch.arange(S))
-    cos_k, sin_k = ang.cos().float(), ang.sin().float()
-    cos_q, sin_q = cos_k[rows], sin_k[rows]
-    out = torch.empty(3, len(heads), len(rows), S)
-    scale = 1.0 / math.sqrt(D)
-    for i, h in enumerate(heads):
-        gen = _generator(seed, layer, f"scores/{noise_seed}/{h}")
-        e_q = torch.randn(len(rows), D, generator=gen)
-        e_k = torch.randn(S, D, generator=gen)
-        c = drawn.c[h].float()
-        k_c = c.expand(S, D).clone()
-        idx = drawn.sinks[h]
-        if len(idx):
-            k_c[idx] += drawn.sink_dir[h].float()
-        if drawn.rotate[h]:
-            q_c, q_e = _rotate(c.expand(len(rows), D), cos_q, sin_q), _rotate(e_q, cos_q, sin_q)
-            k_c, e_k = _rotate(k_c, cos_k, sin_k), _rotate(e_k, cos_k, sin_k)
-        else:
-            q_c, q_e = c.expand(len(rows), D), e_q
-        out[0, i] = (q_c @ k_c.T) * scale
-        out[1, i] = (q_c @ e_k.T + q_e @ k_c.T) * scale
-        out[2, i] = (q_e @ e_k.T) * scale
-    return out
-
-
-def _pooled(geom: VideoGeometry, heads: _Heads, trig, mix: HeadMix, gen: torch.Generator):
+def _pooled(geom: VideoGeometry, heads: Heads, trig, mix: HeadMix, gen: torch.Generator):
     H, D, S = geom.heads, geom.head_dim, geom.num_tokens
     lengths = geom.block_lengths()
     rot = heads.rotate[:, None, None]
     cos = torch.where(rot, trig[0][None], 1.0)  # [H, nB, D/2]
     sin = torch.where(rot, trig[1][None], 0.0)
-    mean = _rotate((heads.a[:, None] * heads.c)[:, None, :], cos, sin)  # [H, nB, D], q and k alike
+    mean = rotate_pairs((heads.a[:, None] * heads.c)[:, None, :], cos, sin)  # [H, nB, D], q and k alike
     k_mean = mean.clone()
     for h, idx in enumerate(heads.sinks):
         if len(idx):
-            ang, block = _angles(geom, idx), idx // geom.block_size
+            ang, block = angles(geom, idx), idx // geom.block_size
             # A sink adds its rotated extra component to its block's sum (1/len of the mean).
-            k_mean[h].index_add_(0, block, _rotate(heads.sink_dir[h], ang.cos(), ang.sin()) / lengths[block, None])
+            k_mean[h].index_add_(0, block, rotate_pairs(heads.sink_dir[h], ang.cos(), ang.sin()) / lengths[block, None])
     sd = mix.noise / lengths.double().sqrt()[None, :, None]  # mean of len iid N(0, σ²)
     q_mean = mean + sd * torch.randn(H, len(lengths), D, generator=gen, dtype=torch.float64)
     k_mean += sd * torch.randn(H, len(lengths), D, generator=gen, dtype=torch.float64)
@@ -412,8 +305,8 @@ def pooled_qk(
     level: keys smoothed by their exact sequence mean, ``sim`` = 1. Noise is drawn at block
     level, so it matches ``token_qk``'s in distribution only (equal when ``mix.noise`` = 0)."""
     mix = mix or DEFAULT_MIX
-    heads = _draw_heads(geom, mix, seed, layer, heads)
-    return _pooled(geom, heads, _block_trig(geom), mix, _generator(seed, layer, 2))
+    heads = draw_heads(geom, mix, seed, layer, heads)
+    return _pooled(geom, heads, block_trig(geom), mix, seeded_generator(seed, layer, 2))
 
 
 def synthetic_masks(
@@ -442,12 +335,12 @@ def synthetic_masks(
         raise ValueError(f"layers must be a positive int, got {layers!r}")
     if heads is not None and len(heads) < layers:
         raise ValueError(f"{layers} layers asked for, but head parameters for only {len(heads)}")
-    trig = _block_trig(geom)
+    trig = block_trig(geom)
     n = geom.num_blocks
     out = {x: torch.empty(layers, geom.heads, n, n, dtype=torch.bool) for x in cdfs}
     for layer in range(layers):
         given = None if heads is None else heads[layer]
-        pq, pk = _pooled(geom, _draw_heads(geom, mix, seed, layer, given), trig, mix, _generator(seed, layer, 2))
+        pq, pk = _pooled(geom, draw_heads(geom, mix, seed, layer, given), trig, mix, seeded_generator(seed, layer, 2))
         # select_blocks sorts once per call; one call per threshold keeps its logic in one place.
         cdf, sim = (None, None) if thresholds is None else thresholds.at(layer)
         for x in cdfs:
@@ -455,30 +348,3 @@ def synthetic_masks(
         if on_layer is not None:
             on_layer(layer)
     return out
-
-
-# --- calibration table (docs/workloads.md): python -m sparsp.workloads.synthetic -----------------------------
-
-
-def calibration_rows(model: str, cdfs: Sequence[float] = (0.85, 0.9, 0.95), *, seed: int = 0):
-    """Per cdf, one layer of ``model`` at the default mix: (cdf, density, pattern shares of all
-    heads, pattern shares without the dense control heads)."""
-    geom = preset(model)
-    masks = synthetic_masks(geom, cdfs, seed=seed)
-    positional = [h for h, k in enumerate(head_kinds(geom, seed=seed)) if k != "dense"]
-    for cdf, m in masks.items():
-        yield cdf, density(m), pattern_shares(m, geom), pattern_shares(m[:, positional], geom)
-
-
-if __name__ == "__main__":
-    import sys
-
-    def shares(d: dict[str, float]) -> str:
-        return " / ".join(f"{v:.2f}" for v in d.values())
-
-    print("| model | seed | cdf | density | all heads: diag / multi / column / other "
-          "| without dense heads: diag / multi / column / other |\n|---|---|---|---|---|---|")
-    for model in sys.argv[1:] or ["hunyuan-video", "wan2.1-14b"]:
-        for seed in (0, 1, 2):
-            for cdf, dens, every, positional in calibration_rows(model, seed=seed):
-                print(f"| {model} | {seed} | {cdf} | {dens:.3f} | {shares(every)} | {shares(positional)} |")
