@@ -24,7 +24,7 @@ LTX-Video and 0.33–0.38 on the Wan 2.1 workloads at cdf 0.9 with periodic plac
 8). Bandwidth, kernel rate and fixed costs come from the hardware profiles of
 ``sparsp simulate`` (``fabric``: the measured 2×H200 one of the path the transport reports,
 ``Transport.fabric``, unless ``env.profile()`` names another, e.g. one ``sparsp simulate
---calibrate`` wrote). Nothing here reads a tensor, so the plan costs no host sync.
+--fit-profile`` wrote). Nothing here reads a tensor, so the plan costs no host sync.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class TransportFigure:
     """Fixed cost of one message (publish, fetch handshake, copy launch), before bytes flow."""
     loaded_efficiency: float | None = None
     """The same share while the GPU at either end runs the attention kernel (``bench
-    transport``'s ``under_load`` rows, fitted by ``--calibrate``); None = ``efficiency``."""
+    transport``'s ``under_load`` rows, fitted by ``--fit-profile``); None = ``efficiency``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -175,7 +175,7 @@ class Profile:
     kernels: tuple[KernelFigure, ...]
     """Kernel rates per head dim; a head dim not listed takes the nearest one listed."""
     kernel_points: tuple[KernelPoint, ...] = ()
-    """Measured rates per shape, layout and density (``--calibrate`` from ``bench kernel``);
+    """Measured rates per shape, layout and density (``--fit-profile`` from ``bench kernel``);
     ``kernel_rate`` prefers them to ``kernels`` for a shape they cover."""
     launch_ms: float = 0.1
     """Host time of one kernel call's launch (FA4's Python and the driver; an estimate), after
@@ -195,7 +195,7 @@ class Profile:
     profile whose ``call_ms`` is smaller has all of it after (``call_after``)."""
     sync_ms: float = 0.5
     """Latency of the call's one collective, the metadata all-gather (``model.SYNCS_PER_CALL``),
-    on the device path (the host does not wait for it on NCCL); ``--calibrate`` sets it to
+    on the device path (the host does not wait for it on NCCL); ``--fit-profile`` sets it to
     NCCL's fitted latency when the transport results have NCCL rows."""
     op_ms: float = 0.01
     """Host time to issue one eager PyTorch op (dispatch and launch), charged for the ops of the

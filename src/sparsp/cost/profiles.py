@@ -18,14 +18,14 @@ from .machine import BENCH_FABRICS, KERNEL_LAYOUTS, KernelFigure, KernelPoint, P
 # 2×H200, measured here (2026-11-30). Kernel: `flex`, 409 TFLOP/s kept at d128, 392 at
 # d64; cuDNN dense 619 / 485 is the one-GPU reference. With the `sparsp[fa4]` extra, kernel=auto
 # runs FA4 instead (606.8 / 415.0 kept: the median of the FA4 local and packed rows of
-# `bench kernel` on one H200, 2026-11-30; `--calibrate` reads the newest kernel file). The built-in
+# `bench kernel` on one H200, 2026-11-30; `--fit-profile` reads the newest kernel file). The built-in
 # sparse figures stay flex's: the PCIe profiles scale from them (FA4's block-sparse path is sm90 only,
 # so an L40S or an RTX PRO 6000 runs flex), and `cost/chunks.py` decides chunks at run
 # time with them for a call that runs flex; a call that runs FA4 uses ``fa4_tflops`` there.
 _H200_KERNELS = (KernelFigure(head_dim=64, sparse_tflops=392.0, dense_tflops=485.0, fa4_tflops=415.0),
                  KernelFigure(head_dim=128, sparse_tflops=409.0, dense_tflops=619.0, fa4_tflops=606.8))
 # Fixed costs: "≈ 12 communication ops ... ≈ 6 ms of host time in collective bookkeeping" per
-# call at LTX size → 0.5 ms per small collective (one per call now; `--calibrate` takes NCCL's
+# call at LTX size → 0.5 ms per small collective (one per call now; `--fit-profile` takes NCCL's
 # fitted latency); call_ms and launch_ms are estimates.
 _FIXED = dict(launch_ms=0.1, call_ms=1.0, sync_ms=0.5)
 
@@ -149,7 +149,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
 
 
 def get_profile(name_or_path: str | Path) -> Profile:
-    """A built-in profile by name, or one read from a JSON file (``simulate --calibrate`` writes
+    """A built-in profile by name, or one read from a JSON file (``simulate --fit-profile`` writes
     ``profile-<name>.json``)."""
     if isinstance(name_or_path, str) and name_or_path in PROFILES:
         return PROFILES[name_or_path]

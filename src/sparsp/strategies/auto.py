@@ -24,7 +24,7 @@ for them (registered; ``ulysses`` only when heads % G == 0). Auto always needs t
 when it picks ``ring``, so every candidate is charged the same mask cost.
 
 The profile: ``use_profile(...)`` (a ``Profile`` or a name / profile JSON of
-``sparsp.cost.get_profile``; ``sparsp simulate --calibrate`` writes one for this machine),
+``sparsp.cost.get_profile``; ``sparsp simulate --fit-profile`` writes one for this machine),
 else ``SPARSP_PROFILE``, else the measured 2×H200 profile of the transport's kind of path
 (``h200x2-nvlink`` for ``ipc``, ``h200x2-host`` otherwise), widened to the group's size. The
 transport figure is the call's transport if the profile has it, else the profile's default
