@@ -74,6 +74,21 @@ def read_json(path, option: str | None = None, what: str = "JSON file"):
                          f"column {e.colno})") from None
 
 
+def read_format(path, fmt: str, version: int) -> dict:
+    """A sparsp JSON file of format ``fmt`` and ``version`` (a density profile, a calibration):
+    its parsed dict; every fault a one-line ``ValueError`` naming the file."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise ValueError(f"{path}: not a {fmt} file")
+    if doc.get("version") != version:
+        raise ValueError(f"{path}: version {doc.get('version')!r}, this sparsp reads {version}")
+    return doc
+
+
 def torch_archive(path, option: str | None = None, what: str = "torch file") -> None:
     """``ValueError`` unless ``path`` starts like a ``torch.save`` file (a zip archive)."""
     head = check_readable(path, option)

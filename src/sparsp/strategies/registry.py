@@ -126,15 +126,28 @@ def register_strategy(name: str, *, sparse: bool, placement: str, byte_rule,
     return deco
 
 
+BUILTIN_ORDER = ("ring", "ring-sparse", "ring-relay", "sparsp", "ulysses")
+"""The order in which tables, plots and messages list the built-in strategies, whichever of
+their modules was imported first."""
+
+
+def _ordered() -> list[str]:
+    """The registered names: the built-in ones in ``BUILTIN_ORDER``, then any other in
+    registration order."""
+    builtin = [n for n in BUILTIN_ORDER if n in _REGISTRY]
+    return builtin + [n for n in _REGISTRY if n not in builtin]
+
+
 def strategy_names() -> tuple[str, ...]:
-    """Registered strategy names, in registration order."""
-    return tuple(_REGISTRY)
+    """Registered strategy names: the built-in ones in ``BUILTIN_ORDER``, then the others in
+    registration order."""
+    return tuple(_ordered())
 
 
 def strategies_where(**facts) -> tuple[str, ...]:
-    """Registered names whose ``StrategySpec`` has every given fact, in registration order
-    (``strategies_where(baseline=True)``, ``strategies_where(byte_rule="relay")``)."""
-    return tuple(n for n, spec in _REGISTRY.items() if all(getattr(spec, k) == v for k, v in facts.items()))
+    """Registered names whose ``StrategySpec`` has every given fact, in ``strategy_names()``'s
+    order (``strategies_where(baseline=True)``, ``strategies_where(byte_rule="relay")``)."""
+    return tuple(n for n in _ordered() if all(getattr(_REGISTRY[n], k) == v for k, v in facts.items()))
 
 
 def strategy_spec(name: str) -> StrategySpec:

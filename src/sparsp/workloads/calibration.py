@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..inputs import read_format
 from ..geometry import VideoGeometry, preset
 from .alignment import ABSOLUTE_TOLERANCE, RELATIVE_TOLERANCE, fit_alignment, tolerance
 from .density import DensityProfile
@@ -153,14 +154,7 @@ def read_calibration(path: str | Path, *, geometry: VideoGeometry | str | None =
     attention --layer`` writes it; look a layer up by its ``LayerFit.layer``). Every fault is a
     one-line ``ValueError`` naming the file."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict) or doc.get("format") != CALIBRATION_FORMAT:
-        raise ValueError(f"{path}: not a {CALIBRATION_FORMAT} file")
-    if doc.get("version") != CALIBRATION_VERSION:
-        raise ValueError(f"{path}: version {doc.get('version')!r}, this sparsp reads {CALIBRATION_VERSION}")
+    doc = read_format(path, CALIBRATION_FORMAT, CALIBRATION_VERSION)
     try:
         cal = Calibration(
             model=doc["model"], source=doc["source"], step=doc["step"], mass=float(doc["mass"]),

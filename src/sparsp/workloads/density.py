@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..inputs import read_format
 from ..geometry import VideoGeometry, preset
 
 __all__ = [
@@ -306,14 +307,7 @@ def write_json(profile: DensityProfile, path: str | Path) -> None:
 def read_json(path: str | Path, *, expected: str | VideoGeometry | None = None) -> DensityProfile:
     """A profile from sparsp's JSON form; every fault is a ``ValueError`` naming the file."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"{path}: not a {PROFILE_FORMAT} file")
-    if doc.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{path}: version {doc.get('version')!r}, this sparsp reads {PROFILE_VERSION}")
+    doc = read_format(path, PROFILE_FORMAT, PROFILE_VERSION)
     missing = [k for k in ("source", "mass", "steps", "layers", "heads", "densities") if k not in doc]
     if missing:
         raise ValueError(f"{path}: missing keys {', '.join(missing)}")
