@@ -1,25 +1,29 @@
-"""``sparsp.parallelize`` / ``sparsp.unparallelize`` for Diffusers video transformers.
+"""``sparsp.parallelize`` / ``sparsp.unparallelize`` for Diffusers video transformers and pipelines.
 
     import sparsp
-    sparsp.parallelize(pipe.transformer, config=sparsp.SparspConfig(cdf_threshold=0.9))
-    latents = pipe(prompt_embeds=..., output_type="latent").frames   # under torchrun
+    sparsp.parallelize(pipe, mesh=sparsp.make_mesh(cfg=2, ulysses=4), config=sparsp.SparspConfig(cdf_threshold=0.9))
+    video = pipe(prompt=..., output_type="latent").frames   # under torchrun
 
-Supported: HunyuanVideo, Wan (2.1/2.2), LTX-Video and LTX-2 (its video self-attention); the
-split of each is declared as data in ``plans.py``. What ``parallelize`` does, in this order:
+Supported: HunyuanVideo, Wan (2.1/2.2), LTX-Video and LTX-2 (its video self-attention), as
+transformers or in their pipelines; the split of each is declared as data in ``plans.py``.
+What ``parallelize`` does, in this order:
 
 1. validate everything that needs no communication (model class and config; strategy, never
-   ``auto`` without a process group; placement; heads divisible by G for ``ulysses``; a
-   thresholds table against the model's self-attention layers and heads) — ``ValueError``
-   before any collective;
-2. attach a ``Runtime`` (group, config, strategy, placement cache) to the model;
-3. replace the processors of the video self-attention modules (and LTX-2's video-K/V
+   ``auto`` without a process group; placement; the group or mesh, ``meshes.resolve``; heads
+   divisible by ``ulysses``, and by G for ``ulysses``; a thresholds table against the model's
+   self-attention layers and heads) — ``ValueError`` before any collective;
+2. make the mesh (``mesh="auto"``: ``meshes.auto_mesh``) and its groups;
+3. attach a ``Runtime`` (where the process stands, config, strategy, placement cache) to each
+   model (``runtime.install``, which does 3 to 5);
+4. replace the processors of the video self-attention modules (and LTX-2's video-K/V
    attention) by sparsp processors, remembering the originals;
-4. hook the model's forward (geometry of this call → placement; its step and branch for the
-   schedule, ``steps.py``, from the pipeline's cache context, ``context.py``; cut entry
-   tensors), the submodules whose inputs or outputs carry one entry per video token (cut to
-   this rank's tokens in placed order: hidden states, RoPE), HunyuanVideo's text stream
-   (trimmed to its valid tokens) and the output projection (all-gather, back to the original
-   order).
+5. hook the model's forward (its CFG half's share, ``cfg.py``; geometry of this call →
+   placement; its step and branch for the schedule, ``steps.py``, from the pipeline's cache
+   context, ``context.py``; cut entry tensors), the submodules whose inputs or outputs carry
+   one entry per video token (cut to this rank's tokens in placed order: hidden states,
+   RoPE), HunyuanVideo's text stream (trimmed to its valid tokens) and the output projection
+   (all-gathered over the (sp x ulysses) sub-mesh, back to the original order);
+6. on a mesh with ``cfg`` 2, wrap a pipeline's call to pair its forwards (``cfg.wrap_pipeline``).
 
 The placement is a fixed permutation per (geometry, G) (docs/design.md, "The mechanism",
 dependency-aware placement): the geometry is read from the latent shape at every forward and placements are
@@ -40,509 +44,202 @@ one runs ``sp_attention`` on it: the fast one-GPU path.
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from ..config import SparspConfig
-from ..geometry import VideoGeometry
-from ..kernels import merge_partials
-from ..placement import PLACEMENTS, Placement, make_placement
-from .plans import Split, SplitPlan, plan_for
-from .processors import PROCESSORS, VideoKVProcessor
-from .steps import ScheduledReference, StepCounter, timestep_value
+from ..placement import PLACEMENTS
+from .meshes import Ranks, auto_mesh, build_mesh, resolve
+from .plans import PIPELINES, SplitPlan, plan_for
+from .runtime import ATTR, Runtime, check_strategy, install, modules_matching, strategy_facts, uninstall
 
 log = logging.getLogger("sparsp")
 
-_ATTR = "_sparsp_runtime"
+__all__ = ["Runtime", "check_strategy", "new_run", "parallelize", "runtime_of", "unparallelize"]
 
 
-def _strategy_spec(strategy: str):
-    """The registered facts of ``strategy`` (``ValueError`` naming the registered ones);
-    ``auto`` (chosen per call, ``strategies/auto.py``) places like the strategy whose plan
-    stage it uses (``auto.PLANNED``) and never needs heads divisible by the group (it picks a
-    head-sharded strategy only where they are)."""
-    from .. import strategies  # noqa: F401 - importing the package registers every strategy
-    from ..strategies.auto import AUTO, PLANNED
-    from ..strategies.registry import strategy_spec
+@dataclass(frozen=True)
+class _Model:
+    """One transformer to parallelize, with what step 1 read from it."""
 
-    if strategy == AUTO:
-        from dataclasses import replace
-
-        return replace(strategy_spec(PLANNED), heads_divisible=False)
-    return strategy_spec(strategy)
+    model: object
+    plan: SplitPlan
+    attn: dict
+    heads: int
+    head_dim: int
 
 
-def check_strategy(strategy: str, *, distributed: bool):
-    """The registered facts of ``strategy`` for a model run over a process group
-    (``distributed``) or in one process (no group, or ``emulate_ranks``); ``ValueError`` for an
-    unknown name, and for ``auto`` in one process: it picks a strategy per call from the demand
-    of the group's ranks, which one process does not have. ``parallelize`` checks this first;
-    a script can call it before loading its model."""
-    from ..strategies.auto import AUTO
-    from ..strategies.registry import strategy_names
+def _models(target) -> tuple[list, object]:
+    """(the transformers of ``target``, the pipeline's CFG rule or None): a Diffusers pipeline's
+    transformers (its rule's attributes, else ``transformer`` and ``transformer_2``), or
+    ``target`` itself."""
+    from diffusers import DiffusionPipeline
 
-    spec = _strategy_spec(strategy)
-    if strategy == AUTO and not distributed:
-        raise ValueError(f"strategy={AUTO!r} picks a strategy per call from the demand of a process group's "
-                         f"ranks; one process (no process group, or emulate_ranks) runs a fixed one: "
-                         f"{', '.join(strategy_names())}")
-    return spec
-
-
-@dataclass
-class TokenLayout:
-    """Which tokens this process holds for one geometry, and how to put them back.
-
-    ``video_ids``: original video token ids held here, in order (placed order; a rank's own in
-    SP, all of them in the single-process mode). ``attn_index``: positions, in
-    ``cat([held video, all text])``, of the attention sequence this process computes (its
-    placed slice; the whole placed sequence in the single-process mode). ``lens``: tokens per
-    slice of that sequence (the simulated ranks' in the single-process mode)."""
-
-    geometry: VideoGeometry
-    placement: Placement
-    video_ids: torch.Tensor
-    attn_index: torch.Tensor
-    lens: list[int]
-    video_parts: list[int]  # video tokens per rank (SP: gather sizes)
-    video_order: torch.Tensor  # original order ← cat of every rank's video ids
-    text_parts: list[int]  # text tokens per rank
-    text_order: torch.Tensor  # text ids ← cat of every rank's text ids
-    attn_tokens: torch.Tensor  # original token id of every token of the attention sequence
-    cache: dict = field(default_factory=dict)
-    identity: bool = False  # a group of one in the model's own order: nothing to cut, permute or gather
-
-    def on(self, name: str, device) -> torch.Tensor:
-        """An index tensor on ``device`` (moved once, kept)."""
-        key = (name, str(device))
-        if key not in self.cache:
-            self.cache[key] = getattr(self, name).to(device)
-        return self.cache[key]
+    if not isinstance(target, DiffusionPipeline):
+        return [target], None
+    rule = PIPELINES.get(type(target).__name__)
+    names = rule.transformers if rule is not None else ("transformer", "transformer_2")
+    models = [m for m in (getattr(target, n, None) for n in names) if m is not None]
+    if not models:
+        raise ValueError(f"{type(target).__name__} has no transformer ({', '.join(names)}) to parallelize")
+    return models, rule
 
 
-class Runtime:
-    """Per model: the group, config and strategy, the placement cache, the hooks, and where the
-    forward now running is in its denoising run (``step``, ``branch``). It owns the model's
-    kept plans (``sp_attention(_owner=)``)."""
-
-    def __init__(self, model, plan: SplitPlan, *, group, ranks: int, rank: int, distributed: bool,
-                 config: SparspConfig, strategy: str, placement: str, heads: int, head_dim: int):
-        self.model_name = type(model).__name__
-        self.plan, self.group, self.ranks, self.rank = plan, group, ranks, rank
-        self.distributed, self.config, self.strategy = distributed, config, strategy
-        self.placement_kind = placement
-        self.heads, self.head_dim = heads, head_dim
-        self.layouts: dict[VideoGeometry, TokenLayout] = {}
-        self.current: TokenLayout | None = None
-        self.originals: dict[str, object] = {}
-        self.handles: list = []
-        self.text_tokens: int | None = None
-        # sparsp trace / bench: called with the block mask bool [H, N, N] (batch element 0) of
-        # every attention call of the single-process mode
-        self.on_mask = None
-        # bench e2e --weights synthetic-structure: (layout, q, layer) -> (q, k) of the attention sequence
-        self.qk_override = None
-        # where the forward now running is in its denoising run (``steps.py``): its step and
-        # branch, passed to every attention call; the pipeline's cache context (``context.py``)
-        self.steps, self.step, self.branch = StepCounter(), None, None
-        self.context_hook = None
-        self.reference = ScheduledReference()  # the single-process path's kept masks
-
-    def new_run(self) -> None:
-        """Count steps from 0 again (``sparsp.new_run``; a pipeline's end)."""
-        from ..strategies import new_run
-
-        self.steps.new_run()
-        new_run(self)  # the branch counts of calls without a branch
-
-    def describe(self) -> str:
-        mode = f"rank {self.rank} of {self.ranks}" if self.distributed else f"1 process as {self.ranks} ranks"
-        return f"{self.strategy}, {self.placement_kind}, {mode}"
-
-    # --- geometry -> layout -----------------------------------------------------------------
-    def layout_for(self, geom: VideoGeometry) -> TokenLayout:
-        lay = self.layouts.get(geom)
-        if lay is None:
-            lay = self._make_layout(geom)
-            self.layouts[geom] = lay
-            log.info("sparsp: %s: new geometry %s → %r", self.model_name, geom.describe(), lay.placement)
-        return lay
-
-    def _make_layout(self, geom: VideoGeometry) -> TokenLayout:
-        try:
-            pl = make_placement(self.placement_kind, geom, self.ranks)
-        except ValueError as e:
-            raise ValueError(f"sparsp: {self.model_name} cannot split {geom.describe()} over {self.ranks} "
-                             f"ranks: {e}; use a smaller config.block_size or fewer ranks") from None
-        nv = geom.video_tokens
-        vids, tids = [], []
-        for r in range(self.ranks):
-            ids = pl.perm[pl.token_slice(r)]
-            vids.append(ids[ids < nv])
-            tids.append(ids[ids >= nv] - nv)
-        if self.distributed:
-            r = self.rank
-            attn_tokens = pl.perm[pl.token_slice(r)]
-            video_ids = vids[r]
-            attn_index = torch.cat([torch.arange(len(vids[r])), len(vids[r]) + tids[r]])
-            lens = [len(vids[r]) + len(tids[r])]
-        else:
-            video_ids = torch.cat(vids)
-            offsets = torch.tensor([0] + [len(x) for x in vids]).cumsum(0)
-            attn_index = torch.cat([torch.cat([offsets[r] + torch.arange(len(vids[r])), nv + tids[r]])
-                                    for r in range(self.ranks)])
-            lens = pl.tokens_per_rank
-            attn_tokens = pl.perm
-        identity = self.ranks == 1 and bool((pl.perm == torch.arange(len(pl.perm))).all())
-        return TokenLayout(geom, pl, video_ids, attn_index, lens, [len(x) for x in vids],
-                           torch.argsort(torch.cat(vids)), [len(x) for x in tids], torch.cat(tids), attn_tokens,
-                           identity=identity)
-
-    # --- tensors ------------------------------------------------------------------------------
-    def split(self, x: torch.Tensor, spec: Split, what: str) -> torch.Tensor:
-        """``x`` cut to this process's video tokens along ``spec.dim``."""
-        lay = self.current
-        assert lay is not None, "sparsp: a split hook ran outside a forward call"
-        if not isinstance(x, torch.Tensor):
-            return x
-        n = x.shape[spec.dim] if x.dim() > spec.dim else None
-        if n != lay.geometry.video_tokens:
-            if spec.when_full:
-                return x
-            raise ValueError(f"sparsp: {what} (shape {tuple(x.shape)}) has no {lay.geometry.video_tokens} "
-                             f"entries along dim {spec.dim} for the video tokens of {lay.geometry.describe()}")
-        if lay.identity:
-            return x
-        return x.index_select(spec.dim, lay.on("video_ids", x.device))
-
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The whole video along ``dim`` in original order, from every rank's part."""
-        lay = self.current
-        if lay.identity:
-            return x
-        if self.distributed:
-            x = torch.cat(self._all_gather(x, dim, lay.video_parts), dim=dim)
-            return x.index_select(dim, lay.on("video_order", x.device))
-        return x.index_select(dim, lay.on("video_order", x.device))
-
-    def _all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> list[torch.Tensor]:
-        """Every rank's ``x`` (``sizes[r]`` entries along ``dim``), padded for the collective."""
-        if self.ranks == 1:  # a group of one: nothing to gather
-            return [x]
-        x = x.movedim(dim, 0).contiguous()
-        pad = max(sizes)
-        buf = torch.zeros((pad, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        buf[: x.shape[0]] = x
-        parts = [torch.empty_like(buf) for _ in range(self.ranks)]
-        dist.all_gather(parts, buf, group=self.group)
-        return [p[:n].movedim(0, dim) for p, n in zip(parts, sizes)]
-
-    # --- attention ----------------------------------------------------------------------------
-    @torch.compiler.disable
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """Self-attention of the held video tokens (then all text tokens, HunyuanVideo):
-        (B, n_video + n_text, H, D) in, same out. ``layer``: the calling processor's layer
-        (``sp_attention(layer=)``; ``qk_override`` receives it too)."""
-        lay = self.current
-        text = lay.geometry.text_tokens
-        if q.shape[1] != len(lay.video_ids) + text:
-            raise ValueError(f"sparsp: attention got {q.shape[1]} tokens, expected "
-                             f"{len(lay.video_ids)} video + {text} text tokens")
-        if text and not lay.identity:
-            idx = lay.on("attn_index", q.device)
-            q, k, v = (t.index_select(1, idx) for t in (q, k, v))
-        if self.qk_override is not None:
-            q, k = self.qk_override(lay, q, layer)
-        out = self._attention(q.contiguous(), k.contiguous(), v.contiguous(), lay, layer)
-        if not text or lay.identity:
-            return out
-        full = torch.empty((q.shape[0], len(lay.video_ids) + text, *q.shape[2:]), dtype=out.dtype, device=out.device)
-        full.index_copy_(1, lay.on("attn_index", q.device), out)
-        if self.distributed:  # every rank needs the whole text output: its stream is replicated
-            nv = len(lay.video_ids)
-            parts = self._all_gather(out[:, nv:], 1, lay.text_parts)
-            full[:, nv:].index_copy_(1, lay.on("text_order", q.device), torch.cat(parts, dim=1))
-        return full
-
-    def _attention(self, q, k, v, lay: TokenLayout, layer: int | None = None) -> torch.Tensor:
-        if self.distributed:
-            from ..strategies import sp_attention
-
-            return sp_attention(q, k, v, group=self.group, strategy=self.strategy, config=self.config, layer=layer,
-                                step=self.step, branch=self.branch, _owner=self)
-        from .reference import split_block_mask
-
-        config = self.config.at_layer(layer)
-        out, mask = self.reference.attend(q, k, v, lens=lay.lens, strategy=self.strategy, config=config, layer=layer,
-                                          step=self.step, branch=self.branch, owner=self)
-        if self.on_mask is not None:  # a dense run still reports the mask at its thresholds
-            if not _strategy_spec(self.strategy).sparse:  # a dense baseline's run ignores the thresholds
-                mask = split_block_mask(q, k, lay.lens, config)
-            self.on_mask(mask[0])
-        return out
-
-    @torch.compiler.disable
-    def attend_video_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Dense attention of replicated queries (B, A, H, D) over the video keys/values held
-        here; partial results of all ranks merged by LSE (fp32), the same on every rank."""
-        qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))
-        s = qh @ kh.transpose(-1, -2) * q.shape[-1] ** -0.5
-        lse = torch.logsumexp(s, dim=-1)
-        out = torch.softmax(s, dim=-1) @ vh
-        if self.distributed:
-            outs = [torch.empty_like(out) for _ in range(self.ranks)]
-            lses = [torch.empty_like(lse) for _ in range(self.ranks)]
-            dist.all_gather(outs, out.contiguous(), group=self.group)
-            dist.all_gather(lses, lse.contiguous(), group=self.group)
-            out, _ = merge_partials(zip(outs, lses))
-        return out.transpose(1, 2).to(q.dtype)
+def _check_model(model, *, where: Ranks, spec, strategy: str, config: SparspConfig) -> _Model:
+    """Step 1 for one model: its plan, config, modules and heads against the mesh and strategy."""
+    plan = plan_for(model)
+    name = type(model).__name__
+    if getattr(model, ATTR, None) is not None:
+        raise ValueError(f"{name} is already parallelized; call sparsp.unparallelize first")
+    for attr, bad in plan.unsupported_config.items():
+        if getattr(model.config, attr, None) in bad:
+            raise ValueError(f"sparsp.parallelize does not support {name} with {attr}={getattr(model.config, attr)!r}")
+    attn = modules_matching(model, plan.self_attention)
+    if not attn:
+        raise ValueError(f"{name} has no module matching {plan.self_attention}")
+    first = next(iter(attn.values()))
+    heads = first.heads
+    if heads % where.ulysses:
+        raise ValueError(f"{name} has {heads} heads, which do not divide over ulysses={where.ulysses}")
+    if spec.heads_divisible and (heads // where.ulysses) % where.sp:
+        raise ValueError(f"{strategy} needs heads divisible by the group size: {name} has {heads} heads"
+                         + (f" ({heads // where.ulysses} per Ulysses rank)" if where.ulysses > 1 else "")
+                         + f", G={where.sp}")
+    if config.table is not None:  # a table of another model: its layers x heads against this one's
+        config.table.check(layers=len(attn), heads=heads, what=f"{name} ({len(attn)} self-attention layers)")
+    return _Model(model, plan, attn, heads, first.to_q.out_features // heads)
 
 
-# --- hooks ------------------------------------------------------------------------------------
+def _auto(mesh, geometry, *, target, models: list, rule, spec, config: SparspConfig, group, dims, emulate_ranks):
+    """``mesh="auto"``: the sizes ``meshes.auto_mesh`` picks for the first model (None where
+    ``mesh`` is not ``"auto"``), for the branches a step of the pipeline's call makes at its
+    defaults (a transformer: one); ``ValueError`` for ``geometry`` without it."""
+    if isinstance(mesh, str) and mesh != "auto":
+        raise ValueError(f"mesh must be a DeviceMesh, 'auto' or None, got {mesh!r}")
+    if not (isinstance(mesh, str) and mesh == "auto"):
+        if geometry is not None:
+            raise ValueError("geometry= is what mesh='auto' picks a mesh for: pass mesh='auto' with it")
+        return None
+    if geometry is None:
+        raise ValueError("mesh='auto' picks the mesh from the token count: pass geometry= (a VideoGeometry or a "
+                         "preset name)")
+    if group is not None or dims is not None or emulate_ranks is not None:
+        raise ValueError("mesh='auto' makes its own mesh of the whole world: pass no group=, dims= or emulate_ranks= "
+                         "with it")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("mesh='auto' needs torch.distributed initialised: call dist.init_process_group first")
+    model = models[0]
+    attn = modules_matching(model, plan_for(model).self_attention)
+    if not attn:
+        raise ValueError(f"{type(model).__name__} has no module matching {plan_for(model).self_attention}")
+    first = next(iter(attn.values()))
+    branches = 1
+    if rule is not None:
+        defaults = {n: p.default for n, p in inspect.signature(type(target).__call__).parameters.items()}
+        branches = rule.branches(defaults)
+    return auto_mesh(geometry, heads=first.heads, head_dim=first.to_q.out_features // first.heads,
+                     block_size=config.block_size, layers=len(attn), world=dist.get_world_size(), spec=spec,
+                     branches=branches, model=type(model).__name__)
 
 
-def _bind(module, args, kwargs) -> inspect.BoundArguments:
-    return inspect.signature(module.forward).bind_partial(*args, **kwargs)
-
-
-def _geometry(rt: Runtime, model, bound: inspect.BoundArguments) -> VideoGeometry:
-    plan, a = rt.plan, bound.arguments
-    pt, ph, pw = plan.grid.patch(model.config)
-    if plan.grid.source == "latent":
-        x = a.get(plan.grid.arg)
-        if not isinstance(x, torch.Tensor) or x.dim() != 5:
-            raise ValueError(f"sparsp: {rt.model_name} expects {plan.grid.arg} (B, C, F, H, W), "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-        t, h, w = x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw
-    else:
-        dims = [a.get(name) for name in (plan.grid.frames, plan.grid.height, plan.grid.width)]
-        if any(not isinstance(d, int) for d in dims):
-            raise ValueError(f"sparsp: {rt.model_name} needs the int forward arguments {plan.grid.frames}, "
-                             f"{plan.grid.height}, {plan.grid.width} to know the video grid, got {dims}")
-        t, h, w = (-(-d // p) for d, p in zip(dims, (pt, ph, pw)))
-        x = a.get("hidden_states")
-        if isinstance(x, torch.Tensor) and x.shape[1] != t * h * w:
-            raise ValueError(f"sparsp: hidden_states has {x.shape[1]} tokens but the grid {t}x{h}x{w} "
-                             f"has {t * h * w}")
-    text = 0
-    if plan.text is not None:
-        mask = a.get(plan.text.mask)
-        counts = mask.sum(dim=1).tolist() if isinstance(mask, torch.Tensor) else []
-        if not counts or len(set(counts)) != 1 or counts[0] < 1:
-            raise ValueError(f"sparsp: {plan.text.mask} must mark the same number (>= 1) of valid text "
-                             f"tokens in every sample, got {counts}; run samples of other lengths separately")
-        text = int(counts[0])
-    rt.text_tokens = text
-    return VideoGeometry(frames=t, height=h, width=w, text_tokens=text, block_size=rt.config.block_size,
-                         heads=rt.heads, head_dim=rt.head_dim, name=rt.model_name)
-
-
-def _entry_hook(rt: Runtime):
-    @torch.compiler.disable
-    def hook(model, args, kwargs):
-        bound = _bind(model, args, kwargs)
-        for name, why in rt.plan.must_be_none.items():
-            if bound.arguments.get(name) is not None:
-                raise ValueError(f"sparsp: {rt.model_name} argument {name} is not supported: {why}")
-        rt.current = rt.layout_for(_geometry(rt, model, bound))
-        # the step and branch of this forward (``steps.py``); the timestep is read (a host read)
-        # only where the pipeline gives no step index and the config has a schedule to follow
-        def timestep():
-            return timestep_value(bound.arguments.get("timestep")) if rt.config.scheduled else None
-
-        rt.step, rt.branch = rt.steps.advance(rt.context_hook.context, rt.current.geometry, timestep)
-        for name, source in rt.plan.defaults.items():
-            if bound.arguments.get(name) is None and bound.arguments.get(source) is not None:
-                bound.arguments[name] = bound.arguments[source]
-        for name, spec in rt.plan.entry.items():
-            if bound.arguments.get(name) is not None:
-                bound.arguments[name] = rt.split(bound.arguments[name], spec, name)
-        return bound.args, bound.kwargs
-
-    return hook
-
-
-def _input_hook(rt: Runtime, specs: dict, where: str):
-    @torch.compiler.disable
-    def hook(module, args, kwargs):
-        bound = _bind(module, args, kwargs)
-        for name, spec in specs.items():
-            if bound.arguments.get(name) is not None:
-                bound.arguments[name] = rt.split(bound.arguments[name], spec, f"{where}({name})")
-        return bound.args, bound.kwargs
-
-    return hook
-
-
-def _output_hook(rt: Runtime, specs: dict, where: str):
-    @torch.compiler.disable
-    def hook(module, args, output):
-        if None in specs:
-            return rt.split(output, specs[None], f"{where} output")
-        out = list(output)
-        for i, spec in specs.items():
-            out[i] = rt.split(out[i], spec, f"{where} output {i}")
-        return type(output)(out) if isinstance(output, tuple) else out
-
-    return hook
-
-
-def _text_hook(rt: Runtime):
-    @torch.compiler.disable
-    def hook(module, args, output):  # HunyuanVideo: the text stream, trimmed to its valid tokens
-        return output[:, : rt.text_tokens]
-
-    return hook
-
-
-def _gather_hook(rt: Runtime, dim: int):
-    @torch.compiler.disable
-    def hook(module, args, output):
-        return rt.gather(output, dim)
-
-    return hook
-
-
-# --- public API ---------------------------------------------------------------------------------
-
-
-def _modules(model, patterns) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
-
-
-def parallelize(transformer, *, group=None, config: SparspConfig = SparspConfig(), strategy: str = "sparsp",
-                placement: str = "auto", emulate_ranks: int | None = None):
-    """Run ``transformer``'s video self-attention sequence-parallel over ``group`` (in place).
+def parallelize(target, *, mesh=None, dims=None, group=None, config: SparspConfig = SparspConfig(),
+                strategy: str = "sparsp", placement: str = "auto", emulate_ranks: int | None = None, geometry=None):
+    """Run the video self-attention of ``target``'s transformer(s) sequence-parallel (in place).
 
     Args:
-        transformer: a Diffusers ``HunyuanVideoTransformer3DModel``, ``WanTransformer3DModel``,
+        target: a Diffusers ``HunyuanVideoTransformer3DModel``, ``WanTransformer3DModel``,
             ``LTXVideoTransformer3DModel`` or ``LTX2VideoTransformer3DModel`` — the same model
-            (same weights) on every rank of ``group``, called with the same inputs.
-        group: the process group (``None``: the default group). A group of one process runs
-            ``sp_attention`` on it (one GPU: the sparse kernel where the mask pays, else the
-            dense one). With no process group (``torch.distributed`` not initialised),
-            ``parallelize`` installs the single-process sparse processor (the reference).
+            (same weights) on every rank, called with the same inputs — or a Diffusers pipeline
+            holding them (its ``transformer``, and Wan 2.2's ``transformer_2``, are parallelized;
+            with ``cfg`` 2 its call is wrapped, ``cfg.py``).
+        mesh: a ``DeviceMesh`` (``sparsp.make_mesh``, or any mesh with ``dims``): rank
+            (cfg=c, sp=r, ulysses=u) holds piece u of sp slice r, every self-attention runs
+            ``sp_attention`` on the (sp x ulysses) half, and ``cfg`` 2 spreads a step's branches
+            over the two halves (CFG parallel). ``"auto"``: the mesh ``cost.mesh_step.best_mesh``
+            prices fastest for ``geometry``'s token count (``meshes.auto_mesh``), made with
+            ``make_mesh``.
+        dims: the role (``cfg``, ``sp``, ``ulysses``) of each of the mesh's dimensions
+            (``sparsp.mesh``; None: the mesh's names are the roles).
+        group: the process group (``None``: the default group), a mesh of one ``sp`` dimension.
+            A group of one process runs ``sp_attention`` on it (one GPU: the sparse kernel where
+            the mask pays, else the dense one). With no process group (``torch.distributed``
+            not initialised), ``parallelize`` installs the single-process sparse processor.
         config: thresholds, block size, transport, kernel (``SparspConfig``).
         strategy: any registered strategy (``sparsp.strategies.registry.strategy_names()``;
             ``ring`` is the dense baseline), or ``auto`` over a process group (``check_strategy``).
         placement: ``contiguous``, ``periodic`` or ``auto`` (the strategy's own: periodic for
             ``sparsp`` and ``ring-relay``, contiguous for the rest).
         emulate_ranks: single-process mode for a group of this size: no communication, the
-            placement and block cut of G ranks, so the masks are exactly theirs.
+            placement and block cut of G ranks, so the masks are exactly theirs (what ulysses U
+            x sp G computes).
+        geometry: with ``mesh="auto"``, a ``VideoGeometry`` or a preset name whose token grid
+            the mesh is chosen for.
 
-    Returns the same ``transformer``. ``ValueError`` (before any communication) for an
-    unsupported model or option; ``unparallelize`` undoes everything.
+    Returns ``target``. ``ValueError`` (one line, before any communication) for an unsupported
+    model, option or mesh; ``unparallelize`` undoes everything.
     """
-    # 1. Validate: model, options, group — nothing communicates yet.
-    plan = plan_for(transformer)
-    if getattr(transformer, _ATTR, None) is not None:
-        raise ValueError(f"{type(transformer).__name__} is already parallelized; call sparsp.unparallelize first")
-    for attr, bad in plan.unsupported_config.items():
-        if getattr(transformer.config, attr, None) in bad:
-            raise ValueError(f"sparsp.parallelize does not support {type(transformer).__name__} with "
-                             f"{attr}={getattr(transformer.config, attr)!r}")
+    # 1. Validate: targets, options, mesh, models — nothing communicates yet.
+    models, rule = _models(target)
     if not isinstance(config, SparspConfig):
         raise ValueError(f"config must be a sparsp.SparspConfig, got {type(config).__name__}")
     if placement not in ("auto", *PLACEMENTS):
         raise ValueError(f"placement={placement!r} is not one of auto, {', '.join(PLACEMENTS)}")
-    if emulate_ranks is not None:
-        if group is not None:
-            raise ValueError("emulate_ranks runs in one process: pass group=None with it")
-        if isinstance(emulate_ranks, bool) or not isinstance(emulate_ranks, int) or emulate_ranks < 1:
-            raise ValueError(f"emulate_ranks must be a positive int, got {emulate_ranks!r}")
-        distributed, ranks, rank = False, emulate_ranks, 0
-    elif dist.is_available() and dist.is_initialized():
-        # any process group, one process included (``sp_attention`` on one GPU: its kernels, mask
-        # and choice of the dense kernel, ``strategies/one_gpu.py``)
-        distributed, ranks, rank = True, dist.get_world_size(group), dist.get_rank(group)
-    elif group is not None:
-        raise ValueError("group was given but torch.distributed is not initialised")
+    for model in models:
+        plan_for(model)  # a model sparsp knows, before anything else is read from it
+    sizes = _auto(mesh, geometry, target=target, models=models, rule=rule, spec=strategy_facts(strategy),
+                  config=config, group=group, dims=dims, emulate_ranks=emulate_ranks)
+    if sizes is not None:  # what the mesh will be, checked against the models before it is made
+        where = Ranks(True, sp=sizes.sp, ulysses=sizes.ulysses, cfg=sizes.cfg)
     else:
-        distributed, ranks, rank = False, 1, 0
-    spec = check_strategy(strategy, distributed=distributed)
+        where = resolve(group=group, mesh=mesh, dims=dims, emulate_ranks=emulate_ranks)
+    spec = check_strategy(strategy, distributed=where.distributed)
     kind = spec.placement if placement == "auto" else placement  # auto: the strategy's own (§4.3)
-    attn = _modules(transformer, plan.self_attention)
-    if not attn:
-        raise ValueError(f"{type(transformer).__name__} has no module matching {plan.self_attention}")
-    first = next(iter(attn.values()))
-    heads = first.heads
-    head_dim = first.to_q.out_features // heads
-    if spec.heads_divisible and heads % ranks:
-        raise ValueError(f"{strategy} needs heads divisible by the group size: {type(transformer).__name__} "
-                         f"has {heads} heads, G={ranks}")
-    if config.table is not None:  # a table of another model: its layers x heads against this one's
-        config.table.check(layers=len(attn), heads=heads,
-                           what=f"{type(transformer).__name__} ({len(attn)} self-attention layers)")
-    rt = Runtime(transformer, plan, group=group, ranks=ranks, rank=rank, distributed=distributed,
-                 config=config, strategy=strategy, placement=kind, heads=heads, head_dim=head_dim)
-    # 2. Attach the runtime: the model now knows it is parallelized.
-    setattr(transformer, _ATTR, rt)
-    log.info("sparsp: parallelize %s: %s, %d self-attention modules, %d heads x %d", rt.model_name,
-             rt.describe(), len(attn), heads, head_dim)
-    # 3. Processors: video self-attention (and LTX-2's video-K/V attention); originals kept.
-    proc_cls = PROCESSORS[plan.processor]
-    for layer, (name, module) in enumerate(attn.items()):  # layer: its place in named_modules order
-        rt.originals[name] = module.processor
-        module.set_processor(proc_cls(rt, layer=layer))
-    # attention over the sharded video keys (LTX-2's audio queries); one rank holds them all, so
-    # there the model's own processor serves, on its fused kernel
-    kv_modules = _modules(transformer, plan.video_kv_attention) if not (distributed and ranks == 1) else {}
-    for name, module in kv_modules.items():
-        rt.originals[name] = module.processor
-        module.set_processor(VideoKVProcessor(rt))
-    log.info("sparsp: installed %s processors on %d modules", proc_cls.__name__, len(rt.originals))
-    # 4. Hooks: entry (geometry, placement, entry tensors), token-carrying submodules, the text
-    #    stream, and the output gather.
-    modules = dict(transformer.named_modules())
-    rt.handles.append(transformer.register_forward_pre_hook(_entry_hook(rt), with_kwargs=True))
-    for where, specs in plan.inputs.items():
-        rt.handles.append(modules[where].register_forward_pre_hook(_input_hook(rt, specs, where), with_kwargs=True))
-    for where, specs in plan.outputs.items():
-        rt.handles.append(modules[where].register_forward_hook(_output_hook(rt, specs, where)))
-    if plan.text is not None:
-        rt.handles.append(modules[plan.text.stream].register_forward_hook(_text_hook(rt)))
-    for where, dim in plan.gather.items():
-        rt.handles.append(modules[where].register_forward_hook(_gather_hook(rt, dim)))
-    # the pipeline's cache context (its branch and step index) for the schedule (``steps.py``)
-    from . import context
+    checked = [_check_model(m, where=where, spec=spec, strategy=strategy, config=config) for m in models]
+    if where.cfg > 1 and rule is None and models[0] is not target:  # a pipeline of unknown steps
+        raise ValueError(f"CFG parallel knows the steps of {', '.join(PIPELINES)}, not {type(target).__name__}'s: "
+                         f"parallelize its transformer (each forward's even batch is split) or use cfg 1")
+    # 2. The groups (the first communication), on the mesh mesh="auto" chose where it did.
+    if sizes is not None:
+        mesh = build_mesh(sizes)
+        where = resolve(group=None, mesh=mesh, dims=None, emulate_ranks=None)
+    where.connect()
+    # 3.-5. Each model's runtime, processors and hooks (``runtime.install``).
+    halves = [install(m.model, m.plan, m.attn, where=where, config=config, strategy=strategy, kind=kind, heads=m.heads,
+                      head_dim=m.head_dim) for m in checked]
+    # 6. CFG parallel over a pipeline's forwards: its call reads which ones pair.
+    if where.cfg > 1 and rule is not None:
+        from .cfg import wrap_pipeline
 
-    rt.context_hook = context.add(transformer, rt.new_run)
-    log.info("sparsp: hooked entry, %s, gather at %s", ", ".join([*plan.inputs, *plan.outputs]) or "-",
-             ", ".join(plan.gather))
-    return transformer
+        wrap_pipeline(target, rule, halves)
+        log.info("sparsp: %s: CFG parallel over %d halves, its call wrapped", type(target).__name__, where.cfg)
+    return target
 
 
-def unparallelize(transformer):
-    """Undo ``parallelize``: the original processors back, hooks removed. Returns the model."""
-    rt = getattr(transformer, _ATTR, None)
-    if rt is None:
-        raise ValueError(f"{type(transformer).__name__} is not parallelized by sparsp")
-    modules = dict(transformer.named_modules())
-    for name, proc in rt.originals.items():
-        modules[name].set_processor(proc)
-    for h in rt.handles:
-        h.remove()
-    from ..strategies import schedule
-    from . import context
+def unparallelize(target):
+    """Undo ``parallelize``: the original processors back, hooks removed, a pipeline's class
+    back. Returns ``target``."""
+    from diffusers import DiffusionPipeline
 
-    context.remove(transformer)
-    plans = schedule.forget(rt)  # its kept plans and branch counts
-    rt.reference.forget()
-    delattr(transformer, _ATTR)
-    log.info("sparsp: unparallelize %s: %d processors restored, %d kept plans freed", rt.model_name,
-             len(rt.originals), plans)
-    return transformer
+    if isinstance(target, DiffusionPipeline):
+        from .cfg import unwrap_pipeline
 
+        models = [m for m in _models(target)[0] if getattr(m, ATTR, None) is not None]
+        if not models:
+            raise ValueError(f"{type(target).__name__} is not parallelized by sparsp")
+        unwrap_pipeline(target)
+        for model in models:
+            uninstall(model)
+        return target
+    uninstall(target)
+    return target
 
 def new_run(transformer) -> None:
     """Start a new denoising run of the parallelized ``transformer``: its next forward is step
     0 (``sparsp.new_run``; a pipeline's own end starts one too, docs/diffusers.md "Schedules")."""
-    rt = getattr(transformer, _ATTR, None)
+    rt = getattr(transformer, ATTR, None)
     if rt is None:
         raise ValueError(f"{type(transformer).__name__} is not parallelized by sparsp")
     rt.new_run()
@@ -550,4 +247,4 @@ def new_run(transformer) -> None:
 
 def runtime_of(transformer) -> Runtime | None:
     """The ``Runtime`` of a parallelized model (None otherwise)."""
-    return getattr(transformer, _ATTR, None)
+    return getattr(transformer, ATTR, None)
