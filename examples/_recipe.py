@@ -23,6 +23,14 @@ masks searched every K steps and reused in between) and ``--thresholds FILE`` a 
 thresholds per layer and head; with ``--compare-dense`` (and ``--emulate-ranks G`` in one
 process, which follows the same schedule) the figures measure that schedule's quality.
 
+``--cfg 2`` spreads each step's guidance branches over two halves of the ranks (CFG parallel)
+and ``--ulysses U`` makes Ulysses groups of U ranks; the rest of the world goes to sparsp's
+sequence-parallel dimension (``sparsp.make_mesh``; docs/mesh.md says which mesh where). Two
+8-GPU nodes, one guidance branch each, the all-to-all inside each node:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        examples/wan.py --pretrained ./Wan2.1-T2V-14B-Diffusers --cfg 2 --ulysses 8
+
 ``--tiny`` replaces the checkpoint by a tiny random pipeline built in code (``_tiny.py``) to
 try a recipe anywhere. Step times are printed per step; on a GPU the first one includes the
 compilation of the attention kernel for the geometry.
@@ -97,7 +105,8 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
         description=textwrap.fill(
             f"Generate a video with a Diffusers {recipe.pipeline} whose transformer runs its video self-attention "
             f"sequence-parallel and block-sparse with sparsp. Run it under torchrun for several GPUs (one rank per "
-            f"GPU) or as a plain python process for one. {recipe.notes}", 100, break_on_hyphens=False),
+            f"GPU; --cfg and --ulysses make a device mesh of them) or as a plain python process for one. "
+            f"{recipe.notes}", 100, break_on_hyphens=False),
         epilog=example, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pretrained", metavar="DIR",
@@ -144,6 +153,13 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
     g.add_argument("--thresholds", default=None, metavar="FILE",
                    help="a JSON table of CDF thresholds per layer and head (docs/configuration.md, \"Thresholds "
                         "per layer and head\"); layers it leaves out take --cdf")
+    g.add_argument("--cfg", type=int, default=1, metavar="C",
+                   help="under torchrun: 2 spreads each denoising step's guidance branches over two halves of the "
+                        "ranks (CFG parallel; docs/diffusers.md), 1 (default) runs every branch on every rank")
+    g.add_argument("--ulysses", type=int, default=1, metavar="U",
+                   help="under torchrun: the ranks of a Ulysses group, an all-to-all of the heads inside it (U must "
+                        "divide the heads; docs/mesh.md); the rest of the world, divided by --cfg, goes to sparsp's "
+                        "sequence-parallel dimension (default 1: a flat group)")
     g.add_argument("--emulate-ranks", type=int, default=None, metavar="G",
                    help="without torchrun only: compute the masks G ranks would compute, in one process")
     g.add_argument("--compare-dense", action="store_true",
@@ -188,6 +204,7 @@ def check_args(args, recipe: Recipe) -> None:
         raise RecipeError(f"--out {args.out}: the video is written as mp4; give a FILE.mp4")
     if args.emulate_ranks is not None and args.emulate_ranks < 1:
         raise RecipeError(f"--emulate-ranks must be >= 1, got {args.emulate_ranks}")
+    check_mesh(args, int(os.environ.get("WORLD_SIZE", "1")))
     if args.device not in (None, "cpu", "cuda"):
         raise RecipeError(f"--device must be cuda or cpu, got {args.device}")
     args.config = sparsp_config(args)
@@ -207,6 +224,21 @@ def check_args(args, recipe: Recipe) -> None:
     if found != recipe.pipeline:
         raise RecipeError(f"--pretrained {args.pretrained} holds a {found}, not a {recipe.pipeline}: "
                           f"use the recipe of that model family")
+
+
+def check_mesh(args, world: int) -> None:
+    """``--cfg`` and ``--ulysses`` against the world size torchrun gives (sp takes the rest)."""
+    if args.cfg not in (1, 2):
+        raise RecipeError(f"--cfg must be 1 or 2 (a step's guidance branches over two halves), got {args.cfg}")
+    if args.ulysses < 1:
+        raise RecipeError(f"--ulysses must be >= 1, got {args.ulysses}")
+    if args.cfg * args.ulysses == 1:
+        return
+    if world == 1:
+        raise RecipeError(f"--cfg {args.cfg} --ulysses {args.ulysses} split the ranks of torchrun; one process has "
+                          f"one (run the recipe under torchrun)")
+    if world % (args.cfg * args.ulysses):
+        raise RecipeError(f"--cfg {args.cfg} x --ulysses {args.ulysses} does not divide the {world} ranks")
 
 
 def sparsp_config(args):
@@ -578,17 +610,19 @@ def _run(args, recipe: Recipe) -> int:
             dlog.disable_progress_bar()
             transformers.utils.logging.disable_progress_bar()
         pipe = load_pipeline(args, recipe, device, dtype)
-        ranks = world if world > 1 else (args.emulate_ranks or 1)
+        ranks = world // args.cfg if world > 1 else (args.emulate_ranks or 1)  # the pieces of a half's sequence
         tokens = check_size(args, recipe, pipe, ranks)
         config = args.config
-        models = [getattr(pipe, n) for n in recipe.transformers if getattr(pipe, n, None) is not None]
-        try:
-            for model in models:
-                sparsp.parallelize(model, config=config, strategy=args.strategy,
-                                   emulate_ranks=args.emulate_ranks if world == 1 else None)
+        # a mesh where --cfg or --ulysses asks for one (sp: the rest of the world), else a flat group
+        mesh = sparsp.make_mesh(cfg=args.cfg, ulysses=args.ulysses) if args.cfg * args.ulysses > 1 else None
+        try:  # the pipeline's transformers (Wan 2.2's two experts), and with --cfg 2 its call
+            sparsp.parallelize(pipe, mesh=mesh, config=config, strategy=args.strategy,
+                               emulate_ranks=args.emulate_ranks if world == 1 else None)
         except ValueError as e:
             raise RecipeError(str(e)) from None
         mode = f"{world} ranks" if world > 1 else (f"1 process as {ranks} ranks" if ranks > 1 else "1 process")
+        if mesh is not None:
+            mode += f" (cfg {args.cfg} x ulysses {args.ulysses} x sp {world // (args.cfg * args.ulysses)})"
         _say(rank, f"{recipe.name}: {args.frames}x{args.height}x{args.width}, {tokens} video tokens per call, "
                    f"{mode} on {device.type} ({str(dtype).removeprefix('torch.')}), strategy {args.strategy}, "
                    f"cdf {args.cdf:g}, block {args.block_size}{describe_schedule(config)}")
@@ -607,8 +641,7 @@ def _run(args, recipe: Recipe) -> int:
             dist.destroy_process_group()
         if args.compare_dense and rank == 0:
             # The other ranks are done: the dense model runs here alone, whole, as Diffusers has it.
-            for model in models:
-                sparsp.unparallelize(model)
+            sparsp.unparallelize(pipe)
             dense, _, dense_times = generate(args, recipe, pipe, decode=True, label="dense", show=True)
             print(f"dense: {describe_times(dense_times)}", flush=True)
             print(f"sparse vs dense ({frames.shape[0]} frames): PSNR {psnr(frames, dense):.2f} dB, "

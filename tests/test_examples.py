@@ -80,11 +80,12 @@ def _quality(out: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
-# Two of the runs also compare with the dense model: Wan at --cdf 1.0, where sparsp's attention
-# keeps every block and so must reproduce the unparallelized model (PSNR >= 60 dB over the
-# float frames, before the mp4's 8-bit rounding), and LTX-Video at the default threshold, whose
-# numbers only have to be finite (random weights make no meaningful picture to judge).
-EXTRA = {"wan": ["--cdf", "1.0", "--compare-dense"], "ltx-video": ["--compare-dense"]}
+# Two of the runs also compare with the dense model: Wan at --cdf 1.0 with --cfg 2 (each rank one
+# guidance branch of every step), where sparsp's attention keeps every block and so must reproduce
+# the unparallelized model (PSNR >= 60 dB over the float frames, before the mp4's 8-bit
+# rounding), and LTX-Video at the default threshold, whose numbers only have to be finite
+# (random weights make no meaningful picture to judge).
+EXTRA = {"wan": ["--cdf", "1.0", "--compare-dense", "--cfg", "2"], "ltx-video": ["--compare-dense"]}
 
 
 @pytest.mark.parametrize("kind", list(SCRIPTS))
@@ -94,7 +95,10 @@ def test_recipe_two_ranks_writes_the_video(kind, pretrained, tmp_path):
     extra = EXTRA.get(kind, [])
     out = _torchrun(SCRIPTS[kind], ["--pretrained", str(pretrained(kind)), "--height", str(height), "--width",
                                     str(width), "--frames", str(frames), "--out", str(video), *COMMON, *extra])
-    assert "2 ranks on cpu" in out and re.search(r"sparsp: 2 steps, [\d.]+ ms/step", out), out[-3000:]
+    assert re.search(r"2 ranks (\(.*\) )?on cpu", out) and re.search(r"sparsp: 2 steps, [\d.]+ ms/step", out), \
+        out[-3000:]
+    if "--cfg" in extra:
+        assert "2 ranks (cfg 2 x ulysses 1 x sp 1) on cpu" in out, out[-3000:]
     n, h, w, streams = _read_mp4(video)
     assert (n, h, w) == (frames, height, width)
     assert streams == (["audio", "video"] if kind == "ltx-2" else ["video"])
@@ -140,7 +144,7 @@ def test_help_explains_every_option(script, capsys):
     text = capsys.readouterr().out
     for option in ("--pretrained", "--prompt", "--height", "--width", "--frames", "--steps", "--seed", "--out",
                    "--strategy", "--cdf", "--compare-dense", "--device", "--dtype", "--tiny", "--dense-steps",
-                   "--replan-every", "--thresholds"):
+                   "--replan-every", "--thresholds", "--cfg", "--ulysses"):
         assert option in text, option
 
 
@@ -164,6 +168,8 @@ def test_bad_input_is_one_line(pretrained, tmp_path, capsys):
         (["--pretrained", wan, "--cdf", "1.5"], r"--cdf must be in \[0, 1\]"),
         (["--pretrained", wan, "--out", "x.avi"], "give a FILE.mp4"),
         (["--pretrained", wan, "--strategy", "allgather"], "strategy='allgather' is not one of"),
+        (["--pretrained", wan, "--cfg", "3"], "--cfg must be 1 or 2"),
+        (["--pretrained", wan, "--ulysses", "2"], "--cfg 1 --ulysses 2 split the ranks of torchrun; one process"),
         (["--pretrained", wan, "--emulate-ranks", "64", "--height", "48", "--width", "64", "--frames", "9",
           "--block-size", "8"], "36 video tokens = 5 blocks of 8, fewer than the 64 ranks"),
     ]
