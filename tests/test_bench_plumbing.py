@@ -446,9 +446,9 @@ STRATEGY_ROW = ["model", "tokens", "heads", "head_dim", "ranks", "fabric", "cdf"
                 "transfer_ms", "host_syncs", "collectives", "link_gbps", "dense_tflops", "dense_kernel",
                 "compute_bound_ms", "transfer_bound_ms", "bound_ms", "efficiency", "ablation", "cuda_graphs",
                 "local_first_config", "local_first", "drain_chunks", "auto_choice", "config", "head_order",
-                "input_sets", "thresholds", "call", "plan_median_ms", "plan_mask_ms", "reuse_ratio"]
+                "input_sets", "thresholds", "call", "plan_median_ms", "plan_mask_ms", "reuse_ratio", "mesh"]
 CALL_SETTINGS = ["cuda_graphs", "local_first_config", "local_first", "drain_chunks", "auto_choice", "config",
-                 "head_order", "input_sets", "call", "plan_median_ms", "plan_mask_ms", "reuse_ratio"]
+                 "head_order", "input_sets", "call", "plan_median_ms", "plan_mask_ms", "reuse_ratio", "mesh"]
 LAYER_FIELDS = ["workload", "layer", "layer_pick", "profile_density", "heads_within"]
 
 

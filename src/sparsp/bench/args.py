@@ -169,6 +169,44 @@ def schedule_arg(text: str) -> tuple[int, int]:
     return parts["dense"], parts["replan"]
 
 
+MESH_ROLES = ("cfg", "ulysses", "sp")
+"""``--mesh``'s dimensions (``sparsp.make_mesh``'s; ``sp`` takes the rest of the ranks)."""
+
+
+def mesh_arg(text: str) -> dict[str, int]:
+    """One ``--mesh`` value, ``cfg=C,ulysses=U`` (any of cfg, ulysses and sp, each an int >= 1;
+    sp left out takes the rest of the ranks): the sizes given, by name."""
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or name not in MESH_ROLES or name in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected NAME=SIZE pairs of {', '.join(MESH_ROLES)} separated by "
+                                             f"commas (e.g. cfg=2,ulysses=4; sp takes the rest of the ranks), "
+                                             f"got {text!r}")
+        sizes[name] = int(value)
+    return sizes
+
+
+def mesh_sizes(verb: str, sizes: dict[str, int], world: int) -> tuple[int, int, int]:
+    """``(cfg, ulysses, sp)`` of ``--mesh`` on ``world`` ranks; refused (one line, exit 2) where
+    they do not make the world or cfg is not 1 or 2."""
+    cfg, ulysses = sizes.get("cfg", 1), sizes.get("ulysses", 1)
+    if cfg not in (1, 2):
+        refuse(verb, f"--mesh cfg={cfg}: a step's guidance branches go over 1 or 2 halves")
+    if world % (cfg * ulysses):
+        refuse(verb, f"--mesh cfg={cfg} x ulysses={ulysses} does not divide the {world} ranks")
+    sp = sizes.get("sp", world // (cfg * ulysses))
+    if cfg * ulysses * sp != world:
+        refuse(verb, f"--mesh cfg={cfg} x ulysses={ulysses} x sp={sp} = {cfg * ulysses * sp} ranks, not the {world} "
+                     f"of this run")
+    return cfg, ulysses, sp
+
+
+def mesh_label(sizes: tuple[int, int, int]) -> str:
+    """``(cfg, ulysses, sp)`` as the rows name it."""
+    return f"cfg {sizes[0]} x ulysses {sizes[1]} x sp {sizes[2]}"
+
+
 def schedule_label(schedule: tuple[int, int]) -> str:
     """``(dense_steps, replan_every)`` as ``--schedule`` writes it."""
     return f"dense={schedule[0]},replan={schedule[1]}"
@@ -297,6 +335,12 @@ def add_attention(p) -> None:
     p.add_argument("--ablation", action="store_true", help="add the ablation rows (see above)")
     add_config_argument(p, reserved=ATTENTION_RESERVED)
     p.add_argument("--no-1gpu", action="store_true", help="skip the one-GPU rows")
+    p.add_argument("--mesh", type=mesh_arg, default=None, metavar="ulysses=U[,sp=R]",
+                   help="run the strategy rows on a device mesh (sparsp.make_mesh: each rank one piece of an sp "
+                        "slice, an all-to-all inside each Ulysses group, the strategy over sp; docs/mesh.md); sp "
+                        "takes the rest of the ranks, cfg is a pipeline's (bench e2e --mesh). On one GPU, "
+                        "--mesh ulysses=1 runs the mesh path on a mesh of one, timed beside the flat 1gpu-sparse "
+                        "call: its overhead")
     p.add_argument("--no-reuse", action="store_true",
                    help="skip the reuse rows: each strategy row is a plan call (its mask phase included); its "
                         "\"STRATEGY (reuse)\" row times a call that reuses that plan (SparspConfig.replan_every: no "
@@ -363,9 +407,14 @@ def add_e2e(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--layers", type=int, default=None, help="truncate the block stack (default: all)")
     p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
-                   help="1gpu-dense, 1gpu-sparse, diffusers-ring, diffusers-ulysses, or any registered "
-                        "sparsp strategy (default: the rows named above); an unknown name is refused "
-                        "with the known ones")
+                   help="1gpu-dense, 1gpu-sparse, diffusers-ring, diffusers-ulysses, diffusers-unified (with "
+                        "--mesh), or any registered sparsp strategy (default: the rows named above); an unknown "
+                        "name is refused with the known ones")
+    p.add_argument("--mesh", type=mesh_arg, default=None, metavar="cfg=C,ulysses=U",
+                   help="run the sparsp rows on a device mesh (sparsp.make_mesh; sp takes the rest of the ranks): "
+                        "cfg=2 gives every row a batch of two branches (CFG's [uncond, cond]) that the sparsp rows "
+                        "split over two halves (CFG parallel), and diffusers-unified runs Diffusers' own ring x "
+                        "Ulysses attention at the same mesh (docs/diffusers.md)")
     p.add_argument("--cdf", type=float, default=0.9, help="CDF threshold of the sparse rows")
     p.add_argument("--dense-steps", type=non_negative_int, default=0, metavar="N",
                    help="the sparse rows' schedule: the first N timed steps dense (SparspConfig.dense_steps)")

@@ -71,6 +71,15 @@ results, for a later run's ``--calibration``. Such a run's files go to ``OUT/den
 (``attention-<model>-<profile>-step<S|mean>-<machine>-<date>.json``, ``"workload":
 "density-profile"`` in the file and its rows), apart from the preset's results.
 
+``--mesh ulysses=U[,sp=R]`` runs the strategy rows on a device mesh (``sparsp.make_mesh``; sp
+takes the rest of the ranks): the inputs placed over the R sp ranks, rank (sp=r, ulysses=u)
+holding piece u of slice r, every call ``sp_attention(mesh=)``; such a row is named
+``STRATEGY [ulysses U x sp R]`` (its ``mesh`` field the same), and its bytes are those of the
+sp group and the Ulysses all-to-alls together. On one GPU ``--mesh ulysses=1`` runs the mesh
+path on a mesh of one, timed in the same rounds as the flat ``1gpu-sparse`` call:
+
+    torchrun --nproc-per-node 1 -m sparsp.cli bench attention --model wan2.1-14b --strategy sparsp --mesh ulysses=1
+
 Results: ``bench/results/attention-<model>-<machine>-<date>.json`` (+ PNG: stacked time split
 per strategy, the bound marked); a second run with the other ``--fabric`` extends the file.
 """
@@ -86,10 +95,10 @@ import torch.distributed as dist
 
 from ..timing import call_ms
 from .args import (ATTENTION_RESERVED, PROFILE_DIR, check_attention, check_names, check_out, check_thresholds,
-                   default_out, refuse)
+                   default_out, mesh_label, mesh_sizes, refuse)
 from .attention_rows import SPLIT, AttentionRow, plot, table, with_reuse_figures
 from .common import (barrier, config_overrides, init_distributed, over_ranks, profile_name, shutdown, stage,
-                     time_interleaved, time_ms, wide_console, write_result)
+                     time_interleaved, time_ms, wide_console, world_size, write_result)
 from .measure import count_syncs_and_collectives, dense_call, dense_tflops, kept_flops, link_gbps
 from .profile_layers import LayerWorkload, read_layers, workloads_of
 
@@ -106,6 +115,7 @@ class _Setup:
     overrides: dict
     gbps: float
     layers: object | None  # profile_layers.ProfileLayers
+    mesh: tuple[int, int, int] | None = None  # --mesh: (cfg 1, ulysses, sp)
 
 
 @dataclass
@@ -123,6 +133,16 @@ class _Run:
     one_gpu: object
     console: object
     dense: tuple[float, str] | None = None
+    mesh: object = None  # --mesh: the strategy rows' DeviceMesh
+
+    @property
+    def place(self) -> dict:
+        """Where a strategy row's calls run: ``sp_attention``'s ``mesh=`` (None: the world)."""
+        return {} if self.mesh is None else {"mesh": self.mesh}
+
+    @property
+    def ulysses(self) -> int:
+        return 1 if self.setup.mesh is None else self.setup.mesh[1]
 
     def layer(self, workload: LayerWorkload | None) -> int:
         """The ``layer`` of a row's calls: the profile layer it runs, else 0 (``--thresholds``:
@@ -184,13 +204,29 @@ def check(args) -> _Setup:
     layers = None if args.density_profile is None else read_layers(args, geom)
     if layers is None and args.seed is None:
         args.seed = 0
+    mesh = _check_mesh(args, geom)
     if not torch.cuda.is_available():
         refuse("attention", "needs CUDA GPUs (run it under torchrun on a GPU machine); this machine has none")
     gbps = args.link_gbps or link_gbps(args.fabric, args.out)
     if gbps is None:
         refuse("attention", f"no 256 MiB transport row for fabric {args.fabric} in {args.out}; run `sparsp bench "
                             "transport` first or pass --link-gbps")
-    return _Setup(geom, overrides, gbps, layers)
+    return _Setup(geom, overrides, gbps, layers, mesh)
+
+
+def _check_mesh(args, geom) -> tuple[int, int, int] | None:
+    """``--mesh``'s (cfg, ulysses, sp) on torchrun's world, checked before anything starts: one
+    attention call has no guidance branches (cfg is a pipeline's), and ulysses must divide the
+    heads."""
+    if args.mesh is None:
+        return None
+    if args.mesh.get("cfg", 1) != 1:
+        refuse("attention", "--mesh cfg: one attention call has no guidance branches to spread; cfg is a "
+                            "pipeline's (bench e2e --mesh cfg=2,...); give ulysses and sp")
+    sizes = mesh_sizes("attention", args.mesh, world_size())
+    if geom.heads % sizes[1]:
+        refuse("attention", f"--mesh ulysses={sizes[1]} does not divide the {geom.heads} heads of {geom.name}")
+    return sizes
 
 
 def _start(args, setup: _Setup) -> _Run:
@@ -202,14 +238,19 @@ def _start(args, setup: _Setup) -> _Run:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     one_gpu = dist.new_group([0]) if world > 1 else None
     console = wide_console(160) if rank == 0 else None  # the table has 15 columns
-    return _Run(args, setup, rank, world, device, dtype, one_gpu, console)
+    mesh = None
+    if setup.mesh is not None:  # every rank makes it, after the checks
+        from ..mesh import make_mesh
+
+        mesh = make_mesh(ulysses=setup.mesh[1], sp=setup.mesh[2])
+    return _Run(args, setup, rank, world, device, dtype, one_gpu, console, mesh=mesh)
 
 
 def _rows_of(run: _Run, workload: LayerWorkload | None, cdf: float, inputs: dict) -> list[tuple]:
     """(row without its times, its call) of every strategy row at ``cdf``, of each one's reuse
     row (a strategy row, not an ablation step, unless ``--no-reuse``) and of the one-GPU rows
     (on ranks but 0: (None, a call that does nothing)), to be timed together."""
-    configs = _configs(run.args, run.world, run.setup.geom.heads)
+    configs = _configs(run.args, run.world // run.ulysses, run.setup.geom.heads // run.ulysses)
     timed = [_strategy_row(run, workload, cdf, config, inputs) for config in configs]
     if not run.args.no_reuse:
         timed += [_strategy_row(run, workload, cdf, config, inputs, reuse=True)
@@ -238,7 +279,8 @@ def _report(run: _Run, rows: list[AttentionRow], extra: dict | None) -> None:
     """Rank 0: the result file, its table and its plot."""
     args, geom = run.args, run.setup.geom
     path = write_rows([r.as_json() for r in rows], geom.name, args, extra)
-    run.console.print(table(rows, f"{geom.name}, {run.world} ranks, fabric {args.fabric}"
+    mesh = "" if run.mesh is None else f", strategy rows on mesh {mesh_label(run.setup.mesh)}"
+    run.console.print(table(rows, f"{geom.name}, {run.world} ranks, fabric {args.fabric}{mesh}"
                             + ("" if extra is None else f", {extra['source']} step {args.step or 'mean'}")))
     run.console.print(f"wrote {path}")
     plot(path)
@@ -265,13 +307,20 @@ def write_rows(rows: list[dict], model: str, args, extra: dict | None) -> Path:
                         Path(args.out) / PROFILE_DIR, extra=extra)
 
 
-def make_inputs(geom, placement, rank: int, device, dtype, seed: int, workload: LayerWorkload | None = None):
+def make_inputs(geom, placement, rank: int, device, dtype, seed: int, workload: LayerWorkload | None = None,
+                ulysses: int = 1):
     """This rank's placed slice of synthetic q, k (model RoPE structure) and random v;
     ``workload``: one profile layer's calibrated heads instead of the drawn ones (the q/k of its
-    layer index, seed and mix)."""
+    layer index, seed and mix). ``ulysses`` U > 1: rank (sp=r, ulysses=u) of a mesh holds piece
+    u of slice r (``placement.ulysses_pieces``)."""
+    from ..placement import ulysses_pieces
     from ..workloads.synthetic import token_qk
 
-    tokens = placement.perm[placement.token_slice(rank)]
+    r, u = divmod(rank, ulysses)
+    tokens = placement.perm[placement.token_slice(r)]
+    if ulysses > 1:
+        pieces = ulysses_pieces(len(tokens), geom.block_size, ulysses)
+        tokens = tokens[sum(pieces[:u]):sum(pieces[:u + 1])]
     if workload is None:
         q, k = token_qk(geom, seed=seed, tokens=tokens, device=device, dtype=torch.float32)
     else:
@@ -288,10 +337,10 @@ def _inputs(run: _Run, kind: str, workload: LayerWorkload | None, inputs: dict):
     from ..placement import make_placement
 
     args, geom, world = run.args, run.setup.geom, run.world
-    if kind not in inputs:
-        pl = make_placement(kind, geom, world)
-        inputs[kind] = (pl, [make_inputs(geom, pl, run.rank, run.device, run.dtype, args.seed + i, workload)
-                             for i in range(args.input_sets)])
+    if kind not in inputs:  # on a mesh: placed over its sp ranks, each slice cut into Ulysses pieces
+        pl = make_placement(kind, geom, world // run.ulysses)
+        inputs[kind] = (pl, [make_inputs(geom, pl, run.rank, run.device, run.dtype, args.seed + i, workload,
+                                         run.ulysses) for i in range(args.input_sets)])
     if run.dense is None:  # local queries against every key, as a strategy's kernel meets them
         q, k, v = inputs[kind][1][0]
         run.dense = dense_tflops(q, k if world == 1 else torch.cat([k] * world, 1),
@@ -300,7 +349,8 @@ def _inputs(run: _Run, kind: str, workload: LayerWorkload | None, inputs: dict):
 
 
 def _configs(args, world: int, heads: int) -> list[tuple[str, str, str, str | None]]:
-    """(strategy, placement, transport, ablation) of every row."""
+    """(strategy, placement, transport, ablation) of every row: ``world`` sp ranks, each call on
+    ``heads`` heads (a mesh's: per Ulysses rank)."""
     from ..strategies import strategy_names, strategy_spec
     from ..strategies.auto import AUTO, PLANNED
 
@@ -356,20 +406,22 @@ def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config:
     ``reuse``: the row of calls that reuse the plan one call on the first set solved
     (``SparspConfig.replan_every``: a schedule's reuse step), named ``STRATEGY (reuse)``."""
     from .. import SparspConfig, sp_attention
-    from ..strategies import get_transport
     from ..strategies.auto import AUTO
 
     args, device = run.args, run.device
     strategy, kind, transport, ablation = config
-    name = f"{strategy} (reuse)" if reuse else strategy
+    # a mesh row is named apart (readers of registered strategies' rows pass over it, as over a reuse row)
+    label = None if run.mesh is None else mesh_label(run.setup.mesh).removeprefix("cfg 1 x ")
+    name = strategy + ("" if label is None else f" [{label}]") + (" (reuse)" if reuse else "")
     with stage(f"setting up {name} over {transport}"):
         _, sets = _inputs(run, kind, workload, inputs)
         cfg = SparspConfig(cdf_threshold=cdf, block_size=run.setup.geom.block_size, transport=transport,
                            kernel=args.kernel, timeout_s=300.0, thresholds=args.thresholds,
                            replan_every=2 if reuse else 1, **(run.setup.overrides | ablation_config(ablation)))
-        t = get_transport(transport, None, device, cfg.timeout_s, local=cfg.local_transport)
+        t = _Transports(run, transport, cfg)
         # a reuse row's calls are step 1 of its own branch: step 0 solved the plan they reuse
         where = {"layer": run.layer(workload)} | ({"step": 1, "branch": f"bench {name} {transport}"} if reuse else {})
+        where |= run.place  # on --mesh: the mesh call
         attend = lambda q, k, v: sp_attention(q, k, v, strategy=strategy, config=cfg, **where)  # noqa: E731
         if reuse:
             sp_attention(*sets[0], strategy=strategy, config=cfg, **(where | {"step": 0}))
@@ -397,8 +449,40 @@ def _strategy_row(run: _Run, workload: LayerWorkload | None, cdf: float, config:
                   local_first=split["local_first"], drain_chunks=split["drain_chunks"],
                   auto_choice=chosen if strategy == AUTO else None, config=run.setup.overrides or None,
                   head_order="density",  # a head-sharded strategy's heads: by density (ulysses)
-                  input_sets=args.input_sets)
+                  input_sets=args.input_sets, mesh=label)
     return row, call
+
+
+class _Transports:
+    """The transports a strategy row's calls move bytes over, as one: the world's, or on
+    ``--mesh`` its sp group's and (ulysses > 1) its Ulysses groups' (``bytes_moved`` counts
+    both: the all-to-alls' bytes with the strategy's)."""
+
+    def __init__(self, run: _Run, name: str, cfg) -> None:
+        from ..mesh import mesh_groups
+        from ..strategies import get_transport
+
+        groups = [None]
+        if run.mesh is not None:
+            mg = mesh_groups(run.mesh)
+            groups = [mg.sp] + ([mg.ulysses] if run.ulysses > 1 else [])
+        self.all = [get_transport(name, g, run.device, cfg.timeout_s, local=cfg.local_transport) for g in groups]
+
+    @property
+    def name(self) -> str:
+        return self.all[0].name
+
+    @property
+    def total_received(self) -> int:
+        return sum(t.total_received for t in self.all)
+
+    def fence(self) -> None:
+        for t in self.all:
+            t.fence()
+
+    def reset_counters(self) -> None:
+        for t in self.all:
+            t.reset_counters()
 
 
 def _trace_stem(run: _Run, cdf: float, workload, config: tuple, transport: str, reuse: bool = False) -> Path | None:

@@ -28,7 +28,7 @@ from .common import save_figure
 SPLIT = ("mask_ms", "pack_ms", "compute_ms", "merge_ms", "exposed_comm_ms")
 """The phases of a call's time split, stacked in the plot (``exposed``: the compute stream waiting)."""
 CALL_FIELDS = ("call", "cuda_graphs", "local_first_config", "local_first", "drain_chunks", "auto_choice", "config",
-               "head_order", "input_sets", "plan_median_ms", "plan_mask_ms", "reuse_ratio")
+               "head_order", "input_sets", "plan_median_ms", "plan_mask_ms", "reuse_ratio", "mesh")
 """Fields of a strategy's call that a one-GPU row's file does not have."""
 
 
@@ -87,6 +87,7 @@ class AttentionRow:
     plan_median_ms: float | None = None  # a reuse row's: its plan row's median and mask phase
     plan_mask_ms: float | None = None
     reuse_ratio: float | None = None  # median / (plan_median_ms - plan_mask_ms)
+    mesh: str | None = None  # bench attention --mesh: "ulysses U x sp R" (None: one flat group)
     workload: object = field(default=None, compare=False)
 
     def timed(self, times: list[float]) -> AttentionRow:

@@ -42,6 +42,14 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def world_size() -> int:
+    """The ranks of this run before ``init_distributed``: the process group's where one exists,
+    else what torchrun says (``WORLD_SIZE``), else one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def shutdown() -> None:
     """Release sparsp's transports (IPC handles, shared memory) and leave the process group."""
     from ..strategies import close_transports
@@ -177,6 +185,16 @@ def time_interleaved(fns, *, warmup: int, iters: int, device: torch.device) -> l
             i = (r + j) % n
             times[i] += time_ms(fns[i], warmup=0, iters=1, device=device)
     return times
+
+
+def all_gather_halves(x: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every CFG half's ``x`` over ``group`` (its ``cfg`` dimension's), in group order: the one
+    exchange of a step's prediction that CFG parallel makes (``bench e2e --mesh cfg=2``'s
+    ``diffusers-unified`` row, inside its timed step, as sparsp's CFG parallel makes it inside
+    the model)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
 
 
 def median(xs: list[float]) -> float:

@@ -27,8 +27,21 @@ dense attention TFLOP/s per GPU, or its error; ``attention_backend`` is the one 
 ``attention_tflops`` its rate in the timed steps. A text mask that marks every token valid is
 not passed (HunyuanVideo's dense rows: its blocks get no mask), so cuDNN and flash can apply.
 
-By default (``--strategy`` not given) the rows are ``1gpu-dense``, ``1gpu-sparse``, both
-``diffusers-*`` rows, ``ring-sparse``, ``ulysses`` and ``sparsp``.
+By default (``--strategy`` not given) the rows are ``1gpu-dense``, ``1gpu-sparse``,
+``diffusers-ring`` and ``diffusers-ulysses`` (``diffusers-unified`` with ``--mesh``),
+``ring-sparse``, ``ulysses`` and ``sparsp``.
+
+``--mesh cfg=C,ulysses=U`` (sp takes the rest of the ranks) runs the sparsp rows on a device mesh
+(``sparsp.make_mesh``, ``parallelize(mesh=)``) and adds ``diffusers-unified``: Diffusers' own
+ring x Ulysses attention (``ContextParallelConfig(ring_degree=sp, ulysses_degree=U, mesh=)``)
+at the same mesh as the sparsp rows, ``ring-sparse`` on it being the peers' composition with
+sparsity added. With ``cfg=2`` every row's step carries two branches (a batch of two, CFG's
+[uncond, cond]): the sparsp rows split it over the two halves (CFG parallel: each half one
+branch, the predictions all-gathered once per step), ``diffusers-unified`` runs each half's
+branch and exchanges the step's prediction once, and the other rows run the batch whole. The
+rows run on the mesh carry ``mesh`` (``{"cfg", "ulysses", "sp"}``; None on the others):
+
+    torchrun --nproc-per-node 8 -m sparsp.cli bench e2e --model wan2.1-14b --mesh cfg=2,ulysses=4
 
 A step's time is the slowest rank's wall time (CUDA events), median over the steps after
 ``--warmup``; ``attention_ms`` sums the video self-attention modules' time in a step (mean
@@ -77,25 +90,32 @@ import torch
 import torch.distributed as dist
 
 from .args import (CPU_FABRIC, E2E_BLOCK_SIZE, E2E_RESERVED, E2E_TINY_BLOCK_SIZE, ONE_GPU_ROWS, check_names,
-                   check_out, check_thresholds, default_out, refuse)
+                   check_out, check_thresholds, default_out, mesh_label, mesh_sizes, refuse)
 from .backends import (CANDIDATES, PROCESSOR_DENSE, fastest, one_gpu_config, pick_fastest, tflops, try_backend,
                        try_each, use_backend)
-from .common import (config_overrides, failure_text, first_error, init_distributed, median, over_ranks,
-                     profile_name, share, shutdown, stage, time_ms, wide_console, write_result)
+from .common import (all_gather_halves, config_overrides, failure_text, first_error, init_distributed, median,
+                     over_ranks, profile_name, share, shutdown, stage, time_ms, wide_console, world_size,
+                     write_result)
 from .e2e_model import AttentionTimer, attention_modules, drop_all_valid_text_masks, step_fn, synthetic_qk
 from .e2e_rows import DIFFUSERS, compose, plot, result_table, row_label, row_plan, scheduled_warmup, what_ran
 
 RESERVED = E2E_RESERVED
 
 
-def default_strategies() -> list[str]:
+UNIFIED = "diffusers-unified"
+"""Diffusers' ring x Ulysses attention at ``--mesh``'s sizes (each CFG half its own)."""
+
+
+def default_strategies(mesh: bool = False) -> list[str]:
     """The rows run when ``--strategy`` is not given: the one-GPU rows, Diffusers' own context
-    parallelism (the dense baselines), and every registered block-sparse strategy that moves
+    parallelism (the dense baselines: ring and Ulysses over the world, or with ``--mesh`` its
+    unified attention at the same mesh), and every registered block-sparse strategy that moves
     no relayed bytes (a relay ring's whole model step adds nothing the attention bench lacks)."""
     from ..strategies.registry import strategies_where, strategy_spec
 
     sparse = [s for s in strategies_where(sparse=True) if strategy_spec(s).byte_rule != "relay"]
-    return [*ONE_GPU_ROWS, *DIFFUSERS, *sparse]
+    dense = [UNIFIED] if mesh else [n for n in DIFFUSERS if n != UNIFIED]
+    return [*ONE_GPU_ROWS, *dense, *sparse]
 
 
 
@@ -114,6 +134,13 @@ class _Run:
     one: object
     overrides: dict  # the --config fields
     console: object  # rank 0's; None on the others
+    sizes: tuple[int, int, int] | None = None  # --mesh: (cfg, ulysses, sp)
+    mesh: object = None  # --mesh: the sparsp rows' DeviceMesh (sparsp.make_mesh)
+
+    @property
+    def batch(self) -> int:
+        """Samples per step: a CFG step's two branches batched with ``--mesh cfg=2``, else one."""
+        return 2 if self.sizes is not None and self.sizes[0] == 2 else 1
 
 
 @dataclass
@@ -129,6 +156,7 @@ class _Built:
     inputs: dict | None = None  # one step's keyword arguments
     step: object = lambda: None
     between: object = lambda: None  # before each step, untimed: the synthetic q/k's move (``SyntheticQK``)
+    exchange: object = None  # a CFG half's exchange of each step's prediction (``diffusers-unified``)
     modules: list = field(default_factory=list)
     choices: list = field(default_factory=list)
     planned: dict = field(default_factory=dict)  # layer -> the choice of its last plan step
@@ -178,7 +206,8 @@ def _build(name, args, run: _Run, other) -> _Built:
     model = build_transformer(preset.kind, config=TINY[preset.kind] if args.tiny else preset.config,
                               layers=args.layers, seed=args.seed, dtype=run.dtype, device=run.device)
     latent = tuple(args.latent) if args.latent else ((3, 8, 8) if args.tiny else preset.latent)
-    inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens, seed=args.seed + 1)
+    inputs = dummy_inputs(model, latent, text_tokens=8 if args.tiny else preset.text_tokens, seed=args.seed + 1,
+                          batch=run.batch)
     built = _Built(args.warmup, {"layers": num_layers(model), "transport": None, "cdf": None, "density": None},
                    model=model, inputs=inputs)
     drop_all_valid_text_masks(model, inputs, preset.kind, dense=name == "1gpu-dense" or name in DIFFUSERS)
@@ -206,7 +235,7 @@ def _set_up_steps(name, built: _Built, args, calibration) -> None:
         built.between = rt.qk_override.advance  # each step its own q/k, a little moved (DRIFT)
         built.row["qk"] = "synthetic" if calibration is None else "calibrated"
     sigmas = torch.linspace(1.0, 0.0, built.warmup + args.steps + 1).tolist()
-    built.step = step_fn(built.model, built.inputs, sigmas)
+    built.step = step_fn(built.model, built.inputs, sigmas, exchange=built.exchange)
     built.modules = attention_modules(built.model)
     if name == "1gpu-sparse":  # what each attention call chose (``strategies/one_gpu.py``)
         for i, m in enumerate(built.modules):
@@ -243,14 +272,46 @@ def _parallelize(name, built: _Built, args, run: _Run, schedule=None) -> None:
                            strategy=strategies_where(primary=True)[0])
         built.row.update(cdf=args.cdf)
         built.warmup = max(built.warmup, one_gpu.MEASURE_AT)  # the kernels' rates measured before the timed steps
+    elif name == UNIFIED:
+        _unified(built, run)
     elif name in DIFFUSERS:
         from diffusers import ContextParallelConfig
 
         built.row.update(transport="nccl")
         built.model.enable_parallelism(config=ContextParallelConfig(**{DIFFUSERS[name]: run.world}))
     elif name != "1gpu-dense":
-        sparsp.parallelize(built.model, config=config, strategy=name)
-        built.row.update(transport=run.transport, cdf=args.cdf)
+        sparsp.parallelize(built.model, mesh=run.mesh, config=config, strategy=name)
+        built.row.update(transport=run.transport, cdf=args.cdf, mesh=_mesh_field(run))
+
+
+def _mesh_field(run: _Run) -> dict | None:
+    """A row's ``mesh``: the sizes it ran on (None: the flat group, or one GPU)."""
+    return None if run.sizes is None else dict(zip(("cfg", "ulysses", "sp"), run.sizes))
+
+
+def _unified(built: _Built, run: _Run) -> None:
+    """``diffusers-unified``: Diffusers' ring x Ulysses attention on a mesh of ``--mesh``'s
+    sizes (``ContextParallelConfig(ring_degree=sp, ulysses_degree=ulysses, mesh=)``, the mesh's
+    dimensions named as Diffusers names them); with cfg 2 each half runs its sample of the
+    batch, and each step's prediction is exchanged between the halves (what CFG parallel does
+    per step), every rank going on with its own sample."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..integrations.plans import plan_for
+
+    cfg, ulysses, sp = run.sizes
+    mesh = init_device_mesh(run.device.type, (cfg, sp, ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+    built.row.update(transport="nccl", mesh=_mesh_field(run))
+    built.model.enable_parallelism(config=ContextParallelConfig(ring_degree=sp, ulysses_degree=ulysses,
+                                                                mesh=mesh["ring", "ulysses"]))
+    if cfg == 2:
+        half, group = mesh.get_local_rank("cfg"), mesh.get_group("cfg")
+        for arg in plan_for(built.model).batch:
+            value = built.inputs.get(arg)
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 2:
+                built.inputs[arg] = value[half:half + 1]
+        built.exchange = lambda v: all_gather_halves(v, group)[half]
 
 
 def _pick_backend(name, built: _Built, timer, args, run: _Run) -> None:
@@ -316,8 +377,9 @@ def settle_arguments(args) -> bool:
 
     known = (*ONE_GPU_ROWS, *DIFFUSERS, *strategy_names())
     if args.strategy is None:
-        args.strategy = default_strategies()
+        args.strategy = default_strategies(args.mesh is not None)
     check_names("e2e", "--strategy", args.strategy, known)
+    check_mesh(args)
     if args.device not in ("auto", "cuda", "cpu"):  # torchrun's LOCAL_RANK picks the GPU
         refuse("e2e", f"--device must be auto, cuda or cpu, got {args.device!r}")
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -351,6 +413,23 @@ def settle_arguments(args) -> bool:
     return want_cuda
 
 
+def check_mesh(args) -> None:
+    """``--mesh`` against torchrun's world and the model's heads (``args.sizes``: its (cfg,
+    ulysses, sp), None without it), before any process group: one line, exit 2."""
+    from ..integrations.models import attention_shape
+
+    args.sizes = None
+    if args.mesh is None:
+        if UNIFIED in args.strategy:
+            refuse("e2e", f"{UNIFIED} runs Diffusers' ring x Ulysses attention at the sizes of --mesh: give --mesh")
+        return
+    args.sizes = mesh_sizes("e2e", args.mesh, world_size())
+    _, heads = attention_shape(args.model, tiny=args.tiny, layers=args.layers)
+    if heads % args.sizes[1]:
+        refuse("e2e", f"--mesh ulysses={args.sizes[1]} does not divide the {heads} heads of {args.model}"
+                      f"{' --tiny' if args.tiny else ''}")
+
+
 def require_diffusers() -> None:
     """Refuse (one line naming the extra to install) a run without Diffusers, before any process
     group starts: every row builds a Diffusers transformer."""
@@ -360,7 +439,7 @@ def require_diffusers() -> None:
         refuse("e2e", f"needs Diffusers ({e}): pip install -e \".[diffusers]\"")
 
 
-def diffusers_refusal(name: str, kind: str, device) -> str | None:
+def diffusers_refusal(name: str, kind: str, device, sizes: tuple[int, int, int] | None = None) -> str | None:
     """Why Diffusers' own context parallelism (the ``diffusers-*`` rows) cannot run the model
     ``kind`` on ``device``, decided before trying (None: it can): a model without a
     context-parallel plan, or no accelerator to put each rank on."""
@@ -374,6 +453,8 @@ def diffusers_refusal(name: str, kind: str, device) -> str | None:
         return f"Diffusers {diffusers.__version__} has no context-parallel plan for {CLASSES[kind]}"
     if device.type == "cpu":
         return "Diffusers' context parallelism needs an accelerator (it puts each rank on one); this run is on the CPU"
+    if name == UNIFIED and sizes is not None and sizes[1] * sizes[2] == 1:
+        return "each CFG half of --mesh is one rank: Diffusers' context parallelism has no sequence to split"
     return None
 
 
@@ -418,7 +499,13 @@ def _start(args, want_cuda: bool, overrides: dict) -> _Run:
     transport = args.transport or ("host" if args.fabric == "host" and device.type == "cuda" else "auto")
     # the one-GPU rows' group: rank 0 alone (every rank takes part in making it)
     one = dist.new_group([0]) if any(n in ONE_GPU_ROWS for n in args.strategy) else None
-    return _Run(rank, world, device, dtype, transport, one, overrides, wide_console() if rank == 0 else None)
+    mesh = None
+    if args.sizes is not None:  # the sparsp rows' mesh, made by every rank after the checks
+        from ..mesh import make_mesh
+
+        mesh = make_mesh(cfg=args.sizes[0], ulysses=args.sizes[1], sp=args.sizes[2])
+    return _Run(rank, world, device, dtype, transport, one, overrides, wide_console() if rank == 0 else None,
+                sizes=args.sizes, mesh=mesh)
 
 
 def _strategy_row(name, args, run: _Run, calibration, other, schedule=None) -> dict:
@@ -431,8 +518,9 @@ def _strategy_row(name, args, run: _Run, calibration, other, schedule=None) -> d
             "strategy": name, "weights": args.weights, "steps": args.steps, "device": run.device.type,
             "cuda_graphs": run.overrides.get("cuda_graphs", True), "config": run.overrides or None,
             "schedule": None if schedule is None else {"dense_steps": schedule[0], "replan_every": schedule[1]},
-            "thresholds": None if schedule is None or args.thresholds is None else str(args.thresholds)}
-    row, error = None, diffusers_refusal(name, PRESETS[args.model].kind, run.device)
+            "thresholds": None if schedule is None or args.thresholds is None else str(args.thresholds),
+            "mesh": None}
+    row, error = None, diffusers_refusal(name, PRESETS[args.model].kind, run.device, run.sizes)
     if error is None:
         try:
             row = {**base, **_run_strategy(name, args, run, calibration, other, schedule)}
@@ -456,8 +544,9 @@ def _write(rows: list[dict], args, run: _Run, calibration) -> None:
         extra = {"workload": "density-profile", "profile": str(args.density_profile), "source": calibration.source,
                  "step": args.step, "calibration_within": round(_share_within(calibration), 4)}
     path = write_result("e2e", _result_name(args), rows, args.out, extra=extra)
+    mesh = "" if run.sizes is None else f", sparsp rows on mesh {mesh_label(run.sizes)}"
     run.console.print(result_table(rows, f"e2e {args.model}, {run.world} ranks, {args.fabric}, "
-                                         f"weights={args.weights}"))
+                                         f"weights={args.weights}{mesh}"))
     outputs = [path] if args.no_plot else [path, plot(path)]
     run.console.print("wrote " + ", ".join(map(str, outputs)))
 

@@ -144,8 +144,9 @@ def rope_for(model):
     return rope
 
 
-def step_fn(model, inputs: dict, steps_sigmas, latent_key: str = "hidden_states"):
-    """One flow-matching Euler step per call: x ← x + (σ_next − σ)·v(x, σ)."""
+def step_fn(model, inputs: dict, steps_sigmas, latent_key: str = "hidden_states", exchange=None):
+    """One flow-matching Euler step per call: x ← x + (σ_next − σ)·v(x, σ). ``exchange(v)``:
+    what the step does with its prediction first (a CFG half's exchange with the other)."""
     from ..integrations.models import sample_of
 
     state = {"x": inputs[latent_key].clone(), "i": 0}
@@ -156,6 +157,8 @@ def step_fn(model, inputs: dict, steps_sigmas, latent_key: str = "hidden_states"
         t = torch.full_like(inputs["timestep"], sigma * 1000.0)
         with torch.no_grad():
             v = sample_of(model(**{**inputs, latent_key: state["x"], "timestep": t}, return_dict=False))
+        if exchange is not None:
+            v = exchange(v)
         state["x"] = state["x"] + (nxt - sigma) * v.to(state["x"].dtype)
         state["i"] += 1
 

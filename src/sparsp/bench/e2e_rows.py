@@ -14,8 +14,9 @@ from pathlib import Path
 from .args import schedule_label
 from .common import save_figure
 
-DIFFUSERS = {"diffusers-ring": "ring_degree", "diffusers-ulysses": "ulysses_degree"}
-"""Diffusers' own context parallelism: row name -> its ``ContextParallelConfig`` field."""
+DIFFUSERS = {"diffusers-ring": "ring_degree", "diffusers-ulysses": "ulysses_degree", "diffusers-unified": None}
+"""Diffusers' own context parallelism: row name -> its ``ContextParallelConfig`` field of the
+world size (None: ``diffusers-unified``, ``ring_degree`` and ``ulysses_degree`` of ``--mesh``)."""
 
 
 def scheduled_warmup(schedule) -> int:
