@@ -33,7 +33,7 @@ BF16_TOL = 6e-2  # a bf16 model's output (O(1)) against its emulated run: the at
 BLOCK = 8
 KINDS = ("wan", "ltx-video", "ltx-2", "hunyuan-video")
 # the forwards of one step of each tiny pipeline, sequentially (branch, batch) — those with CFG on
-STEP = {"wan": [("cond", 1), ("uncond", 1)], "ltx-video": [("cond_uncond", 2)],
+STEP = {"wan": [("cond", 1), ("uncond", 1)], "wan2.2": [("cond", 1), ("uncond", 1)], "ltx-video": [("cond_uncond", 2)],
         "ltx-2": [("cond_uncond", 2), ("uncond_stg", 1), ("uncond_modality", 1)],
         "hunyuan-video": [("cond", 1), ("uncond", 1)]}
 
@@ -233,23 +233,60 @@ def _bare_batch(rank):
     return {"err": _err(got, want), "messages": messages, "nan": bool(first.isnan().any())}
 
 
+def _pipeline(kind):
+    """A tiny pipeline of ``kind``; ``wan2.2``: Wan's with a second expert (its own weights) for
+    the low-noise steps, as Wan 2.2 has (``boundary_ratio``: the first of 2 steps on the first
+    expert, the second on the other)."""
+    from _recipe import in_eval
+    from _tiny import WIDER, build_pipeline
+    from diffusers import WanPipeline
+
+    from sparsp.integrations.models import TINY, build_transformer
+
+    pipe = build_pipeline("wan" if kind == "wan2.2" else kind)
+    if kind == "wan2.2":
+        second = build_transformer("wan", config={**TINY["wan"], **WIDER["wan"]}, seed=1)
+        pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                           scheduler=pipe.scheduler, transformer=pipe.transformer, transformer_2=second,
+                           boundary_ratio=0.9)
+    pipe.set_progress_bar_config(disable=True)
+    return in_eval(pipe)
+
+
+def _spy(models) -> list:
+    """(model, step, branch, batch) of layer 0's attention of every forward the ``models``
+    compute (model: its index in ``models``)."""
+    from sparsp.integrations.diffusers import runtime_of
+
+    seen = []
+    for i, model in enumerate(models):
+        rt = runtime_of(model)
+        attention = rt._attention
+
+        def spy(q, k, v, lay, layer=None, rt=rt, attention=attention, i=i):
+            if layer == 0:
+                seen.append((i, rt.step, rt.branch, q.shape[0]))
+            return attention(q, k, v, lay, layer)
+
+        rt._attention = spy
+    return seen
+
+
 def _pipelines(rank, kinds, mesh_sizes, emulate):
     """Each tiny pipeline, 2 steps with CFG on, on a mesh (``mesh_sizes``: make_mesh's) against
     the same pipeline emulated in one process (``emulate`` ranks: the same masks): the error,
     the (step, branch, batch) of the forwards this rank computed (layer 0's attention), and
     whether unparallelize gave the class and processors back."""
     import sparsp
-    from _recipe import in_eval
-    from _tiny import SIZES, build_pipeline
-    from sparsp.integrations.diffusers import runtime_of
+    from _tiny import SIZES
     from test_diffusers_schedule import _hunyuan_prompts
 
     mesh, out = sparsp.make_mesh(**mesh_sizes), {}
     for kind in kinds:
-        pipe = in_eval(build_pipeline(kind))
-        pipe.set_progress_bar_config(disable=True)
-        cls, original = type(pipe), _processors(pipe.transformer)
-        height, width, frames = SIZES[kind]
+        pipe = _pipeline(kind)
+        models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+        cls, original = type(pipe), [_processors(m) for m in models]
+        height, width, frames = SIZES["wan" if kind == "wan2.2" else kind]
 
         def call(**kw):
             args = dict(height=height, width=width, num_frames=frames, output_type="latent", num_inference_steps=2,
@@ -264,15 +301,7 @@ def _pipelines(rank, kinds, mesh_sizes, emulate):
         sparsp.unparallelize(pipe)
         sparsp.parallelize(pipe, mesh=mesh, config=_config())
         wrapped = type(pipe) is not cls
-        seen, rt = [], runtime_of(pipe.transformer)
-        attention = rt._attention
-
-        def spy(q, k, v, lay, layer=None, rt=rt, attention=attention):
-            if layer == 0:
-                seen.append((rt.step, rt.branch, q.shape[0]))
-            return attention(q, k, v, lay, layer)
-
-        rt._attention = spy
+        seen = _spy(models)
         got = call()
         res = {"err": (got - want).abs().max().item(), "seen": list(seen)}
         if kind == "wan":  # one branch (guidance 1): whole on both halves, one warning for the run
@@ -283,7 +312,7 @@ def _pipelines(rank, kinds, mesh_sizes, emulate):
             sparsp.parallelize(pipe, config=_config(), emulate_ranks=emulate)
             res["one branch"] = ((one - call(guidance_scale=1.0)).abs().max().item(), lines.warnings)
         sparsp.unparallelize(pipe)
-        res["restored"] = wrapped and type(pipe) is cls and _processors(pipe.transformer) == original
+        res["restored"] = wrapped and type(pipe) is cls and [_processors(m) for m in models] == original
         out[kind] = res
     return out
 
@@ -293,7 +322,7 @@ def _worker(rank, world):
 
     results = {"models": _models(), "others": _ulysses_4_and_bf16(), "auto": _auto(rank),
                "refusals": _refusals(), "bare": _bare_batch(rank),
-               "pipelines": _pipelines(rank, KINDS, dict(cfg=2, ulysses=2), 1)}
+               "pipelines": _pipelines(rank, (*KINDS, "wan2.2"), dict(cfg=2, ulysses=2), 1)}
     close_transports()
     return results
 
@@ -368,7 +397,8 @@ def _check_pipelines(results, halves_of):
                 pairs = [b for b, n in STEP[kind] if n == 1]
                 mine += [(step, b, n // 2) for b, n in STEP[kind] if n == 2]
                 mine += [(step, b, 1) for b in pairs[half::2]]
-            assert sorted(got["seen"]) == sorted(mine), (rank, kind, got["seen"])
+            assert sorted(x[1:] for x in got["seen"]) == sorted(mine), (rank, kind, got["seen"])
+            assert {x[0] for x in got["seen"]} == ({0, 1} if kind == "wan2.2" else {0}), got["seen"]  # both experts
         if "wan" in res["pipelines"]:
             err, warnings = res["pipelines"]["wan"]["one branch"]
             assert err <= TOL and len(warnings) == 1 and "the 'cond' forward has one branch" in warnings[0], warnings
@@ -377,6 +407,31 @@ def _check_pipelines(results, halves_of):
 def test_cfg_parallel_pipelines_equal_the_sequential_pipeline(ranks):
     """cfg 2 × ulysses 2 on 4 ranks: ranks 0-1 are half 0, ranks 2-3 half 1."""
     _check_pipelines(ranks, lambda rank: rank // 2)
+
+
+def test_the_pipelines_rules_read_their_calls():
+    """``plans.PIPELINES`` on each pipeline's own defaults, and on the arguments that change its
+    step: which forwards pair (and how), and the branches a step makes (``mesh="auto"``)."""
+    import inspect
+
+    import diffusers
+
+    from sparsp.integrations.plans import PIPELINES
+
+    def rule(name, **given):
+        args = {n: p.default for n, p in inspect.signature(getattr(diffusers, name).__call__).parameters.items()}
+        args.update(given)
+        r = PIPELINES[name]
+        return [(p.first, p.second, p.ahead is not None) for p in r.pairs(args)], r.branches(args)
+
+    assert rule("WanPipeline") == ([("cond", "uncond", False)], 2)
+    assert rule("WanPipeline", guidance_scale=1.0) == ([], 1)
+    assert rule("LTXPipeline") == ([], 2) and rule("LTXPipeline", guidance_scale=1.0) == ([], 1)
+    assert rule("LTX2Pipeline") == ([("uncond_stg", "uncond_modality", True)], 4)
+    assert rule("LTX2Pipeline", stg_scale=0.0, audio_stg_scale=0.0) == ([], 3)
+    assert rule("HunyuanVideoPipeline") == ([], 1)
+    assert rule("HunyuanVideoPipeline", true_cfg_scale=2.0, negative_prompt="blur") == ([("cond", "uncond", False)], 2)
+    assert PIPELINES["WanPipeline"].transformers == ("transformer", "transformer_2")
 
 
 def _halves_worker(rank, world, kinds):

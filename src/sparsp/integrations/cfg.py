@@ -117,11 +117,10 @@ class Halves:
         """Decide this forward (module docstring) and cut ``bound``'s arguments to this half
         (a split batch, an ahead pair's second arguments); every check here is made before any
         communication."""
-        arguments = self._arguments(bound)
         name = None if context is None else context.name
         pending = self.pending
         if pending is not None:
-            pair = pending.pair
+            pair, arguments = pending.pair, self._arguments(bound)
             if name != pair.second:
                 self.pending = None
                 raise RuntimeError(f"sparsp: {self._who()}: its {pair.first!r} forward waits for its {pair.second!r} "
@@ -135,6 +134,7 @@ class Halves:
                 self.call = _Call("second", compute=self.ranks.half == 1, pair=pair, arguments=arguments)
             return self.call
         pair = self.run.pairs.get(name) if self.run is not None else None
+        arguments = {} if pair is None else self._arguments(bound)  # a pair's placeholders and checks read them
         if pair is not None and pair.ahead is not None:
             self.call = _Call("ahead", pair=pair, arguments=arguments)
             if self.ranks.half == 1:  # the second forward of the pair, from the first's arguments
