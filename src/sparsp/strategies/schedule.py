@@ -28,6 +28,7 @@ kernel needs them. ``close_transports()`` and ``unparallelize`` free them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -203,22 +204,27 @@ class KeptPlan:
 
 
 class FiniteChecks:
-    """``check_finite`` on reuse calls, which read nothing on the host: each queues its NaN/Inf
-    counts of q, k, v into pinned memory, and a later point that reads the host anyway (the
-    next call's start, a plan call's host read, ``close_transports``) raises ``ValueError`` on
-    the rank that found them; on the CPU at once. Its peers, waiting for that rank's payloads
-    in a later call, end with their transport's timeout message."""
+    """``check_finite`` on reuse calls, which read nothing on the host: each queues the float32
+    sums of q, k and v (one pass over each; a NaN or Inf reaches its tensor's sum, as in the
+    plan call's summaries) into pinned memory, and a later point that reads the host anyway
+    (the next call's start, a plan call's host read, ``close_transports``) raises
+    ``ValueError`` on the rank whose sums are not finite. On the CPU it raises at once, with
+    exact counts, and a sum that overflowed finite values (near the float32 limit, ~3e38)
+    passes. Its peers, waiting for that rank's payloads in a later call, end with their
+    transport's timeout message."""
 
     def __init__(self) -> None:
-        self._pending: list = []  # (rank, host counts, event)
+        self._pending: list = []  # (rank, host sums, event)
 
     def queue(self, q, k, v, rank: int) -> None:
-        counts = torch.stack([(~torch.isfinite(t)).sum() for t in (q, k, v)])
-        if counts.device.type != "cuda":
-            _raise_nonfinite(rank, counts.tolist())
+        sums = torch.stack([t.sum(dtype=torch.float32) for t in (q, k, v)])
+        if sums.device.type != "cuda":
+            if not bool(torch.isfinite(sums).all()):
+                counts = [int((~torch.isfinite(t)).sum()) for t in (q, k, v)]
+                _raise_nonfinite(rank, [f"{n} NaN/Inf value{'s' if n > 1 else ''}" if n else None for n in counts])
             return
-        host = torch.empty(3, dtype=counts.dtype, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
+        host = torch.empty(3, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._pending.append((rank, host, event))
@@ -227,26 +233,26 @@ class FiniteChecks:
         self._pending = []
 
     def settle(self, wait: bool = False) -> None:
-        """Raise for the first queued check that found NaN/Inf and is complete (all of them,
-        waiting, with ``wait``); the others stay queued."""
+        """Raise for the first queued check whose sums are not finite and is complete (all of
+        them, waiting, with ``wait``); the others stay queued."""
         still = []
         for rank, host, event in self._pending:
             if wait or event.query():
                 event.synchronize()
-                if any(host.tolist()):
+                bad = [None if math.isfinite(s) else "NaN/Inf values" for s in host.tolist()]
+                if any(bad):
                     self._pending = []
-                    _raise_nonfinite(rank, host.tolist())
+                    _raise_nonfinite(rank, bad)
             else:
                 still.append((rank, host, event))
         self._pending = still
 
 
-def _raise_nonfinite(rank: int, counts: list) -> None:
-    found = [f"{name} has {int(n)} NaN/Inf value{'s' if n > 1 else ''}" for name, n in zip("qkv", counts) if n]
-    if found:
-        raise ValueError(f"non-finite inputs on rank {rank} in a call that reuses a kept plan ("
-                         + "; ".join(found) + "); sp_attention needs finite q, k, v "
-                         "(SparspConfig(check_finite=False) skips this check)")
+def _raise_nonfinite(rank: int, found: list) -> None:
+    """``found``: per q, k, v, what it holds (None: nothing non-finite)."""
+    raise ValueError(f"non-finite inputs on rank {rank} in a call that reuses a kept plan ("
+                     + "; ".join(f"{name} has {what}" for name, what in zip("qkv", found) if what)
+                     + "); sp_attention needs finite q, k, v (SparspConfig(check_finite=False) skips this check)")
 
 
 finite_checks = FiniteChecks()
